@@ -1,0 +1,144 @@
+"""LLMDataModule: the embedded synthetic corpus, plain text files, or memory-mapped token files."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader
+
+from lightning_llm.data.datasets import TokenWindows, read_text_files, read_token_file
+from lightning_llm.data.sampler import ResumableDistributedSampler
+from lightning_llm.data.synthetic import entropy_floor, markov_corpus
+from lightning_llm.data.tokenizer import ByteTokenizer
+
+
+class LLMDataModule(L.LightningDataModule):
+    """Fixed-length token windows for next-token prediction, sharded over data-parallel ranks.
+
+    Sources:
+
+    * ``"synthetic"`` (default): a seeded Markov chain shipped as code, no download; its loss
+      floor is ``log(branching)`` nats (see :mod:`lightning_llm.data.synthetic`).
+    * ``"text"``: UTF-8 text files, byte-level tokenized (vocabulary 256).
+    * ``"tokens"``: flat binary files of ``uint16``/``uint32`` token ids, memory-mapped.
+
+    The last ``val_fraction`` of a file source is the validation split. Data-parallel rank and
+    size come from the Trainer's strategy (``distributed_sampler_kwargs``), so tensor- and
+    pipeline-parallel ranks of one replica read the same batches. Shuffling is seeded by
+    ``seed`` and the epoch; the position within an epoch is saved in checkpoints, so a resumed
+    run continues with the next batch.
+
+    Arguments:
+        source: ``"synthetic"``, ``"text"`` or ``"tokens"``.
+        path: file or list of files for ``"text"``/``"tokens"``.
+        seq_len: tokens per sample (each sample holds ``seq_len + 1`` tokens: inputs and shifted targets).
+        batch_size: samples per batch on each data-parallel rank.
+        token_dtype: ``"uint16"`` or ``"uint32"`` for ``"tokens"`` files.
+        val_fraction: share of a file source held out for validation.
+        num_tokens: size of the synthetic training corpus.
+        vocab_size: vocabulary of the synthetic corpus.
+        markov_order: context length of the synthetic chain.
+        branching: successors per context of the synthetic chain.
+        seed: corpus and shuffling seed.
+        shuffle: shuffle training samples each epoch.
+        num_workers: DataLoader worker processes.
+
+    Example::
+
+        data = LLMDataModule(source="tokens", path="train.bin", token_dtype="uint32", seq_len=2048)
+    """
+
+    def __init__(
+        self,
+        source: Literal["synthetic", "text", "tokens"] = "synthetic",
+        path: str | list[str] | None = None,
+        seq_len: int = 128,
+        batch_size: int = 8,
+        token_dtype: Literal["uint16", "uint32"] = "uint16",
+        val_fraction: float = 0.05,
+        num_tokens: int = 1_000_000,
+        vocab_size: int = 256,
+        markov_order: int = 1,
+        branching: int = 4,
+        seed: int = 42,
+        shuffle: bool = True,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if source in ("text", "tokens") and not path:
+            raise ValueError(f"source={source!r} needs `path` (a file or a list of files).")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction} must lie strictly between 0 and 1.")
+        self.save_hyperparameters()
+        self.train_set: TokenWindows | None = None
+        self.val_set: TokenWindows | None = None
+        self._resume: tuple[int, int] | None = None
+        self._train_sampler: ResumableDistributedSampler | None = None
+
+    @property
+    def entropy_floor(self) -> float | None:
+        """Lowest achievable loss (nats/token) of the synthetic corpus; ``None`` for file sources."""
+        return entropy_floor(self.hparams.branching) if self.hparams.source == "synthetic" else None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val = self._load_tokens()
+        self.train_set = TokenWindows(train, self.hparams.seq_len)
+        self.val_set = TokenWindows(val, self.hparams.seq_len)
+
+    def _load_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        hp = self.hparams
+        if hp.source == "synthetic":
+            chain = dict(vocab_size=hp.vocab_size, order=hp.markov_order, branching=hp.branching, seed=hp.seed)
+            num_val = max(int(hp.num_tokens * hp.val_fraction), hp.seq_len + 1)
+            return markov_corpus(hp.num_tokens, stream=0, **chain), markov_corpus(num_val, stream=1, **chain)
+        paths = [hp.path] if isinstance(hp.path, str) else list(hp.path)
+        if hp.source == "text":
+            tokens = read_text_files(paths, ByteTokenizer().encode)
+        else:
+            arrays = [read_token_file(p, hp.token_dtype) for p in paths]
+            tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        split = int(len(tokens) * (1 - hp.val_fraction))
+        return tokens[:split], tokens[split:]
+
+    def _sampler(self, dataset, shuffle: bool) -> ResumableDistributedSampler:
+        kwargs = {"num_replicas": 1, "rank": 0}
+        if self.trainer is not None:
+            kwargs.update(self.trainer.distributed_sampler_kwargs or {})
+        return ResumableDistributedSampler(
+            dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"], shuffle=shuffle, seed=self.hparams.seed
+        )
+
+    def _loader(self, dataset, sampler) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=self.hparams.batch_size, sampler=sampler, num_workers=self.hparams.num_workers,
+            drop_last=True,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self._train_sampler = self._sampler(self.train_set, self.hparams.shuffle)
+        if self._resume is not None:
+            self._train_sampler.resume(*self._resume)
+            self._resume = None
+        return self._loader(self.train_set, self._train_sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False))
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def state_dict(self) -> dict:
+        """Where training stands: the epoch and the samples this rank consumed in it."""
+        if self.trainer is None or self._train_sampler is None:
+            return {}
+        # The sampler's epoch, not trainer.current_epoch: the latter moves on when fit() stops mid-epoch.
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return {"epoch": self._train_sampler.epoch, "samples": batches * self.hparams.batch_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict:
+            self._resume = (state_dict["epoch"], state_dict["samples"])

@@ -1,0 +1,39 @@
+"""A distributed sampler that shuffles by (seed, epoch) and can resume mid-epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch.utils.data import DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` without padding, plus a resume position.
+
+    Each epoch's order is a permutation seeded by ``seed + epoch``; rank ``r`` of ``n``
+    takes every n-th index starting at ``r``. The tail that does not divide evenly is dropped
+    (rather than padded with duplicates), so no sample is seen twice in an epoch.
+    ``resume(epoch, samples)`` skips the first ``samples`` indices of this rank in that
+    epoch: a resumed run continues with the next batch.
+
+    Being a ``DistributedSampler``, Lightning leaves it in place instead of injecting its own.
+    """
+
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self._resume: tuple[int, int] | None = None
+
+    def resume(self, epoch: int, samples: int) -> None:
+        """Skip the first ``samples`` of this rank's share when iterating ``epoch``."""
+        self._resume = (epoch, samples)
+
+    def _skip(self) -> int:
+        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self._skip())
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())[self._skip() :]
+        self._resume = None
+        return iter(indices)

@@ -1,0 +1,208 @@
+"""A Llama-style decoder-only transformer in plain PyTorch.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+``scaled_dot_product_attention`` and a SwiGLU MLP, with optional tied embeddings.
+It knows nothing about parallelism: the strategies shard it from the outside.
+Two choices keep it friendly to that:
+
+* attention reshapes with ``-1`` heads, so after tensor parallelism splits the
+  q/k/v projections column-wise each rank simply sees its local heads;
+* rotary tables are computed in ``forward`` (a few kFLOPs) instead of being stored
+  as buffers, so a model built on the meta device needs no buffer re-initialisation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a :class:`Llama` model.
+
+    Example::
+
+        config = LlamaConfig.from_name("tiny", n_layers=4)
+        model = Llama(config)
+    """
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden_dim: int | None = None
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden_dim is None:
+            # Llama's recipe: 2/3 of 4*dim (SwiGLU has three matrices), rounded up to a multiple of 64.
+            hidden = int(2 * 4 * self.dim / 3)
+            self.ffn_hidden_dim = 64 * math.ceil(hidden / 64)
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> LlamaConfig:
+        """A preset by name (see :data:`PRESETS`), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Trains on a laptop CPU in about a minute.
+    "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    "small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512),
+    # ~50M parameters with a 32k vocabulary.
+    "50M": LlamaConfig(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024),
+    "125M": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
+    # Llama-3.2-1B shapes.
+    "1B": LlamaConfig(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
+        max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True,
+    ),
+    # Llama-2-7B shapes.
+    "7B": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden_dim=11008, max_seq_len=4096),
+    # Llama-3-70B shapes.
+    "70B": LlamaConfig(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
+}
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shaped (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by pairs of interleaved channels, in fp32."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = x_pairs.unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.n_rep = config.n_heads // config.n_kv_heads
+        self.q_proj = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+    Example::
+
+        model = Llama(LlamaConfig.from_name("tiny"))
+        logits = model(torch.randint(0, 256, (2, 16)))
+        with torch.device("meta"):  # a 7B definition, nothing allocated
+            big = Llama(LlamaConfig.from_name("7B"))
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, std), residual output projections scaled by 1/sqrt(2 * n_layers).
+
+        The scaling keeps the residual stream's variance independent of depth.
+        """
+        std = self.config.init_std
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                nn.init.ones_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, std=std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(param, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, h.device)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count; with ``exclude_embeddings`` the input embedding table is left out (as in 6N FLOPs)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.config.tie_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total

@@ -1,0 +1,120 @@
+"""The reference model as an ordinary LightningModule.
+
+Nothing here knows about lightning_llm's strategies: it is the kind of module a user
+already has, and the strategies must train it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from lightning_llm.models.llama import Llama, LlamaConfig
+
+
+class CausalLM(L.LightningModule):
+    """Next-token prediction with a :class:`Llama` model and the usual LLM optimizer recipe.
+
+    Batches are integer tensors of shape (batch, seq_len + 1): inputs are all but the
+    last token, targets all but the first. Logs ``train_loss``/``train_ppl`` every step
+    and ``val_loss``/``val_ppl`` per validation run.
+
+    Arguments:
+        config: a preset name from :data:`~lightning_llm.models.llama.PRESETS` or a full :class:`LlamaConfig`.
+        learning_rate: peak learning rate of AdamW.
+        weight_decay: decoupled weight decay for matrices; norms and biases get none.
+        betas: AdamW betas (0.9, 0.95) as in GPT-3 and Llama.
+        warmup_steps: linear warmup from 0 to ``learning_rate``.
+        max_steps: steps of the cosine decay to ``min_lr_ratio * learning_rate``; ``None`` takes the
+            Trainer's estimate of the run length.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+
+    Example::
+
+        model = CausalLM("tiny", learning_rate=1e-3)
+        trainer = L.Trainer(max_steps=100)
+        trainer.fit(model, LLMDataModule())
+    """
+
+    def __init__(
+        self,
+        config: str | LlamaConfig = "tiny",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+
+    def configure_model(self) -> None:
+        # Built here rather than in __init__ so Trainer.init_module / a strategy's init context decides
+        # the device and dtype (a 7B model is never materialised on the host first).
+        if self.model is None:
+            self.model = Llama(self.config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_ppl", loss.detach().exp())
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch), weight=batch.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", loss.exp())
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch), weight=batch.shape[0])
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test_loss", loss)
+        self.log("test_ppl", loss.exp())
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate,
+            betas=tuple(self.hparams.betas),
+        )
+        total = self.hparams.max_steps or self.trainer.estimated_stepping_batches
+        schedule = warmup_cosine(self.hparams.warmup_steps, int(total), self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier

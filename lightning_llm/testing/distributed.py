@@ -1,0 +1,109 @@
+"""Run a function on N gloo ranks from pytest (or any script), with a timeout.
+
+Lightning's default launcher re-executes ``sys.argv``, which inside pytest would re-run
+the test session. Here each rank is a fresh ``spawn``-ed process that gets the
+``torch.distributed`` environment variables (``MASTER_ADDR``/``PORT``, ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``) before it starts. Lightning's ``LightningEnvironment`` sees
+``LOCAL_RANK`` and treats the processes as externally launched, so a plain
+``Trainer(devices=N, accelerator="cpu")`` inside ``fn`` joins the group instead of
+launching. Outside Lightning, ``fn`` may call ``init_process_group("gloo")`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, args, kwargs) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    # One intra-op thread per rank: N ranks on a 2-core machine must not oversubscribe it.
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(*args, **kwargs)))
+    except BaseException:  # noqa: BLE001 - every failure, including SystemExit, goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class DistributedTestError(RuntimeError):
+    """A rank failed or the group did not finish in time."""
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return the results ordered by rank.
+
+    ``fn`` and its arguments must be picklable (a module-level function). If any rank raises,
+    the others are stopped and :class:`DistributedTestError` carries the first failing rank's
+    traceback. If the group has not finished after ``timeout`` seconds (a hung collective),
+    every rank is killed and the error says which ranks never reported.
+
+    Example::
+
+        def all_reduce_sum():
+            torch.distributed.init_process_group("gloo")
+            t = torch.tensor([torch.distributed.get_rank() + 1.0])
+            torch.distributed.all_reduce(t)
+            return t.item()
+
+        assert run_distributed(all_reduce_sum, 2) == [3.0, 3.0]
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args, kwargs), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+
+
+def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    outputs: dict[int, Any] = {}
+    while len(outputs) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise DistributedTestError(f"Timed out after {timeout:.0f}s; ranks {missing} never finished.")
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+            dead = [r for r in dead if r not in outputs]
+            if dead:
+                codes = {r: procs[r].exitcode for r in dead}
+                raise DistributedTestError(f"Ranks {dead} died without reporting (exit codes {codes}).") from None
+            continue
+        if status == "error":
+            raise DistributedTestError(f"Rank {rank} of {world_size} failed:\n{value}")
+        outputs[rank] = value
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_llm.cli import LLMCLI, main
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert any(p.name == "tiny.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_and_instantiates(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = LLMCLI(args=["--config", str(config), "--trainer.logger", "false"], run=False)
+    assert cli.trainer is not None
+    assert isinstance(cli.model, __import__("lightning").LightningModule)
+    assert isinstance(cli.datamodule, __import__("lightning").LightningDataModule)
+
+
+def test_defaults_are_the_reference_model_and_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = LLMCLI(args=["--trainer.logger", "false"], run=False)
+    assert isinstance(cli.model, CausalLM) and isinstance(cli.datamodule, LLMDataModule)
+
+
+def test_wrong_key_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        LLMCLI(args=["--config", str(CONFIGS[0]), "--model.init_args.learnin_rate", "1"], run=False)
+    assert "learnin_rate" in capsys.readouterr().err
+
+
+def test_wrong_type_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(Path(CONFIGS[0]).read_text())
+    config["data"]["init_args"]["batch_size"] = "eight"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit):
+        LLMCLI(args=["--config", str(bad)], run=False)
+    err = capsys.readouterr().err
+    assert "batch_size" in err and "eight" in err
+
+
+def test_fit_through_console_entry_point_logs_to_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    main(["fit", "--config", str(CONFIGS[0]), "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
+          "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"])
+    runs = list((tmp_path / "runs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "the run must be written offline when no W&B key or mode is set"
+    assert list(runs[0].glob("*.wandb"))
