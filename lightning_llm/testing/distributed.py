@@ -12,6 +12,7 @@ launching. Outside Lightning, ``fn`` may call ``init_process_group("gloo")`` its
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -38,7 +39,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, arg
     # One intra-op thread per rank: N ranks on a 2-core machine must not oversubscribe it.
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", fn(*args, **kwargs)))
+        # Pickled by value here: torch's queue pickler would share tensor storage through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
     except BaseException:  # noqa: BLE001 - every failure, including SystemExit, goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -105,5 +108,5 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
             continue
         if status == "error":
             raise DistributedTestError(f"Rank {rank} of {world_size} failed:\n{value}")
-        outputs[rank] = value
+        outputs[rank] = pickle.loads(value)
     return [outputs[r] for r in range(world_size)]

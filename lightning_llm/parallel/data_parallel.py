@@ -1,0 +1,99 @@
+"""Data parallelism as ZeRO stages, on FSDP2 (``fully_shard``) and its replicate-only sibling.
+
+=====  ================================================  ===============================================
+stage  torch mechanism                                   communication per step
+=====  ================================================  ===============================================
+0      ``replicate`` (DDP semantics on FSDP2's engine):   all-reduce of gradients (2Ψ)
+       parameters, gradients and optimizer state whole
+1      runs as stage 2 (see below)                       as stage 2
+2      ``fully_shard(reshard_after_forward=False)``:      all-gather of parameters before forward,
+       gradients and optimizer state sharded; the         reduce-scatter of gradients after backward (2Ψ)
+       gathered parameters stay resident from forward
+       through backward, then are freed
+3      ``fully_shard(reshard_after_forward=True)``:       all-gather before forward and again before
+       parameters also sharded outside their block's      backward, reduce-scatter of gradients (3Ψ)
+       forward/backward
+=====  ================================================  ===============================================
+
+Stage 1 of the ZeRO paper (only optimizer state sharded, gradients all-reduced whole) has no
+FSDP2 mode: FSDP2 always reduce-scatters gradients. Its communication volume equals stage 2's,
+and stage 2 holds less memory, so ``zero_stage=1`` runs as stage 2 (LLMDeepSpeedStrategy offers
+DeepSpeed's own stage 1). With ``dp_replicate > 1`` stages 2 and 3 become HSDP: sharded within
+a ``dp_shard`` group, replicated (gradients all-reduced) across ``dp_replicate`` groups.
+
+Each transformer block is its own FSDP2 unit (one all-gather/reduce-scatter per block, overlapped
+with compute), then the root takes the remaining parameters (embeddings, final norm, head).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a Lightning precision string.
+
+    ``"bf16-mixed"`` keeps fp32 parameters and optimizer state, computes in bf16 and reduces
+    gradients in fp32; ``"bf16-true"`` and ``"32-true"`` compute in the parameters' own dtype.
+    """
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_data_parallel(
+    roots: list[nn.Module],
+    blocks: nn.ModuleList,
+    *,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Make the model data parallel over ``dp_mesh`` as ZeRO ``zero_stage`` (in place).
+
+    Every block becomes one unit, then each module of ``roots`` takes the parameters left
+    (embeddings, final norm, head). ``dp_mesh`` is 1-D for pure sharding/replication or 2-D
+    ``(dp_replicate, dp_shard)`` for HSDP.
+    """
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} is not one of {ZERO_STAGES}.")
+    kwargs = dict(
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    if zero_stage == 0:
+        # FSDP2's replicate() is DDP built on the fully_shard machinery: it composes with tensor-parallel
+        # DTensor parameters and per-block units as fully_shard does, which the DistributedDataParallel
+        # wrapper does not. It lives in a private module, imported here only.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for module in [*blocks, *roots]:
+            replicate(module, mesh=dp_mesh, **kwargs)
+    else:
+        for block in blocks:
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)
+        for root in roots:
+            fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
+    log.info(
+        "Applied ZeRO stage %d (%s) over %d data-parallel ranks to %d blocks",
+        zero_stage, "replicate" if zero_stage == 0 else "fully_shard", dp_mesh.size(), len(blocks),
+    )
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off for every FSDP2/replicate unit (off on accumulation steps)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)

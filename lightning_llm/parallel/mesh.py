@@ -1,0 +1,70 @@
+"""Parallel degrees in one place, validated once, and the named device mesh built from them.
+
+Mesh axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas),
+``dp_shard`` (ZeRO/FSDP shards) and ``tp`` (tensor parallel, innermost so its frequent
+collectives stay within a node). Everything else asks a :class:`ParallelDims` for sizes
+and sub-meshes instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each kind of parallelism for ``world_size`` ranks.
+
+    ``dp_shard=-1`` takes whatever the other degrees leave: ``world_size / (pp * dp_replicate * tp)``.
+
+    Example::
+
+        dims = ParallelDims(world_size=8, tp=2, pp=2)   # dp_shard = 2
+        mesh = dims.build_mesh("cpu")
+        mesh["tp"].size()  # 2
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp_replicate"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+        others = self.tp * self.pp * self.dp_replicate
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by tp ({self.tp}) * pp ({self.pp}) * "
+                    f"dp_replicate ({self.dp_replicate}) = {others}; change the degrees or the number of devices."
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1 or others * self.dp_shard != self.world_size:
+            raise ValueError(
+                f"pp ({self.pp}) * dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * tp ({self.tp}) = "
+                f"{others * self.dp_shard}, but the world size is {self.world_size}; the product must equal it."
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of model replicas that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 4-D named mesh (pp, dp_replicate, dp_shard, tp) plus the flattened ``dp`` axis."""
+        shape = tuple(getattr(self, axis) for axis in AXES)
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        return self.mesh
+
+    def dp_rank(self) -> int:
+        """This rank's index among data-parallel replicas (tp and pp peers share it)."""
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0

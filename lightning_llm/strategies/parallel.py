@@ -1,0 +1,205 @@
+"""LLMParallelStrategy: ZeRO 0-3 data parallelism and tensor/sequence parallelism for any LightningModule LLM."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
+from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.parallelize import ParallelizeReport, parallelize
+
+log = logging.getLogger(__name__)
+
+
+class LLMParallelStrategy(ModelParallelStrategy):
+    """Train an ordinary LightningModule LLM with ZeRO data parallelism and tensor (+ sequence) parallelism.
+
+    Unlike Lightning's ``ModelParallelStrategy`` the user writes no ``configure_model``
+    parallelization: the strategy finds the transformer blocks, derives a tensor-parallel plan
+    and applies, in order, TP/SP, activation checkpointing, per-block ``torch.compile`` and
+    FSDP2 (see :mod:`lightning_llm.parallel.data_parallel` for what each ZeRO stage maps to).
+    Checkpoints are sharded with ``torch.distributed.checkpoint`` and load into any layout.
+
+    Arguments:
+        tensor_parallel_size: ranks that split each layer's matrices (innermost mesh axis).
+        data_parallel_size: model replicas reading different data; ``"auto"`` = world size / tp.
+        data_parallel_replicate_size: with ZeRO 2/3, groups that replicate rather than shard (HSDP);
+            sharding then spans ``data_parallel_size / data_parallel_replicate_size`` ranks.
+        zero_stage: 0 (replicated), 1 and 2 (optimizer state and gradients sharded), 3 (everything sharded).
+        sequence_parallel: shard activations between blocks along the sequence (needs tp > 1).
+        tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
+            LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
+            "sequence_parallel", "replicate". Overrides the automatic plan.
+        blocks: dotted name of the ``nn.ModuleList`` of transformer blocks, if discovery picks the wrong one.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
+        compile_blocks: ``torch.compile`` each block.
+        save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
+        process_group_backend: "nccl", "gloo", ...; the default follows the device.
+        timeout: collective timeout.
+
+    Example::
+
+        trainer = L.Trainer(
+            devices=8, strategy=LLMParallelStrategy(tensor_parallel_size=2, zero_stage=3, sequence_parallel=True)
+        )
+        trainer.fit(CausalLM("1B"), LLMDataModule(...))
+    """
+
+    strategy_name = "llm_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        data_parallel_replicate_size: int = 1,
+        zero_stage: int = 3,
+        sequence_parallel: bool = False,
+        tensor_parallel_plan: dict[str, str] | None = None,
+        blocks: str | None = None,
+        cpu_offload: bool = False,
+        compile_blocks: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        _validate_arguments(tensor_parallel_size, data_parallel_size, data_parallel_replicate_size, zero_stage, sequence_parallel)
+        self.zero_stage = zero_stage
+        self.sequence_parallel = sequence_parallel
+        self.tensor_parallel_plan = tensor_parallel_plan
+        self.blocks = blocks
+        self.cpu_offload = cpu_offload
+        self.compile_blocks = compile_blocks
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.activation_checkpointing = "none"
+        self.parallel_dims: ParallelDims | None = None
+        self.report: ParallelizeReport | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self.parallel_dims = self._parallel_dims()
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _parallel_dims(self) -> ParallelDims:
+        tp = self._tensor_parallel_size
+        dp = self._data_parallel_size
+        if dp == "auto":
+            dp = ParallelDims(world_size=self.world_size, tp=tp).dp_shard
+        elif dp * tp != self.world_size:
+            raise ValueError(
+                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) = {dp * tp}, but there are "
+                f"{self.world_size} processes; make the product equal the number of devices * nodes."
+            )
+        if self.zero_stage == 0:
+            return ParallelDims(world_size=self.world_size, tp=tp, dp_replicate=dp, dp_shard=1)
+        replicate = self.data_parallel_replicate_size
+        if dp % replicate:
+            raise ValueError(
+                f"data_parallel_replicate_size={replicate} does not divide the data-parallel size {dp}; "
+                "choose a divisor so that each replica shards over the same number of ranks."
+            )
+        return ParallelDims(world_size=self.world_size, tp=tp, dp_replicate=replicate, dp_shard=dp // replicate)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.parallel_dims.dp_rank()}
+
+    @override
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        on_meta = any(p.is_meta for p in module.parameters())
+        if not on_meta:
+            module.to(self.root_device)
+        self.report = parallelize(
+            module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
+            sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
+            blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
+        )
+        if on_meta:
+            _materialize_distributed_module(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(module)
+        if not self.cpu_offload:
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._log_layout()
+
+    def _log_layout(self) -> None:
+        dims = self.parallel_dims
+        rank_zero_info(
+            f"LLMParallelStrategy: world={dims.world_size} dp={dims.dp} (replicate={dims.dp_replicate}, "
+            f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
+            f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self):
+        """Skip gradient reduction on accumulation steps; the last micro-batch reduces the sum."""
+        set_gradient_sync(self.model, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.model, True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, kwargs, description in _PRESETS:
+            strategy_registry.register(name, cls, description=description, **kwargs)
+
+
+_PRESETS = [
+    ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
+    ("llm_zero2", {"zero_stage": 2}, "LLMParallelStrategy: gradients and optimizer state sharded (ZeRO 2)"),
+    ("llm_zero3", {"zero_stage": 3}, "LLMParallelStrategy: fully sharded (ZeRO 3 / FSDP2)"),
+    ("llm_tp2", {"tensor_parallel_size": 2}, "LLMParallelStrategy: tp=2, ZeRO 3 over the rest"),
+    ("llm_tp2_sp", {"tensor_parallel_size": 2, "sequence_parallel": True}, "LLMParallelStrategy: tp=2 + sequence parallel"),
+    ("llm_tp4_sp", {"tensor_parallel_size": 4, "sequence_parallel": True}, "LLMParallelStrategy: tp=4 + sequence parallel"),
+    ("llm_tp8_sp", {"tensor_parallel_size": 8, "sequence_parallel": True}, "LLMParallelStrategy: tp=8 + sequence parallel"),
+]
+
+
+def _validate_arguments(tp, dp, replicate, zero_stage, sequence_parallel) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer.")
+    if dp != "auto" and (not isinstance(dp, int) or dp < 1):
+        raise ValueError(f"data_parallel_size={dp!r} must be a positive integer or 'auto'.")
+    if not isinstance(replicate, int) or replicate < 1:
+        raise ValueError(f"data_parallel_replicate_size={replicate!r} must be a positive integer.")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} is not supported; choose one of {ZERO_STAGES}.")
+    if zero_stage == 0 and replicate > 1:
+        raise ValueError(
+            "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."
+        )
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
