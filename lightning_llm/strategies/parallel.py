@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
+from lightning_llm.parallel.grad_norm import clip_grad_norm_
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, parallelize
 
@@ -144,6 +145,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning's precision plugins clip with torch.nn.utils.clip_grad_norm_, which cannot mix the
+        # plain and DTensor gradients of a tensor-parallel model; the plugin itself is chosen by the
+        # Trainer's `precision` flag, so its one clipping method is replaced here.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._log_layout()
@@ -155,6 +160,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
             f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
         )
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(params, clip_val)
 
     @override
     def model_to_device(self) -> None:

@@ -6,8 +6,12 @@
   names of its own (``query``/``key``/``value``/``proj``, ``fc_in``/``fc_out``) and which reshapes
   with a stored head count, as much user code does.
 
-All take (batch, seq_len + 1) token batches like :class:`~lightning_llm.models.CausalLM` and use
-plain AdamW, so parallel runs can be compared with single-process runs step by step.
+All take (batch, seq_len + 1) token batches like :class:`~lightning_llm.models.CausalLM` and train
+with SGD + momentum. Parity tests compare parameters after many steps: Adam divides each gradient
+by its own running magnitude, so an element whose true gradient is ~0 (a key bias, say) moves by a
+full learning rate in the direction of its rounding noise, and two correct runs that sum in a
+different order drift apart. SGD keeps the comparison sharp and also catches a gradient that is off
+by a constant factor, which Adam's normalisation would hide.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from torch import nn
 
 
 class _NextTokenModule(L.LightningModule):
-    """Shared training loop: next-token cross-entropy, AdamW at a fixed learning rate."""
+    """Shared training loop: next-token cross-entropy, SGD with momentum at a fixed learning rate."""
 
-    def __init__(self, learning_rate: float = 3e-3) -> None:
+    def __init__(self, learning_rate: float = 0.5) -> None:
         super().__init__()
         self.learning_rate = learning_rate
 
@@ -41,14 +45,14 @@ class _NextTokenModule(L.LightningModule):
         self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, weight_decay=0.1)
+        return torch.optim.SGD(self.parameters(), lr=self.learning_rate, momentum=0.9)
 
 
 class HFCausalLM(_NextTokenModule):
     """A Hugging Face ``LlamaForCausalLM`` (``arch="llama"``) or ``GPT2LMHeadModel`` (``arch="gpt2"``), tiny."""
 
     def __init__(self, arch: str = "llama", vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
-                 kv_heads: int = 2, learning_rate: float = 3e-3) -> None:
+                 kv_heads: int = 2, learning_rate: float = 0.5) -> None:
         super().__init__(learning_rate)
         import transformers
 
@@ -106,7 +110,7 @@ class UserLM(_NextTokenModule):
     """A user-style GPT: learned positions, LayerNorm, plain Linear attention with its own names."""
 
     def __init__(self, vocab_size: int = 256, width: int = 64, layers: int = 2, num_heads: int = 4,
-                 max_len: int = 256, learning_rate: float = 3e-3) -> None:
+                 max_len: int = 256, learning_rate: float = 0.5) -> None:
         super().__init__(learning_rate)
         self.embed = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(max_len, width)

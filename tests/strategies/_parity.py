@@ -1,0 +1,85 @@
+"""Shared pieces of the strategy parity tests: models, a loss recorder and one training run."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+from lightning_llm.testing.models import HFCausalLM, UserLM
+
+STEPS = 10
+GLOBAL_BATCH = 8
+
+
+def make_model(arch: str) -> L.LightningModule:
+    torch.manual_seed(0)
+    if arch == "reference":
+        return CausalLM("tiny", warmup_steps=2, max_steps=STEPS)
+    if arch == "hf_llama":
+        return HFCausalLM("llama")
+    if arch == "user":
+        return UserLM()
+    raise ValueError(arch)
+
+
+class GlobalLoss(L.Callback):
+    """Records each step's loss averaged over all ranks: the loss of the global batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        self.losses.append(loss.item())
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    if dist.is_initialized():
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = model.state_dict()
+    return {k: v.detach().clone().float() for k, v in state.items()}
+
+
+def data(per_rank_batch: int) -> LLMDataModule:
+    return LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=per_rank_batch, seed=3)
+
+
+def train(arch: str, strategy=None, devices: int = 1, dp: int = 1, clip: float | None = 0.5, accumulate: int = 1):
+    """Train ``STEPS`` optimizer steps; return (global losses, full final parameters)."""
+    model = make_model(arch)
+    recorder = GlobalLoss()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, data(GLOBAL_BATCH // dp // accumulate))
+    return recorder.losses, full_state(model)
+
+
+def train_layouts(arch: str, layouts: list[dict], world_size: int, **kwargs) -> list:
+    """Run each layout in turn on this rank (one process group serves them all)."""
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    results = []
+    for layout in layouts:
+        dp = world_size // layout.get("tensor_parallel_size", 1)
+        results.append(train(arch, LLMParallelStrategy(**layout), devices=world_size, dp=dp, **kwargs))
+    return results if dist.get_rank() == 0 else None
+
+
+def assert_parity(got, want, label: str) -> None:
+    (losses, params), (ref_losses, ref_params) = got, want
+    assert len(losses) == len(ref_losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=lambda m: f"{label} losses: {m}")
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
