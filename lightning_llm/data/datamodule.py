@@ -121,7 +121,14 @@ class LLMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self._train_sampler = self._sampler(self.train_set, self.hparams.shuffle)
         if self._resume is not None:
-            self._train_sampler.resume(*self._resume)
+            epoch, global_samples = self._resume
+            replicas = self._train_sampler.num_replicas
+            if global_samples % replicas:
+                raise ValueError(
+                    f"The checkpoint consumed {global_samples} samples, which {replicas} data-parallel ranks cannot "
+                    "split evenly; resume with a data-parallel size that divides it."
+                )
+            self._train_sampler.resume(epoch, global_samples // replicas)
             self._resume = None
         return self._loader(self.train_set, self._train_sampler)
 
@@ -132,13 +139,17 @@ class LLMDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     def state_dict(self) -> dict:
-        """Where training stands: the epoch and the samples this rank consumed in it."""
+        """Where training stands: the epoch and the samples all data-parallel ranks consumed in it.
+
+        Counting globally lets a run resume with a different number of data-parallel ranks.
+        """
         if self.trainer is None or self._train_sampler is None:
             return {}
         # The sampler's epoch, not trainer.current_epoch: the latter moves on when fit() stops mid-epoch.
         batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"epoch": self._train_sampler.epoch, "samples": batches * self.hparams.batch_size}
+        samples = batches * self.hparams.batch_size * self._train_sampler.num_replicas
+        return {"epoch": self._train_sampler.epoch, "global_samples": samples}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict:
-            self._resume = (state_dict["epoch"], state_dict["samples"])
+            self._resume = (state_dict["epoch"], state_dict["global_samples"])

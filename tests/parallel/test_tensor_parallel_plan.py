@@ -1,0 +1,139 @@
+"""The automatic tensor-parallel plan, and the errors for models it cannot split. No processes needed."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_llm.models import Llama, LlamaConfig
+from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.parallel.parallelize import plan_tensor_parallel
+from lightning_llm.parallel.tensor_parallel import divide_head_counts, hf_plan, infer_plan, validate_plan
+from lightning_llm.testing.models import HFCausalLM, UserLM
+
+
+def _plan(module, tp=2, user_plan=None):
+    name, blocks = find_blocks(module)
+    return plan_tensor_parallel(module, tp=tp, blocks_name=name, blocks=blocks, user_plan=user_plan)
+
+
+def test_reference_model_plan_is_inferred_from_names():
+    plan, source = _plan(Llama(LlamaConfig.from_name("tiny")))
+    assert source == "inferred"
+    assert plan == {
+        "layers.*.attention.q_proj": "colwise", "layers.*.attention.k_proj": "colwise",
+        "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
+        "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
+        "layers.*.feed_forward.down_proj": "rowwise", "tok_embeddings": "embedding", "output": "colwise_gather",
+    }
+
+
+def test_user_model_plan_uses_its_own_names():
+    plan, _ = _plan(UserLM())
+    assert plan["blocks.*.attn.query"] == plan["blocks.*.attn.value"] == plan["blocks.*.fc_in"] == "colwise"
+    assert plan["blocks.*.attn.proj"] == plan["blocks.*.fc_out"] == "rowwise"
+    assert plan["embed"] == plan["pos"] == "embedding" and plan["head"] == "colwise_gather"
+
+
+def test_unnamed_linears_are_classified_by_shape():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.widen, self.narrow = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = nn.ModuleList(Block() for _ in range(3))
+
+    plan = infer_plan(Net(), "stack", Net().stack)
+    assert plan == {"stack.*.widen": "colwise", "stack.*.narrow": "rowwise"}
+
+
+def test_hugging_face_plan_is_found_and_translated():
+    module = HFCausalLM("llama")
+    plan, source = _plan(module)
+    assert source == "hugging face"
+    assert plan["model.lm_head"] == "colwise_gather"
+    assert plan["model.model.embed_tokens"] == "embedding"
+    assert plan["model.model.layers.*.self_attn.o_proj"] == "rowwise"
+
+
+def test_precedence_strategy_over_module_hook_over_hugging_face():
+    module = HFCausalLM("llama")
+    module.tensor_parallel_plan = lambda: {"model.model.layers.*.mlp.up_proj": "colwise"}
+    assert _plan(module)[1] == "module"
+    user = {"model.model.layers.*.mlp.down_proj": "rowwise"}
+    assert _plan(module, user_plan=user) == (user, "strategy")
+
+
+def test_fused_projection_is_refused_with_the_fixing_plan_entry():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict({"attn": Attn()}) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.qkv' looks like a fused projection.*'layers\.\*\.attn\.qkv': 'colwise'"):
+        infer_plan(Net(), "layers", Net().layers)
+
+
+def test_ambiguous_square_linear_is_refused():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"Cannot tell whether 'layers\.0\.0' \(8 -> 8\)"):
+        infer_plan(Net(), "layers", Net().layers)
+
+
+def test_nothing_to_shard_is_refused():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.LayerNorm(4) for _ in range(2))
+
+    with pytest.raises(ValueError, match="contain no nn.Linear layer to shard"):
+        infer_plan(Net(), "layers", Net().layers)
+
+
+def test_plan_validation_names_the_problem():
+    model = Llama(LlamaConfig.from_name("tiny"))
+    with pytest.raises(ValueError, match=r"Unknown tensor-parallel style 'diagonal'"):
+        validate_plan(model, {"layers.*.attention.q_proj": "diagonal"}, 2)
+    with pytest.raises(ValueError, match=r"pattern 'layers\.\*\.attn\.wq' matches no module"):
+        validate_plan(model, {"layers.*.attn.wq": "colwise"}, 2)
+    with pytest.raises(ValueError, match=r"'layers\.0\.attention\.k_proj' \(colwise\) has out_features=32, not divisible by tensor_parallel_size=3"):
+        validate_plan(model, {"layers.*.attention.k_proj": "colwise"}, 3)
+
+
+def test_head_counts_are_divided_and_checked():
+    module = UserLM(num_heads=4)
+    assert divide_head_counts(module.blocks, 2) == 2
+    assert module.blocks[0].attn.num_heads == 2
+    with pytest.raises(ValueError, match=r"attn\.num_heads=2 in block 0 is not divisible by tensor_parallel_size=4"):
+        divide_head_counts(UserLM(num_heads=2).blocks, 4)
+
+
+def test_hf_plan_with_unknown_style_is_refused():
+    module = nn.Module()
+    module._tp_plan = {"layers.*.experts": "ep_router"}
+    with pytest.raises(ValueError, match="styles we cannot apply.*ep_router"):
+        hf_plan(module)
+
+
+def test_block_discovery_and_override():
+    model = Llama(LlamaConfig.from_name("tiny", n_layers=3))
+    assert find_blocks(model)[0] == "layers"
+    assert find_blocks(HFCausalLM("gpt2"))[0] == "model.transformer.h"
+    assert find_blocks(model, "layers")[1] is model.layers
+    with pytest.raises(ValueError, match="blocks='layers.9' names no submodule"):
+        find_blocks(model, "layers.9")
+    with pytest.raises(ValueError, match="is a Linear, not a non-empty nn.ModuleList"):
+        find_blocks(model, "output")
+    with pytest.raises(ValueError, match="No nn.ModuleList"):
+        find_blocks(nn.Linear(2, 2))
