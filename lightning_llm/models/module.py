@@ -80,10 +80,10 @@ class CausalLM(L.LightningModule):
         self.val_loss.update(self._loss(batch), weight=batch.shape[0])
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
+        loss = self.val_loss.compute()  # already reduced over ranks by torchmetrics
         self.val_loss.reset()
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", loss.exp())
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)  # same value everywhere; silences Lightning's warning
+        self.log("val_ppl", loss.exp(), sync_dist=True)
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch), weight=batch.shape[0])
@@ -91,8 +91,8 @@ class CausalLM(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("test_loss", loss)
-        self.log("test_ppl", loss.exp())
+        self.log("test_loss", loss, sync_dist=True)
+        self.log("test_ppl", loss.exp(), sync_dist=True)
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
