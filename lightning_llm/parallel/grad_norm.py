@@ -60,11 +60,16 @@ def total_grad_norm(
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-    pipeline_group: dist.ProcessGroup | None = None,
+    pipeline_group: dist.ProcessGroup | None = None, counted_elsewhere: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    ``counted_elsewhere`` are parameters whose copy on another pipeline rank already enters the norm
+    (a weight tied across stages); they are scaled but not counted twice.
+    """
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, pipeline_group)
+    skip = {id(p) for p in counted_elsewhere}
+    total = total_grad_norm([p for p in parameters if id(p) not in skip], norm_type, pipeline_group)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads in _grouped_grads(parameters).values():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -1,6 +1,7 @@
-"""The parallelization recipe: tensor parallel, activation checkpointing, compile, then data parallel.
+"""The parallelization recipe: pipeline split, tensor parallel, activation checkpointing, compile, data parallel.
 
-The order matters and is the one torchtitan uses: TP first (it replaces Linear weights by
+The order matters and is the one torchtitan uses: the pipeline split first (each rank keeps its
+stages), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (it wraps block forwards, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
 gather the TP-sharded DTensors along the ``dp`` axes).
@@ -15,6 +16,8 @@ from torch import nn
 from lightning_llm.parallel.blocks import find_blocks
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
+from lightning_llm.parallel.pipeline_split import balanced_split, explicit_split, stage_to_rank, validate_schedule
 from lightning_llm.parallel.tensor_parallel import apply_tensor_parallel, resolve_plan, validate_plan
 
 
@@ -27,6 +30,10 @@ class ParallelizeReport:
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_plan_source: str = ""
     zero_stage: int = 0
+    chunks: list = field(default_factory=list)
+    stage_ranks: list[int] = field(default_factory=list)
+    outer: dict = field(default_factory=dict)
+    tied: list[list[str]] = field(default_factory=list)
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
@@ -56,6 +63,45 @@ def plan_tensor_parallel(
     return plan, source
 
 
+@dataclass
+class PipelineSpec:
+    """How to cut the model into pipeline stages (see :mod:`lightning_llm.parallel.pipeline`)."""
+
+    schedule: str = "1F1B"
+    num_microbatches: int | None = None
+    virtual_stages: int | None = None
+    split: list[list[str]] | None = None
+
+    def stages_per_rank(self) -> int:
+        return validate_schedule(self.schedule, self.virtual_stages)
+
+
+def assign_stages(module: nn.Module, blocks_name: str, blocks: nn.ModuleList, dims: ParallelDims, spec: PipelineSpec):
+    """Every stage's block range and rank; returns (chunks of this rank, rank of each stage)."""
+    num_stages = dims.pp * spec.stages_per_rank()
+    if spec.split is not None:
+        ranges = explicit_split(spec.split, blocks_name, len(blocks), num_stages)
+    else:
+        _, after = outer_modules(module, blocks_name)
+        head_cost = sum(p.numel() for n in after for p in module.get_submodule(n).parameters(recurse=False))
+        ranges = balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], num_stages, head_cost)
+    ranks = stage_to_rank(num_stages, dims.pp, spec.schedule)
+    pp_rank = dims.mesh["pp"].get_local_rank()
+    chunks = [
+        StageChunk(index=s, blocks=ranges[s], is_first=s == 0, is_last=s == num_stages - 1)
+        for s in range(num_stages) if ranks[s] == pp_rank
+    ]
+    return chunks, ranks
+
+
+def tied_parameter_names(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. tied input and output embeddings)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
@@ -68,11 +114,13 @@ def parallelize(
     cpu_offload: bool = False,
     compile_blocks: bool = False,
     activation_checkpointing=None,
+    pipeline: PipelineSpec | None = None,
 ) -> ParallelizeReport:
-    """Apply TP/SP, activation checkpointing, compile and ZeRO data parallelism to ``module`` in place.
+    """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
-    or ``None``.
+    or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
+    pipeline runtime is built from the report afterwards.
 
     Example::
 
@@ -82,21 +130,30 @@ def parallelize(
     """
     blocks_name, block_list = find_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
-    if dims.tp > 1:
-        plan, source = plan_tensor_parallel(
+    if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
+        report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module, tp=dims.tp, blocks_name=blocks_name, blocks=block_list, user_plan=tensor_parallel_plan
         )
-        apply_tensor_parallel(module, plan, tp_mesh=dims.mesh["tp"], blocks=block_list, sequence_parallel=sequence_parallel)
-        report.tp_plan, report.tp_plan_source = plan, source
+    owned_blocks, roots = list(block_list), None
+    if pipeline is not None and dims.pp > 1:
+        report.tied = tied_parameter_names(module)
+        report.chunks, report.stage_ranks = assign_stages(module, blocks_name, block_list, dims, pipeline)
+        report.outer = prune_to_stages(module, blocks_name, block_list, report.chunks)
+        owned_blocks = [block_list[i] for c in report.chunks for i in c.blocks]
+        roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
+    if dims.tp > 1:
+        apply_tensor_parallel(
+            module, report.tp_plan, tp_mesh=dims.mesh["tp"], blocks=owned_blocks, sequence_parallel=sequence_parallel
+        )
     if activation_checkpointing is not None:
-        activation_checkpointing(block_list)
+        activation_checkpointing(owned_blocks)
     if compile_blocks:
-        for block in block_list:
+        for block in owned_blocks:
             block.compile()
     if dims.dp > 1 or cpu_offload or precision in ("bf16-mixed", "16-mixed"):
         dp_mesh = dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
         apply_data_parallel(
-            data_parallel_roots(module, blocks_name), block_list, dp_mesh=dp_mesh, zero_stage=zero_stage,
-            mp_policy=mixed_precision_policy(precision), cpu_offload=cpu_offload,
+            roots if roots is not None else data_parallel_roots(module, blocks_name), owned_blocks, dp_mesh=dp_mesh,
+            zero_stage=zero_stage, mp_policy=mixed_precision_policy(precision), cpu_offload=cpu_offload,
         )
     return report

@@ -143,6 +143,8 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str]) -> dict[
     """Mark every normalisation layer ``sequence_parallel`` (they see sequence-sharded activations)."""
     plan = dict(plan)
     for name, module in model.named_modules():
+        if getattr(module, "is_pipeline_placeholder", False):
+            continue
         is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
         if is_norm and not any(_matches(name, p) for p in plan):
             plan[name] = "sequence_parallel"
@@ -214,7 +216,7 @@ def _style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
     return None  # "replicate"
 
 
-def divide_head_counts(blocks: nn.ModuleList, tp: int) -> int:
+def divide_head_counts(blocks: list[nn.Module], tp: int) -> int:
     """Divide integer head-count attributes (``num_heads``, ``n_kv_heads``, ...) of block submodules by ``tp``.
 
     Attention code that reshapes with a stored head count must see the local count once q/k/v
@@ -238,7 +240,7 @@ def divide_head_counts(blocks: nn.ModuleList, tp: int) -> int:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: dict[str, str], *, tp_mesh: DeviceMesh, blocks: nn.ModuleList, sequence_parallel: bool
+    model: nn.Module, plan: dict[str, str], *, tp_mesh: DeviceMesh, blocks: list[nn.Module], sequence_parallel: bool
 ) -> None:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated)."""
     tp = tp_mesh.size()
@@ -246,7 +248,8 @@ def apply_tensor_parallel(
         plan = add_sequence_parallel_norms(model, plan)
     tied = _tied_parameters(model)
     styles = {p: s for p, s in ((p, _style(s, sequence_parallel)) for p, s in plan.items()) if s is not None}
-    names = [n for n, _ in model.named_modules() if n]
+    # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
+    names = [n for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)]
     explicit = {n: style for pattern, style in styles.items() for n in names if _matches(n, pattern)}
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)

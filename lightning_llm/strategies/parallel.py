@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import Shard
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -17,9 +18,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
-from lightning_llm.parallel.grad_norm import clip_grad_norm_
+from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
-from lightning_llm.parallel.parallelize import ParallelizeReport, parallelize
+from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
+from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule
+from lightning_llm.strategies.pipelined_steps import PipelinedSteps
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def __init__(
         self,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_replicate_size: int = 1,
         zero_stage: int = 3,
@@ -71,6 +75,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         blocks: str | None = None,
         cpu_offload: bool = False,
         compile_blocks: bool = False,
+        pipeline_schedule: str = "1F1B",
+        num_microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        pipeline_split: list[list[str]] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -88,6 +96,17 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.compile_blocks = compile_blocks
         self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline = PipelineSpec(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
+        if pipeline_parallel_size > 1:
+            stages = pipeline_parallel_size * self.pipeline.stages_per_rank()
+            self.pipeline.num_microbatches = num_microbatches or stages
+            if self.pipeline.num_microbatches < pipeline_parallel_size:
+                raise ValueError(
+                    f"num_microbatches={num_microbatches} is fewer than pipeline_parallel_size={pipeline_parallel_size}: "
+                    "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
+                )
+        self._pipelined: PipelinedSteps | None = None
         self.activation_checkpointing = "none"
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
@@ -100,24 +119,24 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _parallel_dims(self) -> ParallelDims:
-        tp = self._tensor_parallel_size
+        tp, pp = self._tensor_parallel_size, self.pipeline_parallel_size
         dp = self._data_parallel_size
         if dp == "auto":
-            dp = ParallelDims(world_size=self.world_size, tp=tp).dp_shard
-        elif dp * tp != self.world_size:
+            dp = ParallelDims(world_size=self.world_size, tp=tp, pp=pp).dp_shard
+        elif dp * tp * pp != self.world_size:
             raise ValueError(
-                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) = {dp * tp}, but there are "
-                f"{self.world_size} processes; make the product equal the number of devices * nodes."
+                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) * pipeline_parallel_size ({pp}) = "
+                f"{dp * tp * pp}, but there are {self.world_size} processes; make the product equal devices * nodes."
             )
         if self.zero_stage == 0:
-            return ParallelDims(world_size=self.world_size, tp=tp, dp_replicate=dp, dp_shard=1)
+            return ParallelDims(world_size=self.world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
         replicate = self.data_parallel_replicate_size
         if dp % replicate:
             raise ValueError(
                 f"data_parallel_replicate_size={replicate} does not divide the data-parallel size {dp}; "
                 "choose a divisor so that each replica shards over the same number of ranks."
             )
-        return ParallelDims(world_size=self.world_size, tp=tp, dp_replicate=replicate, dp_shard=dp // replicate)
+        return ParallelDims(world_size=self.world_size, tp=tp, pp=pp, dp_replicate=replicate, dp_shard=dp // replicate)
 
     @property
     @override
@@ -135,12 +154,15 @@ class LLMParallelStrategy(ModelParallelStrategy):
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
             blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
+            pipeline=self.pipeline if self.pipeline_parallel_size > 1 else None,
         )
         if on_meta:
             _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         if not self.cpu_offload:
             self.model_to_device()
+        if self.pipeline_parallel_size > 1:
+            self._pipelined = self._build_pipeline(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -156,14 +178,91 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def _log_layout(self) -> None:
         dims = self.parallel_dims
         rank_zero_info(
-            f"LLMParallelStrategy: world={dims.world_size} dp={dims.dp} (replicate={dims.dp_replicate}, "
+            f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
             f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
         )
 
+    def _build_pipeline(self, module) -> PipelinedSteps:
+        report, dims = self.report, self.parallel_dims
+        state = PipelineState(chunks=report.chunks, num_microbatches=self.pipeline.num_microbatches)
+        pp_group = dims.mesh["pp"].get_group()
+        blocks = module.get_submodule(report.blocks_name)
+        stages = build_stages(
+            module, report.blocks_name, blocks, report.chunks, report.outer, state,
+            num_stages=len(report.stage_ranks), device=self.root_device, group=pp_group,
+            boundary_layout=(dims.mesh["tp"], (Shard(1),)) if self.sequence_parallel else None,
+        )
+        schedule = make_schedule(self.pipeline.schedule, stages, self.pipeline.num_microbatches)
+        return PipelinedSteps(state, schedule, report.stage_ranks, pp_group, self._tied_peers(module))
+
+    def _tied_peers(self, module) -> list:
+        """Parameters shared by the first and last stages, with the pipeline rank holding the other copy."""
+        ranks = self.report.stage_ranks
+        first, last = ranks[0], ranks[-1]
+        me = self.parallel_dims.mesh["pp"].get_local_rank()
+        if first == last or me not in (first, last):
+            return []
+        present = dict(module.named_parameters(remove_duplicate=False))
+        peers = []
+        for names in self.report.tied:
+            mine = [present[n] for n in names if n in present]
+            if mine:
+                peers.append((mine[0], last if me == first else first))
+        return peers
+
+    @property
+    def pipeline_group(self):
+        """The process group of this rank's pipeline stages (``None`` without pipeline parallelism)."""
+        return self.parallel_dims.mesh["pp"].get_group() if self.pipeline_parallel_size > 1 else None
+
+    @override
+    def training_step(self, *args, **kwargs):
+        if self._pipelined is None:
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with self.precision_plugin.train_step_context():
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            return self._pipelined.training_step(self.lightning_module, batch, batch_idx, accumulate)
+
+    @override
+    def validation_step(self, *args, **kwargs):
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args, **kwargs):
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    def _evaluation_step(self, name: str, context, *args, **kwargs):
+        if self._pipelined is None:
+            return getattr(super(), name)(*args, **kwargs)
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with context():
+            self._pipelined.evaluation_step(self.lightning_module, getattr(self.lightning_module, name), batch, batch_idx)
+        return None
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self._pipelined is not None:  # the schedule already ran every micro-batch's backward
+            self._pipelined.add_step_gradients(self.lightning_module)
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, clip_val)
+        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group, counted_elsewhere=self._tied_copies())
+
+    def _tied_copies(self) -> list:
+        # A weight tied across the first and last stages enters the norm once, from the first stage.
+        if self._pipelined is None or self.parallel_dims.mesh["pp"].get_local_rank() != self.report.stage_ranks[-1]:
+            return []
+        return [param for param, _ in self._pipelined.tied_peers]
+
+    def global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all gradients across every shard and stage, as the clipping sees it (same on all ranks)."""
+        skip = {id(p) for p in self._tied_copies()}
+        params = [p for p in self.lightning_module.parameters() if id(p) not in skip]
+        return total_grad_norm(params, norm_type, pipeline_group=self.pipeline_group)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,158 @@
+"""Running Lightning's training/validation steps through a pipeline schedule.
+
+One Lightning step becomes one ``schedule.step`` (forward and backward of every micro-batch) or
+``schedule.eval`` (forward only). The user's ``self.log`` calls happen on the last stage, once per
+micro-batch; they are recorded, averaged over micro-batches and replayed on every pipeline rank,
+so every rank logs the same keys and ``sync_dist`` reductions line up.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_llm.parallel.pipeline import PipelineState, split_microbatches
+
+
+class PipelinedSteps:
+    """The pipeline side of LLMParallelStrategy for one rank."""
+
+    def __init__(self, state: PipelineState, schedule, stage_ranks: list[int], pp_group: dist.ProcessGroup,
+                 tied_peers: list[tuple[torch.nn.Parameter, int]]) -> None:
+        self.state = state
+        self.schedule = schedule
+        self.pp_group = pp_group
+        self.pp_rank = dist.get_rank(pp_group)
+        self.last_stage_rank = dist.get_global_rank(pp_group, stage_ranks[-1])
+        self.has_first = any(c.is_first for c in state.chunks)
+        self.has_last = any(c.is_last for c in state.chunks)
+        self.tied_peers = tied_peers
+        self._fresh: list = []
+
+    def check_batch(self, batch: Any) -> None:
+        size = _batch_size(batch)
+        if size % self.state.num_microbatches:
+            raise ValueError(
+                f"The batch size per data-parallel rank is {size}, not divisible by num_microbatches="
+                f"{self.state.num_microbatches}; change the batch size or num_microbatches."
+            )
+
+    def _run(self, module, step_fn, batch, batch_idx: int, loss_scale: float, train: bool):
+        self.check_batch(batch)
+        state = self.state
+        state.microbatches = split_microbatches(batch, state.num_microbatches)
+        state.batch_idx, state.loss_scale, state.logs = batch_idx, loss_scale, {}
+        state.step_fn = lambda mb, idx, mb_index: self._call_recording_logs(module, step_fn, mb, idx, mb_index)
+        index = torch.arange(state.num_microbatches, device=_device(module))
+        args = (index,) if self.has_first else ()
+        kwargs = {"target": index} if self.has_last else {}
+        losses: list[torch.Tensor] = []
+        if train:
+            earlier = self._take_gradients(module)
+            self.schedule.step(*args, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
+            self._sync_tied_gradients()
+            self._fresh = self._take_gradients(module)
+            self._put_gradients(module, earlier)
+        else:
+            self.schedule.eval(*args, return_outputs=False)
+        return self._publish(module, losses, loss_scale)
+
+    # Lightning zeroes gradients *between* training_step and backward (the closure runs the step,
+    # then zero_grad, then backward). The schedule computes gradients inside training_step, so they
+    # are held aside here and added back in backward(), exactly where Lightning expects them.
+    @staticmethod
+    def _take_gradients(module) -> list:
+        grads = [p.grad for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        return grads
+
+    @staticmethod
+    def _put_gradients(module, grads: list) -> None:
+        for p, g in zip(module.parameters(), grads):
+            p.grad = g
+
+    def add_step_gradients(self, module) -> None:
+        """Called from the strategy's backward(): add this step's gradients to what Lightning left."""
+        for p, fresh in zip(module.parameters(), self._fresh):
+            if fresh is None:
+                continue
+            p.grad = fresh if p.grad is None else p.grad.add_(fresh)
+        self._fresh = []
+
+    def training_step(self, module, batch, batch_idx: int, accumulate: int) -> dict[str, torch.Tensor]:
+        scale = 1.0 / (self.state.num_microbatches * accumulate)
+        loss = self._run(module, module.training_step, batch, batch_idx, scale, train=True)
+        return {"loss": loss}
+
+    def evaluation_step(self, module, step_fn, batch, batch_idx: int) -> None:
+        self._run(module, step_fn, batch, batch_idx, 1.0, train=False)
+
+    @contextmanager
+    def _recording(self, module, mb_index: int):
+        original = module.log
+
+        def record(name, value, *args, **kwargs):
+            value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            self.state.logs.setdefault(mb_index, {})[name] = (value, kwargs)
+
+        module.log = record
+        try:
+            yield
+        finally:
+            module.log = original
+
+    def _call_recording_logs(self, module, step_fn, mb, batch_idx: int, mb_index: int):
+        with self._recording(module, mb_index):
+            return step_fn(mb, batch_idx)
+
+    def _publish(self, module, losses: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
+        payload = [None]
+        if self.has_last:
+            names = {n for logs in self.state.logs.values() for n in logs}
+            payload[0] = {
+                "logs": {n: (_mean([logs[n][0] for logs in self.state.logs.values() if n in logs]),
+                             next(logs[n][1] for logs in self.state.logs.values() if n in logs)) for n in names},
+                "loss": _mean([loss.detach() / loss_scale for loss in losses]) if losses else None,
+            }
+        # One small object broadcast a step: the last stage's metrics reach every pipeline rank.
+        dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
+        device = _device(module)
+        for name, (value, kwargs) in payload[0]["logs"].items():
+            module.log(name, torch.tensor(value, device=device), **kwargs)
+        loss = payload[0]["loss"]
+        return torch.tensor(loss, device=device) if loss is not None else None
+
+    def _sync_tied_gradients(self) -> None:
+        # A weight shared by the first and last stages (tied embeddings) is a separate copy on each
+        # stage's rank; each copy got the gradient of its own use, so the two ranks exchange and add.
+        for param, peer in self.tied_peers:
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            incoming = torch.empty_like(grad)
+            peer_global = dist.get_global_rank(self.pp_group, peer)
+            ops = [dist.P2POp(dist.isend, grad.contiguous(), peer_global, self.pp_group),
+                   dist.P2POp(dist.irecv, incoming, peer_global, self.pp_group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            grad.add_(incoming)
+
+
+def _mean(values: list[torch.Tensor]) -> float:
+    return float(torch.stack([v.float().cpu() for v in values]).mean())
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return _batch_size(batch[0])
+    raise TypeError(f"Cannot find the batch size of a {type(batch).__name__} batch for pipeline micro-batching.")
+
+
+def _device(module) -> torch.device:
+    return module.device
