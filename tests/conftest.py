@@ -8,6 +8,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_threads():
+def _fresh_seed(monkeypatch):
+    # L.seed_everything() exports PL_GLOBAL_SEED, and Lightning re-seeds every new process from it:
+    # one test's seed must not leak into the ranks another test spawns.
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     torch.manual_seed(0)
     yield

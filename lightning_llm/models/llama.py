@@ -67,6 +67,9 @@ class LlamaConfig:
         return replace(PRESETS[name], **overrides)
 
 
+# Checkpoints store the config in their hyperparameters; allow torch.load(weights_only=True) to read it.
+torch.serialization.add_safe_globals([LlamaConfig])
+
 PRESETS: dict[str, LlamaConfig] = {
     # Trains on a laptop CPU in about a minute.
     "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),

@@ -5,12 +5,22 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import Shard
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -267,6 +277,30 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint into this layout, whatever layout saved it.
+
+        torch.distributed.checkpoint reshards by parameter name: each rank asks for the tensors (or
+        slices) it holds now, so pipeline stages, TP and ZeRO degrees may all differ from the save.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path / ".metadata").is_file():
+            raise ValueError(
+                f"{path} is not a sharded checkpoint directory (no .metadata inside). LLMParallelStrategy resumes "
+                "from checkpoints it saved; load a single-file checkpoint into the model before fitting instead."
+            )
+        strict = self.lightning_module.strict_loading
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(model_state, checkpoint_id=path)
+        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key])
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @contextmanager
     @override

@@ -57,7 +57,7 @@ class PipelinedSteps:
             self._fresh = self._take_gradients(module)
             self._put_gradients(module, earlier)
         else:
-            self.schedule.eval(*args, return_outputs=False)
+            self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self._publish(module, losses, loss_scale)
 
     # Lightning zeroes gradients *between* training_step and backward (the closure runs the step,
