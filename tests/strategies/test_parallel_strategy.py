@@ -90,7 +90,7 @@ def test_bad_input_is_refused_before_the_first_step():
         "contain no nn.Linear layer to shard",
         "pattern 'layers.*.nope' matches no module",
         "Unknown tensor-parallel style 'sideways'",
-        "data_parallel_size (3) * tensor_parallel_size (1) = 3, but there are 2 processes",
+        "data_parallel_size (3) * tensor_parallel_size (1) * pipeline_parallel_size (1) = 3, but there are 2 processes",
         "blocks='model.missing' names no submodule",
     ]
     for (message, steps_run), fragment in zip(messages, expected):
