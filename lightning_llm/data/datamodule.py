@@ -128,8 +128,9 @@ class LLMDataModule(L.LightningDataModule):
                     f"The checkpoint consumed {global_samples} samples, which {replicas} data-parallel ranks cannot "
                     "split evenly; resume with a data-parallel size that divides it."
                 )
+            # Kept (not cleared): a second train_dataloader() call, e.g. a strategy reading one batch
+            # ahead of training, must not lose the position. It applies to that epoch only.
             self._train_sampler.resume(epoch, global_samples // replicas)
-            self._resume = None
         return self._loader(self.train_set, self._train_sampler)
 
     def val_dataloader(self) -> DataLoader:

@@ -27,11 +27,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_llm.parallel.activation_checkpointing import (
+    ACOptions,
+    ACReport,
+    apply_activation_checkpointing,
+    plan_for_budget,
+    resolve_budget,
+)
+from lightning_llm.parallel.activation_memory import device_memory, example_batch, measure_block_activations, silenced_logging
+from lightning_llm.parallel.blocks import find_blocks
 from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
-from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule
+from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule, split_microbatches
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps
 
 log = logging.getLogger(__name__)
@@ -89,6 +98,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         num_microbatches: int | None = None,
         virtual_stages: int | None = None,
         pipeline_split: list[list[str]] | None = None,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_options: dict | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -117,7 +128,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
                     "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
                 )
         self._pipelined: PipelinedSteps | None = None
-        self.activation_checkpointing = "none"
+        self.activation_checkpointing = activation_checkpointing
+        self.ac_options = ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options)
+        self.ac_report: ACReport | None = None
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
 
@@ -160,11 +173,13 @@ class LLMParallelStrategy(ModelParallelStrategy):
         on_meta = any(p.is_meta for p in module.parameters())
         if not on_meta:
             module.to(self.root_device)
+        checkpointing = self._plan_activation_checkpointing(trainer, module)
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
             blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
             pipeline=self.pipeline if self.pipeline_parallel_size > 1 else None,
+            activation_checkpointing=checkpointing,
         )
         if on_meta:
             _materialize_distributed_module(module, self.root_device)
@@ -192,6 +207,47 @@ class LLMParallelStrategy(ModelParallelStrategy):
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
             f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
         )
+
+    def _plan_activation_checkpointing(self, trainer, module):
+        """The callable that checkpoints this rank's blocks; for "auto", measured and planned here, before training."""
+        if self.activation_checkpointing == "none":
+            return None
+        _, blocks = find_blocks(module, self.blocks)
+        index_of = {id(block): i for i, block in enumerate(blocks)}
+        policies = None
+        if self.activation_checkpointing == "auto":
+            policies, predicted, budget, measured = self._auto_policies(trainer, module, list(blocks))
+            rank_zero_info(
+                f"Activation checkpointing 'auto': budget {budget / 2**20:.1f} MiB, measured "
+                f"{sum(measured) / 2**20:.1f} MiB without checkpointing; checkpointing "
+                f"{policies.count('full')} of {len(policies)} blocks -> {predicted / 2**20:.1f} MiB"
+            )
+
+        def apply(owned_blocks):
+            indices = [index_of[id(b)] for b in owned_blocks]
+            self.ac_report = apply_activation_checkpointing(
+                owned_blocks, mode=self.activation_checkpointing, selective=self.ac_options.selective,
+                every_n_layers=self.ac_options.every_n_layers,
+                recompute_every_other_matmul=self.ac_options.recompute_every_other_matmul,
+                auto_policies=[policies[i] for i in indices] if policies is not None else None,
+                block_indices=indices,
+            )
+
+        return apply
+
+    def _auto_policies(self, trainer, module, blocks):
+        batch = example_batch(trainer, self.root_device)
+        if self.pipeline_parallel_size > 1:
+            batch = split_microbatches(batch, self.pipeline.num_microbatches)[0]
+        with silenced_logging(module):
+            sizes = measure_block_activations(module, blocks, lambda: module.training_step(batch, 0))
+        tp, sp = self._tensor_parallel_size, self.sequence_parallel
+        # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
+        saved = [s.saved // tp for s in sizes]
+        inputs = [s.input // (tp if sp else 1) for s in sizes]
+        budget = resolve_budget(self.ac_options.budget, self.ac_options.device_memory or device_memory(self.root_device))
+        policies, predicted = plan_for_budget(saved, inputs, budget)
+        return policies, predicted, budget, saved
 
     def _build_pipeline(self, module) -> PipelinedSteps:
         report, dims = self.report, self.parallel_dims
