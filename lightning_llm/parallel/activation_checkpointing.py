@@ -156,20 +156,8 @@ def apply_activation_checkpointing(
 
         apply_activation_checkpointing(list(model.layers), mode="selective", selective="op")
     """
-    validate_options(mode, selective, every_n_layers)
-    if mode == "none":
-        policies = ["none"] * len(blocks)
-    elif mode == "full":
-        policies = ["full"] * len(blocks)
-    elif mode == "selective" and selective == "layer":
-        indices = block_indices if block_indices is not None else range(len(blocks))
-        policies = ["full" if i % every_n_layers == 0 else "none" for i in indices]
-    elif mode == "selective":
-        policies = ["op"] * len(blocks)
-    else:
-        if auto_policies is None or len(auto_policies) != len(blocks):
-            raise ValueError("activation_checkpointing='auto' needs the per-block plan from plan_for_budget().")
-        policies = list(auto_policies)
+    indices = list(block_indices) if block_indices is not None else list(range(len(blocks)))
+    policies = block_policies(mode, indices, selective, every_n_layers, auto_policies)
     context = _context_fn(recompute_every_other_matmul)
     for block, policy in zip(blocks, policies):
         if policy == "full":
@@ -181,6 +169,20 @@ def apply_activation_checkpointing(
         label = f"{mode} {selective}" if mode == "selective" else mode
         log.info("Applied activation checkpointing (%s) to %d of %d blocks", label, report.checkpointed, len(blocks))
     return report
+
+
+def block_policies(
+    mode: str, indices: list[int], selective: str = "op", every_n_layers: int = 2, auto_policies: list[str] | None = None
+) -> list[str]:
+    """The policy ("none", "full" or "op") of each block at the given positions."""
+    validate_options(mode, selective, every_n_layers)
+    if mode == "auto":
+        if auto_policies is None or len(auto_policies) != len(indices):
+            raise ValueError("activation_checkpointing='auto' needs the per-block plan from plan_for_budget().")
+        return list(auto_policies)
+    if mode == "selective" and selective == "layer":
+        return ["full" if i % every_n_layers == 0 else "none" for i in indices]
+    return [{"none": "none", "full": "full", "selective": "op"}[mode]] * len(indices)
 
 
 def plan_for_budget(saved_bytes: list[int], input_bytes: list[int], budget: int) -> tuple[list[str], int]:

@@ -23,16 +23,19 @@ def find_blocks(module: nn.Module, override: str | None = None) -> tuple[str, nn
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise ValueError(f"blocks={override!r} is a {type(blocks).__name__}, not a non-empty nn.ModuleList of blocks.")
         return override, blocks
-    candidates = [
-        (name, m) for name, m in module.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
-    ]
+    candidates = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and _one_class(m)]
     if not candidates:
         raise ValueError(
             f"No nn.ModuleList of same-class blocks found in {type(module).__name__}; pass blocks='dotted.name' "
             f"(module names look like {_sample_names(module)})."
         )
     return max(candidates, key=lambda c: (len(c[1]), sum(p.numel() for p in c[1].parameters())))
+
+
+def _one_class(blocks: nn.ModuleList) -> bool:
+    # Stand-ins for blocks held by other pipeline stages do not count against "same class".
+    classes = {type(c) for c in blocks.children() if not getattr(c, "is_pipeline_placeholder", False)}
+    return len(classes) == 1
 
 
 def _sample_names(module: nn.Module) -> list[str]:

@@ -31,11 +31,13 @@ from lightning_llm.parallel.activation_checkpointing import (
     ACOptions,
     ACReport,
     apply_activation_checkpointing,
+    block_policies,
     plan_for_budget,
     resolve_budget,
 )
 from lightning_llm.parallel.activation_memory import device_memory, example_batch, measure_block_activations, silenced_logging
 from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.planning.flops import ModelShape
 from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
@@ -131,6 +133,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.ac_options = ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options)
         self.ac_report: ACReport | None = None
+        self.ac_policies: list[str] = []
+        self.model_shape: ModelShape | None = None
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
 
@@ -173,6 +177,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         on_meta = any(p.is_meta for p in module.parameters())
         if not on_meta:
             module.to(self.root_device)
+        self.model_shape = ModelShape.of(module, self.blocks)  # before the model is cut into shards and stages
         checkpointing = self._plan_activation_checkpointing(trainer, module)
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
@@ -210,9 +215,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     def _plan_activation_checkpointing(self, trainer, module):
         """The callable that checkpoints this rank's blocks; for "auto", measured and planned here, before training."""
+        _, blocks = find_blocks(module, self.blocks)
+        self.ac_policies = ["none"] * len(blocks)
         if self.activation_checkpointing == "none":
             return None
-        _, blocks = find_blocks(module, self.blocks)
         index_of = {id(block): i for i, block in enumerate(blocks)}
         policies = None
         if self.activation_checkpointing == "auto":
@@ -222,6 +228,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
                 f"{sum(measured) / 2**20:.1f} MiB without checkpointing; checkpointing "
                 f"{policies.count('full')} of {len(policies)} blocks -> {predicted / 2**20:.1f} MiB"
             )
+        options = self.ac_options
+        self.ac_policies = block_policies(
+            self.activation_checkpointing, list(range(len(blocks))), options.selective, options.every_n_layers, policies
+        )
 
         def apply(owned_blocks):
             indices = [index_of[id(b)] for b in owned_blocks]
@@ -310,7 +320,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         if self._pipelined is not None:  # the schedule already ran every micro-batch's backward
-            self._pipelined.add_step_gradients(self.lightning_module)
+            module = self.lightning_module
+            self.precision_plugin.pre_backward(closure_loss, module)  # Lightning's on_before_backward hooks
+            self._pipelined.add_step_gradients(module)
+            self.precision_plugin.post_backward(closure_loss, module)  # and on_after_backward
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

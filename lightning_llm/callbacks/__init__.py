@@ -1,0 +1,7 @@
+"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding."""
+
+from lightning_llm.callbacks.grad_norm import GradNormMonitor
+from lightning_llm.callbacks.mfu import MFUMonitor
+from lightning_llm.callbacks.spike import LossSpikeError, LossSpikeGuard
+
+__all__ = ["GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor"]

@@ -1,0 +1,140 @@
+"""MFUMonitor: tokens/s, samples/s, TFLOP/s per device and model FLOPs utilisation, under any layout."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_llm.planning.flops import ModelShape, device_peak_flops
+
+
+def data_parallel_size(trainer: L.Trainer) -> int:
+    """How many replicas read different data: tensor- and pipeline-parallel peers share one batch."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return dims.dp if dims is not None else trainer.world_size
+
+
+def batch_tokens(batch: Any, shifted_targets: bool) -> tuple[int, int]:
+    """(samples, trained tokens) of a batch, from shapes only (no device synchronisation).
+
+    A (batch, seq_len + 1) token tensor trains seq_len tokens per sample when ``shifted_targets``;
+    dicts are read through their ``input_ids``.
+    """
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    if not isinstance(batch, torch.Tensor) or batch.dim() < 2:
+        raise TypeError("MFUMonitor counts tokens of (batch, seq_len) tensors or dicts with 'input_ids'.")
+    samples, length = batch.shape[0], batch.shape[1] - (1 if shifted_targets else 0)
+    return samples, samples * length
+
+
+class MFUMonitor(L.Callback):
+    """Logs throughput and MFU every ``log_every_n_steps`` optimizer steps, through every configured logger.
+
+    FLOPs per token come from the model (``6 N + 12 L H d_head T``, see
+    :mod:`lightning_llm.planning.flops`); under LLMParallelStrategy from the whole model before it was
+    sharded or cut into pipeline stages. Tokens are counted once per data-parallel replica. Timing
+    spans the steps between two logging steps and the device is synchronised only on logging steps,
+    so the steps in between run without any added host-device synchronisation.
+
+    Logged: ``throughput/tokens_per_sec`` and ``throughput/samples_per_sec`` (whole job),
+    ``throughput/tflops_per_device`` (model FLOPs), ``throughput/mfu`` and, when activation checkpointing
+    recomputes, ``throughput/hfu`` (hardware FLOPs including recomputation). MFU needs a peak: the
+    table in :data:`~lightning_llm.planning.flops.PEAK_FLOPS`, Lightning's for other cards, or ``peak_flops``.
+
+    Arguments:
+        log_every_n_steps: optimizer steps between logs (the first log comes after the first window).
+        peak_flops: peak FLOP/s of one device, overriding the table (e.g. 989e12).
+        flops_per_token: model FLOPs per token, overriding the automatic count.
+        shifted_targets: batches hold seq_len + 1 tokens per sample (inputs plus the shifted target).
+        prog_bar: also show tokens/s and MFU in the progress bar.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[MFUMonitor(log_every_n_steps=20)], logger=WandbLogger(project="llm"))
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int = 10,
+        peak_flops: float | None = None,
+        flops_per_token: float | None = None,
+        shifted_targets: bool = True,
+        prog_bar: bool = True,
+    ) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1.")
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops={peak_flops} must be positive (FLOP/s of one device, e.g. 989e12).")
+        self.log_every_n_steps = log_every_n_steps
+        self.peak_flops = peak_flops
+        self.flops_per_token = flops_per_token
+        self.shifted_targets = shifted_targets
+        self.prog_bar = prog_bar
+        self._shape: ModelShape | None = None
+        self._policies: list[str] = []
+        self._last_step = 0
+        self._reset_window(None)
+
+    def _reset_window(self, start: float | None) -> None:
+        self._window_start, self._samples, self._tokens, self._seq_len = start, 0, 0, 0
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        strategy = trainer.strategy
+        self._shape = getattr(strategy, "model_shape", None) or (None if self.flops_per_token else ModelShape.of(pl_module))
+        self._policies = list(getattr(strategy, "ac_policies", []) or [])
+        if self.peak_flops is None:
+            self.peak_flops = device_peak_flops(strategy.root_device, str(trainer.precision))
+            if self.peak_flops is None:
+                rank_zero_warn(f"MFUMonitor: no peak FLOP/s known for {strategy.root_device}; pass peak_flops to log MFU.")
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._window_start is None:
+            self._window_start = self._now(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        samples, tokens = batch_tokens(batch, self.shifted_targets)
+        self._samples += samples
+        self._tokens += tokens
+        self._seq_len = tokens // max(samples, 1)
+        stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
+        if stepped and trainer.global_step % self.log_every_n_steps == 0:
+            self._log(trainer, pl_module)
+
+    def _now(self, trainer: L.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        now = self._now(trainer)
+        elapsed = now - self._window_start
+        dp, world = data_parallel_size(trainer), trainer.world_size
+        tokens_per_sec = self._tokens * dp / elapsed
+        metrics = {
+            "throughput/tokens_per_sec": tokens_per_sec,
+            "throughput/samples_per_sec": self._samples * dp / elapsed,
+        }
+        flops_per_token = self.flops_per_token or self._shape.flops_per_token(self._seq_len)
+        model_flops = tokens_per_sec * flops_per_token / world
+        metrics["throughput/tflops_per_device"] = model_flops / 1e12
+        if self.peak_flops:
+            metrics["throughput/mfu"] = model_flops / self.peak_flops
+            if self._shape is not None and any(p == "full" for p in self._policies):
+                recompute = self._shape.recompute_flops_per_token(self._seq_len, self._policies)
+                metrics["throughput/hfu"] = tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
+        for name, value in metrics.items():
+            shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/mfu")
+            pl_module.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._reset_window(now)

@@ -1,0 +1,170 @@
+"""LossSpikeGuard: catch non-finite losses or gradients and loss spikes; warn, skip the step, or stop."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+ACTIONS = ("warn", "skip", "stop")
+
+
+class LossSpikeError(RuntimeError):
+    """Raised by ``LossSpikeGuard(action="stop")``; the message names the step and batches."""
+
+
+class LossSpikeGuard(L.Callback):
+    """Watches every optimizer step for a non-finite loss or gradient, or a loss spike, and acts.
+
+    A spike is a loss above ``mean + threshold * std`` of the last ``window`` good steps, checked
+    once ``warmup_steps`` steps have been seen. The loss checked is the step's global mean (over
+    accumulated micro-batches and data-parallel ranks), so every rank takes the same decision. This
+    costs one small all-reduce and one host read per optimizer step.
+
+    Actions: ``"warn"``; ``"skip"``: the optimizer step is skipped on every rank and the gradients
+    dropped, so parameters and optimizer state (moments, step counts) stay as they were (the LR
+    schedule still advances); ``"stop"``: raise :class:`LossSpikeError` naming the step and batches.
+    Logged: ``loss_guard/nonfinite``, ``loss_guard/spikes`` and ``loss_guard/skipped`` (running counts).
+
+    Arguments:
+        action: "warn", "skip" or "stop".
+        window: good steps the spike statistics cover.
+        threshold: standard deviations above the mean that count as a spike.
+        warmup_steps: steps before spikes are judged (non-finite values are judged from the start).
+        check_gradients: also treat non-finite gradients as bad.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[LossSpikeGuard(action="skip", threshold=6.0)])
+    """
+
+    def __init__(
+        self,
+        action: Literal["warn", "skip", "stop"] = "skip",
+        window: int = 100,
+        threshold: float = 6.0,
+        warmup_steps: int = 20,
+        check_gradients: bool = True,
+    ) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"action={action!r} is not one of {ACTIONS}.")
+        if window < 2:
+            raise ValueError(f"window={window} must be at least 2 to have a standard deviation.")
+        if threshold <= 0:
+            raise ValueError(f"threshold={threshold} must be positive (standard deviations above the mean).")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must not be negative.")
+        self.action, self.threshold, self.warmup_steps = action, threshold, warmup_steps
+        self.check_gradients = check_gradients
+        self.history: deque[float] = deque(maxlen=window)
+        self.counts = {"nonfinite": 0, "spikes": 0, "skipped": 0}
+        self._loss_sum: torch.Tensor | None = None
+        self._batches: list[int] = []
+        self._skip_next_update = False
+        self._steps_seen = 0
+
+    @override
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.action == "skip":
+            if isinstance(trainer.strategy, DeepSpeedStrategy):
+                raise ValueError(
+                    "LossSpikeGuard(action='skip') cannot skip inside DeepSpeed's engine step; use 'warn' or 'stop' "
+                    "with LLMDeepSpeedStrategy (DeepSpeed skips overflowing fp16 steps itself)."
+                )
+            for optimizer in trainer.optimizers:
+                self._guard(optimizer)
+
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning runs forward and backward inside optimizer.step(closure), and this callback decides
+        # within that closure (on_before_optimizer_step). Wrapping the step is the one place where the
+        # update itself can be left out after the closure has run.
+        update = optimizer.step
+
+        def step(closure=None, **kwargs):
+            loss = closure() if closure is not None else None
+            if self._skip_next_update:
+                self._skip_next_update = False
+                optimizer.zero_grad(set_to_none=True)
+                return loss
+            return update(closure=(lambda: loss) if closure is not None else None, **kwargs)
+
+        optimizer.step = step
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batches.append(batch_idx)
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        # Lightning divides each micro-batch loss by accumulate_grad_batches: their sum is the step's mean.
+        loss = loss.detach().float()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        step, batches = trainer.global_step, self._batches
+        loss, bad_grads = self._global_loss_and_grad_flag(trainer, pl_module)
+        self._loss_sum, self._batches = None, []
+        self._steps_seen += 1
+        problem = None
+        if not math.isfinite(loss) or bad_grads:
+            self.counts["nonfinite"] += 1
+            problem = f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} (loss {loss})"
+        elif self._is_spike(loss):
+            self.counts["spikes"] += 1
+            mean, std = self._stats()
+            problem = f"loss spike: {loss:.4f} > mean {mean:.4f} + {self.threshold} * std {std:.4f}"
+        else:
+            self.history.append(loss)
+        if problem is not None:
+            self._act(problem, step, batches)
+        for name, count in self.counts.items():
+            pl_module.log(f"loss_guard/{name}", float(count), on_step=True, on_epoch=False)
+
+    def _act(self, problem: str, step: int, batches: list[int]) -> None:
+        report = f"LossSpikeGuard: {problem} at step {step} (batch indices {batches})"
+        if self.action == "stop":
+            raise LossSpikeError(report + "; stopping as configured (action='stop').")
+        if self.action == "skip":
+            self._skip_next_update = True
+            self.counts["skipped"] += 1
+            report += "; the optimizer step is skipped"
+        rank_zero_warn(report)
+
+    def _global_loss_and_grad_flag(self, trainer, pl_module) -> tuple[float, bool]:
+        loss = self._loss_sum if self._loss_sum is not None else torch.tensor(float("nan"))
+        flag = torch.zeros((), device=loss.device)
+        if self.check_gradients:
+            flag = (~_local_grads_finite(pl_module)).float().to(loss.device)
+        stats = torch.stack([loss.reshape(()), flag])
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(stats)
+            stats[0] /= trainer.world_size  # pipeline and tensor peers carry the same loss: the mean is unchanged
+        loss_value, flag_value = stats.tolist()
+        return loss_value, flag_value > 0
+
+    def _stats(self) -> tuple[float, float]:
+        values = torch.tensor(list(self.history), dtype=torch.float64)
+        return values.mean().item(), values.std().item()
+
+    def _is_spike(self, loss: float) -> bool:
+        if self._steps_seen <= self.warmup_steps or len(self.history) < 2:
+            return False
+        mean, std = self._stats()
+        return loss > mean + self.threshold * max(std, 1e-8)
+
+
+def _local_grads_finite(module) -> torch.Tensor:
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(True)
+    norms = torch._foreach_norm(grads)
+    return torch.stack([n.float() for n in norms]).isfinite().all().cpu()

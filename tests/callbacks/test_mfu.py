@@ -1,0 +1,86 @@
+import types
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_llm.callbacks import MFUMonitor
+from lightning_llm.callbacks.mfu import batch_tokens
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+from lightning_llm.planning.flops import ModelShape
+from lightning_llm.testing import run_distributed
+
+BATCH, SEQ = 4, 32
+
+
+class FakeClock:
+    """perf_counter that advances one second per call: every logging window lasts exactly one second."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def _fit(strategy="auto", devices=1, steps=4, **monitor):
+    import lightning_llm.callbacks.mfu as mfu
+
+    real_time, mfu.time = mfu.time, types.SimpleNamespace(perf_counter=FakeClock().perf_counter)
+    try:
+        return _fit_with_clock(strategy, devices, steps, **monitor)
+    finally:
+        mfu.time = real_time
+
+
+def _fit_with_clock(strategy, devices, steps, **monitor):
+    torch.manual_seed(0)
+    model = CausalLM("tiny")
+    callback = MFUMonitor(log_every_n_steps=2, peak_flops=1e12, **monitor)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback], limit_val_batches=0)
+    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=SEQ, batch_size=BATCH))
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
+    return metrics, ModelShape.of(model).flops_per_token(SEQ) if devices == 1 else None
+
+
+def test_mfu_and_tflops_match_hand_computed_values():
+    metrics, flops_per_token = _fit()
+    tokens_per_sec = 2 * BATCH * SEQ / 1.0  # 2 steps per one-second window
+    assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens_per_sec)
+    assert metrics["throughput/samples_per_sec"] == pytest.approx(2 * BATCH)
+    assert metrics["throughput/tflops_per_device"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
+    assert metrics["throughput/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
+    assert "throughput/hfu" not in metrics
+
+
+def _layout_metrics(world_size):
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    dp2 = _fit(LLMParallelStrategy(zero_stage=3), devices=world_size)[0]
+    tp2 = _fit(LLMParallelStrategy(tensor_parallel_size=2), devices=world_size)[0]
+    full_ac = _fit(LLMParallelStrategy(zero_stage=3, activation_checkpointing="full"), devices=world_size)[0]
+    return dp2, tp2, full_ac
+
+
+@pytest.mark.distributed
+def test_tokens_count_once_per_data_parallel_replica():
+    dp2, tp2, full_ac = run_distributed(_layout_metrics, 2, 2, timeout=240)[0]
+    assert dp2["throughput/tokens_per_sec"] == pytest.approx(2 * 2 * BATCH * SEQ)  # two replicas
+    assert tp2["throughput/tokens_per_sec"] == pytest.approx(2 * BATCH * SEQ)  # one replica on two ranks
+    # Per device: the same model FLOPs spread over twice the devices for tp2 as for one replica.
+    assert tp2["throughput/tflops_per_device"] == pytest.approx(dp2["throughput/tflops_per_device"] / 2)
+    # Full recomputation adds one forward of each block: hardware FLOPs exceed model FLOPs.
+    assert full_ac["throughput/hfu"] > full_ac["throughput/mfu"] == pytest.approx(dp2["throughput/mfu"])
+
+
+def test_batch_tokens_and_argument_checks():
+    assert batch_tokens(torch.zeros(4, 33), shifted_targets=True) == (4, 128)
+    assert batch_tokens({"input_ids": torch.zeros(2, 10)}, shifted_targets=False) == (2, 20)
+    with pytest.raises(ValueError, match="log_every_n_steps=0 must be at least 1"):
+        MFUMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="peak_flops=-1"):
+        MFUMonitor(peak_flops=-1)

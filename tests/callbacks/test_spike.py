@@ -1,0 +1,110 @@
+"""LossSpikeGuard: a NaN or spiking step is skipped on every rank without touching parameters or optimizer state."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_llm.callbacks import LossSpikeError, LossSpikeGuard
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+from lightning_llm.testing import run_distributed
+
+
+class Faulty(CausalLM):
+    """Multiplies the loss of one step by ``factor`` (NaN or a big number), on ``ranks`` only."""
+
+    def __init__(self, bad_step: int, factor: float, ranks=(0,)):
+        super().__init__("tiny", warmup_steps=1)
+        self.bad_step, self.factor, self.ranks = bad_step, factor, ranks
+        self.losses, self.snapshots = [], {}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.bad_step and self.global_rank in self.ranks:
+            loss = loss * self.factor
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step in (self.bad_step, self.bad_step + 1):
+            optimizer = self.trainer.optimizers[0]
+            self.snapshots[self.global_step] = (
+                {n: p.detach().clone() for n, p in self.named_parameters()},
+                copy.deepcopy(optimizer.state_dict()["state"]),
+            )
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def _fit(guard, model, devices=1, steps=8, strategy="auto"):
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[guard], limit_val_batches=0, gradient_clip_val=1.0)
+    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
+    return trainer
+
+
+def _assert_step_left_nothing(model, step):
+    (before, state_before), (after, state_after) = model.snapshots[step], model.snapshots[step + 1]
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"{name} changed in the skipped step"
+    for index, state in state_before.items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_after[index][key])), f"optimizer {key}"
+
+
+def test_nan_step_is_skipped_and_training_goes_on():
+    model = Faulty(bad_step=4, factor=float("nan"))
+    guard = LossSpikeGuard(action="skip", warmup_steps=2)
+    trainer = _fit(guard, model)
+    _assert_step_left_nothing(model, 4)
+    assert all(torch.isfinite(torch.tensor(model.losses[5:])))
+    assert guard.counts == {"nonfinite": 1, "spikes": 0, "skipped": 1}
+    assert trainer.callback_metrics["loss_guard/skipped"] == 1.0
+
+
+def test_spike_is_detected_after_warmup():
+    model = Faulty(bad_step=6, factor=50.0)
+    guard = LossSpikeGuard(action="skip", warmup_steps=3, threshold=6.0)
+    _fit(guard, model)
+    _assert_step_left_nothing(model, 6)
+    assert guard.counts == {"nonfinite": 0, "spikes": 1, "skipped": 1}
+
+
+def test_stop_names_the_step_and_batches():
+    with pytest.raises(LossSpikeError, match=r"non-finite loss .* at step 3 \(batch indices \[3\]\)"):
+        _fit(LossSpikeGuard(action="stop"), Faulty(bad_step=3, factor=float("nan")))
+
+
+def test_warn_keeps_training():
+    guard = LossSpikeGuard(action="warn")
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        _fit(guard, Faulty(bad_step=2, factor=float("inf")), steps=4)
+    # The step was taken: the parameters are now non-finite and so is every later loss.
+    assert guard.counts["skipped"] == 0 and guard.counts["nonfinite"] == 2
+
+
+def _two_ranks(world_size):
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    torch.manual_seed(0)
+    model = Faulty(bad_step=3, factor=float("nan"), ranks=(1,))  # only rank 1 sees the NaN
+    _fit(LossSpikeGuard(action="skip"), model, devices=world_size, strategy=LLMParallelStrategy(zero_stage=0))
+    before, after = model.snapshots[3][0], model.snapshots[4][0]
+    return all(torch.equal(before[n], after[n]) for n in before), model.losses[-1]
+
+
+@pytest.mark.distributed
+def test_every_rank_skips_when_one_rank_sees_nan():
+    results = run_distributed(_two_ranks, 2, 2, timeout=180)
+    assert [unchanged for unchanged, _ in results] == [True, True]
+    assert all(torch.isfinite(torch.tensor(last)) for _, last in results)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="action='pause' is not one of"):
+        LossSpikeGuard(action="pause")
+    with pytest.raises(ValueError, match="window=1 must be at least 2"):
+        LossSpikeGuard(window=1)
