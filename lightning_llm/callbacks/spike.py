@@ -126,8 +126,9 @@ class LossSpikeGuard(L.Callback):
             self.history.append(loss)
         if problem is not None:
             self._act(problem, step, batches)
-        for name, count in self.counts.items():
-            pl_module.log(f"loss_guard/{name}", float(count), on_step=True, on_epoch=False)
+        if problem is not None or (step + 1) % trainer.log_every_n_steps == 0:
+            for name, count in self.counts.items():
+                pl_module.log(f"loss_guard/{name}", float(count), on_step=True, on_epoch=False)
 
     def _act(self, problem: str, step: int, batches: list[int]) -> None:
         report = f"LossSpikeGuard: {problem} at step {step} (batch indices {batches})"
@@ -143,7 +144,7 @@ class LossSpikeGuard(L.Callback):
         loss = self._loss_sum if self._loss_sum is not None else torch.tensor(float("nan"))
         flag = torch.zeros((), device=loss.device)
         if self.check_gradients:
-            flag = (~_local_grads_finite(pl_module)).float().to(loss.device)
+            flag = (~_local_grads_finite(pl_module, loss.device)).float()
         stats = torch.stack([loss.reshape(()), flag])
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.all_reduce(stats)
@@ -162,9 +163,9 @@ class LossSpikeGuard(L.Callback):
         return loss > mean + self.threshold * max(std, 1e-8)
 
 
-def _local_grads_finite(module) -> torch.Tensor:
+def _local_grads_finite(module, device: torch.device) -> torch.Tensor:
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
-        return torch.tensor(True)
-    norms = torch._foreach_norm(grads)
-    return torch.stack([n.float() for n in norms]).isfinite().all().cpu()
+        return torch.tensor(True, device=device)
+    # One fused pass: the sum of per-tensor norms is finite exactly when every gradient is.
+    return torch.stack(torch._foreach_norm(grads)).sum().isfinite().to(device)

@@ -1,0 +1,86 @@
+"""Step-time cost of MFUMonitor + GradNormMonitor + LossSpikeGuard together, against none, in one run.
+
+Two measures: (1) the time spent inside the callbacks' hooks, timed directly, as a share of the
+step (precise); (2) runs alternating between both settings, the ratio of median step times
+(includes everything, but on a shared CPU its run-to-run noise is a few percent).
+
+    python benchmarks/callbacks_overhead.py --preset small --steps 30 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import lightning as L
+import torch
+
+from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_before_optimizer_step")
+
+
+def timed(callback: L.Callback, spent: list[float]) -> L.Callback:
+    """Wrap the callback's per-step hooks so the time inside them adds up in ``spent``."""
+    for name in HOOKS:
+        hook = getattr(callback, name)
+
+        def wrapper(*args, _hook=hook, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+
+        setattr(callback, name, wrapper)
+    return callback
+
+
+def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> list[float]:
+    torch.manual_seed(0)
+    timer = StepTimer()
+    callbacks = [timer]
+    if monitored:
+        callbacks += [timed(c, spent) for c in (MFUMonitor(log_every_n_steps=10, peak_flops=1e12),
+                                                GradNormMonitor(log_every_n_steps=10), LossSpikeGuard(action="skip"))]
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        limit_val_batches=0, gradient_clip_val=1.0)
+    trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=300_000, seq_len=128, batch_size=8))
+    return timer.times[3:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    times, spent = {False: [], True: []}, []
+    for _ in range(args.rounds):
+        for monitored in times:
+            times[monitored] += run(args.preset, args.steps, monitored, spent)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    in_hooks = sum(spent) / args.rounds / args.steps
+    print(f"preset={args.preset}, CPU, {len(times[True])} steps each, MFUMonitor + GradNormMonitor + LossSpikeGuard:")
+    print(f"  time inside the callbacks: {in_hooks * 1e3:.2f} ms per step = {1 + in_hooks / off:.4f}x of a {off * 1e3:.1f} ms step")
+    print(f"  alternating runs: median step {off * 1e3:.1f} ms off, {on * 1e3:.1f} ms on, ratio {on / off:.3f}")
+
+
+if __name__ == "__main__":
+    main()
