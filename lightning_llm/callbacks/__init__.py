@@ -1,7 +1,8 @@
-"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding."""
+"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding, crash-safe checkpoint rotation."""
 
+from lightning_llm.callbacks.checkpoint import CheckpointRotation
 from lightning_llm.callbacks.grad_norm import GradNormMonitor
 from lightning_llm.callbacks.mfu import MFUMonitor
 from lightning_llm.callbacks.spike import LossSpikeError, LossSpikeGuard
 
-__all__ = ["GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor"]
+__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor"]

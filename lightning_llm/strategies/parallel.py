@@ -130,6 +130,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
                     "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
                 )
         self._pipelined: PipelinedSteps | None = None
+        self.async_checkpointing = False
+        self._checkpoint_future = None
+        self._checkpoint_group = None
         self.activation_checkpointing = activation_checkpointing
         self.ac_options = ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options)
         self.ac_report: ACReport | None = None
@@ -348,6 +351,46 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name, hyperparameters included (torch's "flattened" form).
+
+        Lightning's form keys param groups by their index; pipeline stages have different groups
+        under the same index, so a sharded checkpoint could not tell them apart.
+        """
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Lightning's sharded save, or with ``async_checkpointing`` set (by CheckpointRotation), DCP's async_save.
+
+        async_save copies the state to host memory before returning; the files are written in the
+        background until :meth:`wait_for_checkpoint`.
+        """
+        if not (self.async_checkpointing and self._save_distributed_checkpoint):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.wait_for_checkpoint()
+        path = Path(self.broadcast(filepath))
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self._checkpoint_group is None:
+            # The background writer runs collectives of its own; on the training group they could
+            # interleave with the training's collectives, so it gets a gloo group to itself.
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        self._checkpoint_future = dcp.async_save(state, checkpoint_id=path, process_group=self._checkpoint_group)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the last asynchronous checkpoint is fully written on this rank."""
+        if self._checkpoint_future is not None:
+            self._checkpoint_future.result()
+            self._checkpoint_future = None
+
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into this layout, whatever layout saved it.
 
@@ -366,9 +409,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER)}
             dcp.load(optimizer_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key])
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=_FLAT_OPTIMIZER)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @contextmanager
@@ -387,6 +430,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         for name, kwargs, description in _PRESETS:
             strategy_registry.register(name, cls, description=description, **kwargs)
 
+
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 _PRESETS = [
     ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
