@@ -11,55 +11,15 @@ from __future__ import annotations
 
 import argparse
 
-import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-class _Measure(L.Callback):
-    def on_before_backward(self, trainer, pl_module, loss):
-        # Between forward and backward: what FSDP2 keeps gathered (stages 1-2 keep every block).
-        self.params_in_backward = _local_bytes(pl_module.parameters())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        params = list(pl_module.parameters())
-        states = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        self.bytes = {
-            "params": _local_bytes(params),
-            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _local_bytes(states),
-            "params_in_backward": self.params_in_backward,
-        }
-
-
-def measure(world_size: int, preset: str, zero_stage: int) -> dict:
-    torch.manual_seed(0)
-    measure_cb = _Measure()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(zero_stage=zero_stage), max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[measure_cb], limit_val_batches=0,
-    )
-    model = CausalLM(preset, warmup_steps=1)
-    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2))
-    return measure_cb.bytes
+from lightning_llm.testing.memory import measure_model_states
 
 
 def sweep(world_size: int, preset: str) -> list[dict]:
-    return [measure(world_size, preset, stage) for stage in (0, 1, 2, 3)]
+    return [measure_model_states(world_size, preset, stage) for stage in (0, 1, 2, 3)]
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Example::
 
     lightning-llm fit --config configs/tiny.yaml
     lightning-llm fit --config configs/tiny.yaml --trainer.max_steps 50 --model.init_args.learning_rate 1e-3
+    lightning-llm plan --config configs/llama7b.yaml --devices 8 --device_memory 80GB
 """
 
 from __future__ import annotations
@@ -39,8 +40,73 @@ def _default_wandb_offline() -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
+def plan(args: list[str]) -> str:
+    """``lightning-llm plan``: the memory table and ZeRO decision for a config, without training or allocating.
+
+    The model is built on the meta device, so 7B and 70B configs plan in seconds on a laptop. The
+    strategy's tensor/pipeline sizes and checkpointing mode are read from the config; ``--devices``,
+    ``--num_nodes`` and ``--device_memory`` override the machine.
+    """
+    import argparse
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from lightning_llm.planning.zero import MemoryPlanError, choose_zero_stage, parse_size
+
+    parser = argparse.ArgumentParser(prog="lightning-llm plan", description=plan.__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a lightning-llm / LightningCLI YAML config")
+    parser.add_argument("--devices", type=int, help="devices per node (default: the config's trainer.devices)")
+    parser.add_argument("--num_nodes", type=int, help="nodes (default: the config's trainer.num_nodes)")
+    parser.add_argument("--device_memory", default="80GB", help="memory per device, e.g. 80GB, 141GB, 24GiB")
+    parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
+    parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
+    options = parser.parse_args(args)
+    trainer_config = (yaml.safe_load(Path(options.config).read_text()) or {}).get("trainer", {})
+    # The planning machine need not be the training one: the Trainer is built for one CPU, the
+    # devices and nodes come from the config (or the flags), the model on the meta device.
+    overrides = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                 "--trainer.num_nodes", "1"]
+    with torch.device("meta"):
+        cli = LLMCLI(args=["--config", options.config, *overrides], run=False)
+        module = cli.model
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    strategy = cli.trainer.strategy
+    devices = options.devices or trainer_config.get("devices")
+    devices = devices if isinstance(devices, int) else 1
+    nodes = options.num_nodes or trainer_config.get("num_nodes") or 1
+    backend = options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native")
+    hparams = cli.datamodule.hparams
+    settings = dict(
+        device_memory=parse_size(options.device_memory), world_size=devices * nodes,
+        tp=getattr(strategy, "_tensor_parallel_size", 1), pp=getattr(strategy, "pipeline_parallel_size", 1),
+        micro_batch_size=hparams.get("batch_size", 1), seq_len=hparams.get("seq_len", 2048),
+        precision=str(cli.trainer.precision), activation_checkpointing=getattr(strategy, "activation_checkpointing", "none"),
+        backend=backend, margin=options.margin,
+    )
+    params = sum(p.numel() for p in module.parameters())
+    header = (f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
+              f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']}; micro-batch "
+              f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}")
+    try:
+        decision = choose_zero_stage(module, **settings)
+        report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
+    except MemoryPlanError as err:
+        report = f"{header}\n{err}"
+    print(report)
+    return report
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-llm`` console script."""
+    import sys
+
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plan"]:
+        plan(argv[1:])
+        return
     _default_wandb_offline()
     LLMCLI(args=args)
 

@@ -62,7 +62,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         data_parallel_size: model replicas reading different data; ``"auto"`` = world size / tp.
         data_parallel_replicate_size: with ZeRO 2/3, groups that replicate rather than shard (HSDP);
             sharding then spans ``data_parallel_size / data_parallel_replicate_size`` ranks.
-        zero_stage: 0 (replicated), 1 and 2 (optimizer state and gradients sharded), 3 (everything sharded).
+        zero_stage: 0 (replicated), 1 and 2 (optimizer state and gradients sharded), 3 (everything sharded), or
+            "auto": the least-communication stage (then CPU offload) that the memory planner finds fits.
+        device_memory: bytes (or "80GB") per device for "auto" planning; default: what the device reports.
         sequence_parallel: shard activations between blocks along the sequence (needs tp > 1).
         tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
             LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
@@ -90,7 +92,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_replicate_size: int = 1,
-        zero_stage: int = 3,
+        zero_stage: int | Literal["auto"] = 3,
         sequence_parallel: bool = False,
         tensor_parallel_plan: dict[str, str] | None = None,
         blocks: str | None = None,
@@ -102,6 +104,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         pipeline_split: list[list[str]] | None = None,
         activation_checkpointing: str = "none",
         activation_checkpointing_options: dict | None = None,
+        device_memory: int | str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -113,6 +116,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         )
         _validate_arguments(tensor_parallel_size, data_parallel_size, data_parallel_replicate_size, zero_stage, sequence_parallel)
         self.zero_stage = zero_stage
+        self.device_memory = device_memory
+        self.zero_decision = None
         self.sequence_parallel = sequence_parallel
         self.tensor_parallel_plan = tensor_parallel_plan
         self.blocks = blocks
@@ -160,6 +165,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
             )
         if self.zero_stage == 0:
             return ParallelDims(world_size=self.world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
+        # "auto" decides in setup(); a (replicate, shard) mesh serves stage 0 too (through its flattened dp axis).
         replicate = self.data_parallel_replicate_size
         if dp % replicate:
             raise ValueError(
@@ -181,6 +187,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         if not on_meta:
             module.to(self.root_device)
         self.model_shape = ModelShape.of(module, self.blocks)  # before the model is cut into shards and stages
+        if self.zero_stage == "auto":
+            self._choose_zero_stage(trainer, module)
         checkpointing = self._plan_activation_checkpointing(trainer, module)
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
@@ -215,6 +223,23 @@ class LLMParallelStrategy(ModelParallelStrategy):
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
             f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
         )
+
+    def _choose_zero_stage(self, trainer, module) -> None:
+        """Plan memory for every stage and take the least-communication one that fits (before training)."""
+        from lightning_llm.planning.zero import choose_zero_stage, parse_size, planning_inputs
+
+        memory = parse_size(self.device_memory) if self.device_memory is not None else None
+        dims = self.parallel_dims
+        self.zero_decision = choose_zero_stage(
+            module, world_size=dims.world_size, tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate,
+            precision=str(trainer.precision), activation_checkpointing=self.activation_checkpointing, backend="native",
+            allow_offload=True, **planning_inputs(trainer, self.root_device, memory, None, None),
+        )
+        self.zero_stage, self.cpu_offload = self.zero_decision.stage, self.zero_decision.offload != "none"
+        rank_zero_info(f"zero_stage='auto' chose ZeRO {self.zero_stage} (offload {self.zero_decision.offload}):\n"
+                       f"{self.zero_decision.table}")
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"zero_stage": self.zero_stage, "cpu_offload": self.cpu_offload})
 
     def _plan_activation_checkpointing(self, trainer, module):
         """The callable that checkpoints this rank's blocks; for "auto", measured and planned here, before training."""
@@ -437,6 +462,7 @@ _PRESETS = [
     ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
     ("llm_zero2", {"zero_stage": 2}, "LLMParallelStrategy: gradients and optimizer state sharded (ZeRO 2)"),
     ("llm_zero3", {"zero_stage": 3}, "LLMParallelStrategy: fully sharded (ZeRO 3 / FSDP2)"),
+    ("llm_zero_auto", {"zero_stage": "auto"}, "LLMParallelStrategy: ZeRO stage and offload chosen by the memory planner"),
     ("llm_tp2", {"tensor_parallel_size": 2}, "LLMParallelStrategy: tp=2, ZeRO 3 over the rest"),
     ("llm_tp2_sp", {"tensor_parallel_size": 2, "sequence_parallel": True}, "LLMParallelStrategy: tp=2 + sequence parallel"),
     ("llm_tp4_sp", {"tensor_parallel_size": 4, "sequence_parallel": True}, "LLMParallelStrategy: tp=4 + sequence parallel"),
@@ -451,8 +477,8 @@ def _validate_arguments(tp, dp, replicate, zero_stage, sequence_parallel) -> Non
         raise ValueError(f"data_parallel_size={dp!r} must be a positive integer or 'auto'.")
     if not isinstance(replicate, int) or replicate < 1:
         raise ValueError(f"data_parallel_replicate_size={replicate!r} must be a positive integer.")
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage={zero_stage!r} is not supported; choose one of {ZERO_STAGES}.")
+    if zero_stage not in (*ZERO_STAGES, "auto"):
+        raise ValueError(f"zero_stage={zero_stage!r} is not supported; choose one of {ZERO_STAGES} or 'auto'.")
     if zero_stage == 0 and replicate > 1:
         raise ValueError(
             "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."

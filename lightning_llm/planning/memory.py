@@ -1,0 +1,120 @@
+"""Per-rank memory of LLM training under each ZeRO stage, offload option and parallel layout.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020): with Ψ parameters,
+mixed-precision AdamW keeps 2Ψ bytes of 16-bit parameters, 2Ψ of gradients and KΨ = 12Ψ of fp32
+master weights and moments; ZeRO shards the optimizer state (stage 1), then gradients (2), then
+parameters (3) over N_d data-parallel ranks. Tensor and pipeline parallelism divide all of them.
+Activations are not guessed: one forward runs on fake tensors (nothing allocated; a 70B model
+plans on a laptop) and the bytes autograd keeps are counted
+(:mod:`lightning_llm.parallel.activation_memory`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_llm.parallel.activation_memory import measure_block_activations, silenced_logging
+from lightning_llm.parallel.blocks import find_blocks
+
+# (parameter, gradient, optimizer-state) bytes per parameter, and fp32 master bytes, per precision.
+_BYTES = {
+    "32-true": (4, 4, 8, 0),
+    "bf16-mixed": (4, 4, 8, 0),  # native FSDP2: fp32 parameters, bf16 compute copies made on the fly
+    "16-mixed": (4, 4, 8, 0),
+    "bf16-true": (2, 2, 4, 0),
+}
+_DEEPSPEED_BYTES = {  # DeepSpeed keeps 16-bit parameters and gradients plus fp32 master weights: K = 12
+    "32-true": (4, 4, 8, 0),
+    "bf16-mixed": (2, 2, 8, 4),
+    "16-mixed": (2, 2, 8, 4),
+    "bf16-true": (2, 2, 4, 0),
+}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank of one option; ``fits`` against the device memory less the safety margin."""
+
+    zero_stage: int
+    offload: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    fits: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def label(self) -> str:
+        return f"ZeRO {self.zero_stage}" + ("" if self.offload == "none" else f" + offload {self.offload}")
+
+
+def model_state_bytes(
+    num_params: float, *, zero_stage: int, dp: int, precision: str = "32-true", backend: str = "native",
+    offload: str = "none", largest_block_params: float = 0.0, root_params: float = 0.0,
+) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state incl. master weights) bytes per rank for ``num_params`` per model-parallel rank.
+
+    Native stages follow :mod:`lightning_llm.parallel.data_parallel`: stage 1 runs as stage 2, whose
+    gathered parameters stay resident from forward to backward; stage 3 holds its shard, one gathered
+    block (``largest_block_params``) and, natively, the root unit (``root_params``: embeddings, head),
+    which FSDP2 keeps gathered through the step.
+    """
+    table = _DEEPSPEED_BYTES if backend == "deepspeed" else _BYTES
+    if precision not in table:
+        raise ValueError(f"precision={precision!r} is not planned for; use one of {sorted(table)}.")
+    p_bytes, g_bytes, o_bytes, master = table[precision]
+    optimizer = (o_bytes + master) * num_params
+    if backend == "native" and zero_stage in (1, 2):
+        params, grads, optimizer = p_bytes * num_params, g_bytes * num_params / dp, optimizer / dp
+    elif zero_stage == 0:
+        params, grads = p_bytes * num_params, g_bytes * num_params
+    elif zero_stage == 1:
+        params, grads, optimizer = p_bytes * num_params, g_bytes * num_params, optimizer / dp
+    elif zero_stage == 2:
+        params, grads, optimizer = p_bytes * num_params, g_bytes * num_params / dp, optimizer / dp
+    else:
+        params = p_bytes * ((num_params - root_params) / dp + root_params + largest_block_params)
+        grads, optimizer = g_bytes * num_params / dp, optimizer / dp
+    if offload in ("optimizer", "optimizer+params"):
+        optimizer = 0.0
+    if offload == "optimizer+params":
+        params = p_bytes * largest_block_params
+    return params, grads, optimizer
+
+
+def activation_bytes(
+    module: nn.Module, *, micro_batch_size: int, seq_len: int, activation_checkpointing: str = "none",
+    batch_fn=None, precision: str = "32-true",
+) -> float:
+    """Bytes autograd keeps for one micro-batch, measured on fake tensors.
+
+    "full" keeps each block's input plus, while one block recomputes, that block's activations; the
+    other modes are planned at their "none" value (an upper bound). ``batch_fn(b, t)`` builds a batch;
+    by default (b, t + 1) token ids, the layout of :class:`~lightning_llm.models.CausalLM`. The forward
+    runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
+    every saved activation in 16 bits).
+    """
+    device = next(module.parameters()).device
+    batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
+    _, blocks = find_blocks(module)
+    with silenced_logging(module):
+        sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
+    scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
+    if activation_checkpointing == "full":
+        return scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
+    return scale * sum(s.saved for s in sizes)
+
+
+def parameter_counts(module: nn.Module) -> tuple[int, int, int]:
+    """(all parameters, the largest block's, those outside the blocks) of ``module`` (meta device is fine)."""
+    _, blocks = find_blocks(module)
+    total = sum(p.numel() for p in module.parameters())
+    in_blocks = sum(p.numel() for p in blocks.parameters())
+    return total, max(sum(p.numel() for p in b.parameters()) for b in blocks.children()), total - in_blocks

@@ -1,0 +1,186 @@
+"""Choosing a ZeRO stage and offload: the least communication that fits the device, or a refusal that says what would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_llm.planning.memory import MemoryEstimate, activation_bytes, model_state_bytes, parameter_counts
+
+GiB = 2**30
+# Options from least to most communication (and host traffic).
+NATIVE_OPTIONS = [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+DEEPSPEED_OPTIONS = [(1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")]
+
+
+class MemoryPlanError(ValueError):
+    """Nothing fits; the message holds the table and the changes that would fit."""
+
+
+@dataclass
+class ZeroDecision:
+    """The chosen stage and offload, every option's estimate, and the rendered table."""
+
+    stage: int
+    offload: str
+    rows: list[MemoryEstimate] = field(default_factory=list)
+    table: str = ""
+
+
+def estimate_options(
+    num_params: int, largest_block: int, activations: float, *, outside_blocks: int = 0, world_size: int, tp: int = 1, pp: int = 1,
+    dp_replicate: int = 1, precision: str = "32-true", backend: str = "native", allow_offload: bool = True,
+    usable: float | None = None,
+) -> list[MemoryEstimate]:
+    """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes."""
+    dp = world_size // (tp * pp)
+    shard = max(dp // dp_replicate, 1)
+    per_rank_params, per_rank_block = num_params / (tp * pp), largest_block / tp
+    # Natively the root unit (embeddings, head) stays gathered through the step.
+    root = outside_blocks / tp if backend == "native" else 0.0
+    rows = []
+    for stage, offload in NATIVE_OPTIONS if backend == "native" else DEEPSPEED_OPTIONS:
+        if offload != "none" and not allow_offload:
+            continue
+        params, grads, optimizer = model_state_bytes(
+            per_rank_params, zero_stage=stage, dp=1 if stage == 0 else shard, precision=precision, backend=backend,
+            offload=offload, largest_block_params=per_rank_block, root_params=root,
+        )
+        # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
+        row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / tp)
+        row.fits = usable is not None and row.total <= usable
+        rows.append(row)
+    return rows
+
+
+def render_table(rows: list[MemoryEstimate], usable: float | None, chosen: MemoryEstimate | None = None) -> str:
+    """A terminal table of bytes per rank, in GiB (MiB for small models)."""
+    unit, name = (GiB, "GiB") if max(r.total for r in rows) >= GiB else (2**20, "MiB")
+    head = f"{'option (' + name + ' per rank)':<34}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total':>9}  fits"
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        mark = "yes" if row.fits else "no"
+        if row is chosen:
+            mark += "  <- chosen"
+        lines.append(f"{row.label:<34}{row.params / unit:9.2f}{row.grads / unit:9.2f}{row.optimizer / unit:9.2f}"
+                     f"{row.activations / unit:9.2f}{row.total / unit:9.2f}  {mark}")
+    if usable is not None:
+        lines.append(f"usable device memory per rank: {usable / unit:.2f} {name}")
+    return "\n".join(lines)
+
+
+def choose_zero_stage(
+    model: nn.Module,
+    *,
+    device_memory: int,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    dp_replicate: int = 1,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str = "32-true",
+    activation_checkpointing: str = "none",
+    backend: str = "native",
+    allow_offload: bool = True,
+    margin: float = 0.1,
+) -> ZeroDecision:
+    """The least-communication (stage, offload) whose per-rank memory fits ``device_memory * (1 - margin)``.
+
+    ``model`` may live on the meta device. Raises :class:`MemoryPlanError` with the table and the
+    changes that would fit (more devices, tensor/pipeline parallelism, offload, checkpointing).
+
+    Example::
+
+        with torch.device("meta"):
+            module = CausalLM("70B"); module.configure_model()
+        choose_zero_stage(module, device_memory=80 * 2**30, world_size=64, tp=8, micro_batch_size=1, seq_len=4096)
+    """
+    num_params, largest_block, outside_blocks = parameter_counts(model)
+    activations = activation_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                   activation_checkpointing=activation_checkpointing, precision=precision)
+    usable = device_memory * (1 - margin)
+    common = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision, backend=backend,
+                  outside_blocks=outside_blocks)
+    rows = estimate_options(num_params, largest_block, activations, allow_offload=allow_offload, usable=usable, **common)
+    chosen = next((row for row in rows if row.fits), None)
+    table = render_table(rows, usable, chosen)
+    if chosen is None:
+        hints = _what_would_fit(num_params, largest_block, activations, usable, allow_offload, activation_checkpointing, model,
+                                micro_batch_size, seq_len, **common)
+        raise MemoryPlanError(
+            f"No ZeRO stage{' or offload' if allow_offload else ''} fits {_size(device_memory)} per device "
+            f"(margin {margin:.0%}):\n{table}\nOptions that would fit: " + ("; ".join(hints) or "none found") + "."
+        )
+    return ZeroDecision(chosen.zero_stage, chosen.offload, rows, table)
+
+
+def _what_would_fit(num_params, largest_block, activations, usable, allow_offload, activation_checkpointing, model,
+                    micro_batch_size, seq_len, *, world_size, tp, pp, dp_replicate, precision, backend,
+                    outside_blocks) -> list[str]:
+    def fits(**changes) -> bool:
+        settings = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision,
+                        backend=backend, allow_offload=allow_offload, usable=usable, outside_blocks=outside_blocks)
+        acts = changes.pop("activations", activations)
+        settings.update(changes)
+        return any(r.fits for r in estimate_options(num_params, largest_block, acts, **settings))
+
+    hints = []
+    for factor in (2, 4, 8, 16, 32):
+        if fits(world_size=world_size * factor):
+            hints.append(f"{world_size * factor} devices ({factor}x) with ZeRO 3")
+            break
+    for new_tp in (2, 4, 8):
+        if new_tp > tp and (world_size % (new_tp * pp) == 0) and fits(tp=new_tp):
+            hints.append(f"tensor_parallel_size={new_tp}")
+            break
+    for new_pp in (2, 4, 8):
+        if new_pp > pp and (world_size % (tp * new_pp) == 0) and fits(pp=new_pp):
+            hints.append(f"pipeline_parallel_size={new_pp}")
+            break
+    if not allow_offload and fits(allow_offload=True):
+        hints.append("CPU offload (offload='auto' or 'optimizer')")
+    if activation_checkpointing != "full":
+        full = activation_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len, activation_checkpointing="full",
+                                precision=precision)
+        if fits(activations=full):
+            hints.append("activation_checkpointing='full'")
+    return hints
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from "80GB", "80GiB", "24G", "512MB" or a number of bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    stripped = text.strip().upper()
+    number = stripped.rstrip("KMGTIB")
+    unit = stripped[len(number):]
+    try:
+        return int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"Cannot read the size {text!r}; write it like '80GB', '80GiB' or '24G'.") from None
+
+
+def planning_inputs(trainer, device: torch.device, device_memory: int | None, micro_batch_size: int | None,
+                    seq_len: int | None) -> dict:
+    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run."""
+    from lightning_llm.parallel.activation_memory import device_memory as accelerator_memory
+
+    hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
+    micro_batch_size = micro_batch_size or hparams.get("batch_size")
+    seq_len = seq_len or hparams.get("seq_len")
+    if not micro_batch_size or not seq_len:
+        raise ValueError(
+            "Automatic ZeRO selection needs the micro-batch shape: pass micro_batch_size and seq_len to the strategy "
+            "(they are read from the datamodule's batch_size and seq_len when it has them)."
+        )
+    return {"device_memory": device_memory or accelerator_memory(device), "micro_batch_size": micro_batch_size,
+            "seq_len": seq_len}

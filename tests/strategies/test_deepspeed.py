@@ -1,0 +1,286 @@
+"""LLMDeepSpeedStrategy: ZeRO 1/2/3 parity with single-process training on 2 CPU ranks, resume, presets, errors.
+
+One 2-rank job (module fixture) trains every layout once and the tests below read its results:
+10 fp32 steps per stage against a single-process run of the same model, data and seed, then a
+save at step 5 with ``trainer.save_checkpoint`` and a resumed run to step 10.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy, default_config, merge_config
+from lightning_llm.testing import run_distributed
+from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
+
+CONFIG = Path(__file__).parents[2] / "configs" / "tiny_deepspeed.yaml"
+SAVE_STEP = 5
+# Tolerance for fp32 parity, relative: per-step losses and ||p - p_ref|| / ||p_ref|| per tensor. DeepSpeed sums
+# gradients of 2 ranks and computes the clipping norm from partitions, in another order than one process.
+RTOL = 1e-5
+# Stage 3 keeps parameters under this many elements whole on each rank; 0 makes it shard the tiny model's all.
+SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+
+
+class SaveAt(L.Callback):
+    """Calls ``trainer.save_checkpoint`` inside the loop at one step, as a periodic save in a long run does."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+class StateBytes(L.Callback):
+    """Bytes of this rank's parameters, gradients and optimizer state, read from the engine before the last step."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == trainer.max_steps - 1:
+            self.bytes = engine_state_bytes(trainer.strategy.deepspeed_engine)
+
+
+def engine_state_bytes(engine) -> dict[str, int]:
+    """Storage bytes per category, each storage counted once: the model's parameters (under stage 3 the
+    local partitions), fp32 master copies and optimizer state of the wrapped torch optimizer, and the
+    gradient buffers the ZeRO optimizer holds (its attributes whose name mentions ``grad``)."""
+    seen: set[int] = set()
+    total: Counter = Counter()
+
+    def add(kind: str, tensor) -> None:
+        if torch.is_tensor(tensor) and tensor.untyped_storage().nbytes() and tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            total[kind] += tensor.untyped_storage().nbytes()
+
+    for p in engine.module.parameters():
+        add("parameters", getattr(p, "ds_tensor", p))
+        add("gradients", p.grad)
+    inner = engine.optimizer.optimizer
+    for param, state in inner.state.items():
+        add("master_weights", param)
+        for value in state.values():
+            add("optimizer_state", value if torch.is_tensor(value) and value.numel() > 1 else None)
+    for name, value in vars(engine.optimizer).items():
+        if "grad" in name:
+            for tensor in _tensors(value):
+                add("gradients", tensor)
+    return dict(total)
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def full_params(module, sharded: bool) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    # Under stage 3 each rank holds a slice of every parameter; gather them to compare whole tensors.
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=sharded):
+        return {name: p.detach().clone().float() for name, p in module.named_parameters()}
+
+
+def fit(strategy=None, devices: int = 1, steps: int = STEPS, callbacks=(), resume_from=None):
+    """Train the reference tiny Llama until ``steps``; return (global losses per step, full parameters)."""
+    model = make_model("reference")
+    losses = GlobalLoss()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=steps, gradient_clip_val=0.5,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[losses, *callbacks], num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, data(GLOBAL_BATCH // devices), ckpt_path=resume_from)
+    sharded = isinstance(strategy, LLMDeepSpeedStrategy) and strategy.zero_stage == 3
+    return losses.losses, full_params(model, sharded) if strategy else full_params(model, False)
+
+
+def _recording_planner(calls: list) -> types.ModuleType:
+    """Stands in for lightning_llm.planning.zero (tested in tests/planning): records its inputs, answers stage 3."""
+    module = types.ModuleType("lightning_llm.planning.zero")
+
+    def choose_zero_stage(model, **kwargs):
+        calls.append({"model": type(model).__name__, **kwargs})
+        return types.SimpleNamespace(stage=3, offload="none", table="stage  fits\n3      yes")
+
+    module.choose_zero_stage = choose_zero_stage
+    return module
+
+
+def _train_all_layouts(tmp: str) -> dict:
+    results = {}
+    for stage in (1, 2, 3):
+        strategy = LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None)
+        probe = StateBytes()
+        results[stage] = fit(strategy, devices=2, callbacks=[probe])
+        results[f"bytes{stage}"] = probe.bytes
+        results[f"config{stage}"] = strategy.config
+        checkpoint = f"{tmp}/stage{stage}.ckpt"
+        first = fit(LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None), devices=2,
+                    steps=SAVE_STEP, callbacks=[SaveAt(SAVE_STEP, checkpoint)])
+        second = fit(LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None), devices=2,
+                     resume_from=checkpoint)
+        results[f"resumed{stage}"] = (first[0] + second[0], second[1])
+    calls: list = []
+    sys.modules["lightning_llm.planning.zero"] = _recording_planner(calls)
+    auto = LLMDeepSpeedStrategy(zero_stage="auto", offload="auto", config=SHARD_ALL)
+    results["auto"] = fit(auto, devices=2)
+    results["auto_calls"], results["auto_stage"] = calls, auto.deepspeed_engine.zero_optimization_stage()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    reference = fit()
+    rank0, rank1 = run_distributed(_train_all_layouts, 2, str(tmp), timeout=280)
+    return reference, rank0, rank1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_single_process(runs, stage):
+    reference, rank0, rank1 = runs
+    assert len(reference[0]) == STEPS
+    assert_parity(rank0[stage], reference, f"zero{stage}", rtol=RTOL)
+    assert_parity(rank1[stage], reference, f"zero{stage} rank 1", rtol=RTOL)
+    config = rank0[f"config{stage}"]
+    # What reached DeepSpeed: the stage, the LLM defaults, and the Trainer's clip value, batch and fp32 precision.
+    assert config["zero_optimization"]["stage"] == stage
+    assert config["zero_optimization"]["overlap_comm"] and config["zero_optimization"]["contiguous_gradients"]
+    assert config["gradient_clipping"] == 0.5 and config["train_micro_batch_size_per_gpu"] == GLOBAL_BATCH // 2
+    assert "bf16" not in config and "fp16" not in config
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpoint_resume_continues_like_an_uninterrupted_run(runs, stage):
+    _, rank0, _ = runs
+    losses, params = rank0[f"resumed{stage}"]
+    uninterrupted_losses, uninterrupted_params = rank0[stage]
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted_losses), rtol=1e-6, atol=0)
+    for name, value in uninterrupted_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_its_share_of_model_states(runs):
+    reference, rank0, rank1 = runs
+    full = sum(p.numel() * 4 for p in reference[1].values())  # fp32 parameters of the whole model
+    table = "\n".join(f"stage {s}: " + ", ".join(f"{k}={v:,}" for k, v in sorted(rank0[f"bytes{s}"].items()))
+                      for s in (1, 2, 3))
+    print(f"\nper-rank bytes (2 ranks, full fp32 parameters = {full:,}):\n{table}")
+    for stage in (1, 2, 3):
+        for result in (rank0, rank1):
+            got = result[f"bytes{stage}"]
+            # AdamW's two moments, sharded over 2 ranks: one parameter-sized share each (plus padding).
+            assert full <= got["optimizer_state"] <= 1.01 * full, (stage, got)
+            assert 0.5 * full <= got["master_weights"] <= 0.51 * full, (stage, got)
+    assert rank0["bytes1"]["parameters"] == rank0["bytes2"]["parameters"] == full  # replicated below stage 3
+    assert 0.5 * full <= rank0["bytes3"]["parameters"] <= 0.51 * full  # stage 3: half per rank
+    assert rank0["bytes3"]["gradients"] <= 0.51 * full
+
+
+@pytest.mark.distributed
+def test_auto_takes_the_planners_stage_with_inputs_from_the_datamodule(runs):
+    reference, rank0, _ = runs
+    assert rank0["auto_stage"] == 3
+    (call,) = rank0["auto_calls"]
+    assert call["model"] == "CausalLM" and call["device_memory"] > 0
+    assert {k: call[k] for k in ("world_size", "tp", "pp", "micro_batch_size", "seq_len", "precision", "backend",
+                                 "allow_offload", "activation_checkpointing")} == {
+        "world_size": 2, "tp": 1, "pp": 1, "micro_batch_size": GLOBAL_BATCH // 2, "seq_len": 32,
+        "precision": "32-true", "backend": "deepspeed", "allow_offload": True, "activation_checkpointing": "none"}
+    assert_parity(rank0["auto"], reference, "auto -> zero3", rtol=RTOL)
+
+
+def test_missing_deepspeed_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'lightning_llm\[deepspeed\]'"):
+        LLMDeepSpeedStrategy(zero_stage=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(zero_stage=4), r"zero_stage=4 is not supported: choose 1, 2, 3 or 'auto'"),
+        (dict(zero_stage=0), r"zero_stage=0 .* use strategy='ddp'"),
+        (dict(offload="disk"), r"offload='disk' is unknown: choose one of 'none', 'optimizer'"),
+        (dict(zero_stage=2, offload="optimizer+params"), r"needs zero_stage=3 \(got 2\)"),
+        (dict(zero_stage=3, offload="auto"), r"offload='auto' is planned together with the stage"),
+        (dict(offload="optimizer", offload_device="nvme"), r"offload_device='nvme' needs nvme_path"),
+        (dict(zero_stage=3, config={"zero_optimization": {"stage": 2}}), r"config sets zero_optimization.stage=2"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLMDeepSpeedStrategy(**kwargs)
+
+
+def test_precision_contradicting_the_trainer_is_refused_before_training():
+    model = make_model("reference")
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=1, logger=False,
+                        strategy=LLMDeepSpeedStrategy(zero_stage=1, config={"bf16": {"enabled": True}}),
+                        enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"enables 'bf16' but the Trainer runs with precision='32-true'"):
+        trainer.fit(model, data(4))
+    assert trainer.global_step == 0
+
+
+def test_user_config_dict_or_file_is_merged_over_the_defaults(tmp_path):
+    user = {"zero_optimization": {"reduce_bucket_size": 1000}, "steps_per_print": 7}
+    path = tmp_path / "ds.json"
+    path.write_text(__import__("json").dumps(user))
+    for config in (user, str(path)):
+        merged = LLMDeepSpeedStrategy(zero_stage=3, offload="optimizer+params", config=config).config
+        zero = merged["zero_optimization"]
+        assert zero["reduce_bucket_size"] == 1000 and merged["steps_per_print"] == 7
+        assert zero["stage"] == 3 and zero["overlap_comm"] and zero["stage3_param_persistence_threshold"] == 1e5
+        assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+    assert "offload_param" not in default_config(zero_stage=3, offload="optimizer")["zero_optimization"]
+    assert merge_config({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        LLMDeepSpeedStrategy(config=str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize(
+    ("name", "stage", "offload"),
+    [("llm_deepspeed_zero1", 1, None), ("llm_deepspeed_zero2", 2, None), ("llm_deepspeed_zero3", 3, None),
+     ("llm_deepspeed_zero2_offload", 2, "offload_optimizer"), ("llm_deepspeed_zero3_offload", 3, "offload_param")],
+)
+def test_registered_names_build_the_strategy(name, stage, offload):
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, LLMDeepSpeedStrategy) and trainer.strategy.zero_stage == stage
+    assert offload is None or offload in trainer.strategy.config["zero_optimization"]
+    assert StrategyRegistry["llm_deepspeed_auto"]["init_params"] == {"zero_stage": "auto", "offload": "auto"}
+
+
+def test_yaml_config_and_preset_name_parse_through_the_cli(tmp_path, monkeypatch):
+    from lightning_llm.cli import LLMCLI
+
+    monkeypatch.chdir(tmp_path)
+    cli = LLMCLI(args=["--config", str(CONFIG), "--trainer.logger", "false"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, LLMDeepSpeedStrategy) and strategy.zero_stage == 2
+    assert strategy.config["zero_optimization"]["reduce_bucket_size"] == 5e7 and strategy.num_processes == 2
+    cli = LLMCLI(args=["--config", str(CONFIG), "--trainer.logger", "false", "--trainer.strategy",
+                       "llm_deepspeed_zero3"], run=False)
+    assert isinstance(cli.trainer.strategy, LLMDeepSpeedStrategy) and cli.trainer.strategy.zero_stage == 3
