@@ -150,7 +150,7 @@ def parallelize(
     if compile_blocks:
         for block in owned_blocks:
             block.compile()
-    if dims.dp > 1 or cpu_offload or precision in ("bf16-mixed", "16-mixed"):
+    if dims.dp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
         dp_mesh = dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
         apply_data_parallel(
             roots if roots is not None else data_parallel_roots(module, blocks_name), owned_blocks, dp_mesh=dp_mesh,
