@@ -186,7 +186,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         on_meta = any(p.is_meta for p in module.parameters())
         if not on_meta:
             module.to(self.root_device)
-        self.model_shape = ModelShape.of(module, self.blocks)  # before the model is cut into shards and stages
+        try:  # read before the model is cut into shards and stages; MFUMonitor uses it
+            self.model_shape = ModelShape.of(module, self.blocks)
+        except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
+            self.model_shape = None
         if self.zero_stage == "auto":
             self._choose_zero_stage(trainer, module)
         checkpointing = self._plan_activation_checkpointing(trainer, module)
