@@ -52,3 +52,15 @@ def test_clipped_flag_and_arguments():
     assert _first_norms(arch="reference", clip=1e3)["grad_norm/clipped"] == 0.0
     with pytest.raises(ValueError, match="norm_type=0"):
         GradNormMonitor(norm_type=0)
+
+
+def _deepspeed_norm(world_size):
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    return _first_norms(LLMDeepSpeedStrategy(zero_stage=2), world_size, dp=2, arch="reference", clip=1e3)
+
+
+def test_norm_under_deepspeed_zero2_equals_single_process():
+    norms = run_distributed(_deepspeed_norm, 2, 2, timeout=240)[0]
+    want = _first_norms(arch="reference", clip=1e3)
+    assert norms["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)
