@@ -18,6 +18,7 @@ import os
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LightningCLI
 
+import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 

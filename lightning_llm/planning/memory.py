@@ -27,7 +27,7 @@ _BYTES = {
     "bf16-true": (2, 2, 4, 0),
 }
 _DEEPSPEED_BYTES = {  # DeepSpeed keeps 16-bit parameters and gradients plus fp32 master weights: K = 12
-    "32-true": (4, 4, 8, 0),
+    "32-true": (4, 4, 8, 4),  # its fp32 master partition exists even when the model is fp32
     "bf16-mixed": (2, 2, 8, 4),
     "16-mixed": (2, 2, 8, 4),
     "bf16-true": (2, 2, 4, 0),

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -25,7 +24,8 @@ def _require_deepspeed() -> None:
         import deepspeed  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"LLMDeepSpeedStrategy needs DeepSpeed, which could not be imported ({err}). Install the extra: {INSTALL_HINT}"
+            f"LLMDeepSpeedStrategy needs DeepSpeed, which could not be imported ({err}). "
+            f"Install the extra: {INSTALL_HINT}"
         ) from err
 
 
@@ -34,8 +34,8 @@ def default_config(
 ) -> dict[str, Any]:
     """DeepSpeed settings suited to LLM training, for one ZeRO stage and offload choice.
 
-    Communication overlaps the backward pass in 200M-element buckets (DeepSpeed's own default of
-    500M costs 1 GB of bf16 bucket per rank for nothing on models below a few billion parameters);
+    Communication overlaps the backward pass in buckets of 200M elements (DeepSpeed's own default
+    of 500M costs 1 GB of bf16 buffer per rank; the strategy also caps them at the model's size);
     gradients go to one contiguous buffer so they do not fragment memory. Precision (``bf16``/``fp16``),
     ``gradient_clipping``, ``gradient_accumulation_steps`` and the micro-batch size are left out on
     purpose: Lightning fills them from the Trainer (``precision``, ``gradient_clip_val``,
@@ -64,14 +64,18 @@ def default_config(
         # Parameters under 100k elements (norms, biases) stay whole on every rank: gathering them costs
         # more latency than the memory they would save.
         zero.update(stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5,
-                    stage3_max_live_parameters=1e9, stage3_gather_16bit_weights_on_model_save=False)
+                    stage3_max_live_parameters=1e9)
     device = {"device": offload_device, "pin_memory": True, **({"nvme_path": nvme_path} if nvme_path else {})}
+    # The optimizer comes from LightningModule.configure_optimizers (usually torch AdamW), not the config.
+    config: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
     if offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = dict(device)
+        # DeepSpeed refuses an offloaded step by any optimizer but its own DeepSpeedCPUAdam; the module's
+        # optimizer works too, only slower: let it run (return DeepSpeedCPUAdam from configure_optimizers for speed).
+        config["zero_force_ds_cpu_optimizer"] = False
     if offload == "optimizer+params":
         zero["offload_param"] = dict(device)
-    # The optimizer comes from LightningModule.configure_optimizers (usually torch AdamW), not the config.
-    return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+    return config
 
 
 def merge_config(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -110,12 +114,12 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
     Arguments:
         zero_stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters) or "auto".
         offload: "none", "optimizer", "optimizer+params" (stage 3 only) or "auto" (with ``zero_stage="auto"``:
-            the planner may offload when nothing else fits).
+            the planner may offload when nothing else fits; ``zero_stage="auto"`` with "none" never offloads).
         offload_device: "cpu" or "nvme".
         nvme_path: a directory on a fast local disk, required for ``offload_device="nvme"``.
         config: a DeepSpeed config dict, or the path of a JSON file, merged over the defaults.
-        device_memory: bytes per device the planner may use (default: the accelerator's total memory; on
-            CPU the host memory shared by the local ranks).
+        device_memory: memory per device the planner may use, in bytes or as "80GB" / "24GiB" (default: the
+            accelerator's total memory; on CPU the host's).
         micro_batch_size: samples per micro-batch, for the planner (default: the datamodule's ``batch_size``).
         seq_len: tokens per sample, for the planner (default: the datamodule's ``seq_len``).
         process_group_backend: default "nccl" on CUDA, "gloo" on CPU.
@@ -134,7 +138,7 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
         offload_device: Literal["cpu", "nvme"] = "cpu",
         nvme_path: str | None = None,
         config: dict | str | None = None,
-        device_memory: int | None = None,
+        device_memory: int | str | None = None,
         micro_batch_size: int | None = None,
         seq_len: int | None = None,
         process_group_backend: str | None = None,
@@ -189,39 +193,38 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
     def setup(self, trainer) -> None:
         if self.requested_stage == "auto":
             self._resolve_auto(trainer)
+        self._size_buckets_to_model()
         super().setup(trainer)
+
+    def _size_buckets_to_model(self) -> None:
+        """Shrink communication buckets the user did not set to the model's size: DeepSpeed allocates
+        whole buckets up front, which for a small model would dwarf the model itself."""
+        # Under stage 3 the parameters are already partitioned here; ``ds_numel`` keeps their full size.
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.lightning_module.parameters())
+        zero, user_zero = self.config["zero_optimization"], self.user_config.get("zero_optimization", {})
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            if key in zero and key not in user_zero:
+                zero[key] = int(min(zero[key], numel))
 
     def _resolve_auto(self, trainer) -> None:
         """Ask the memory planner for the stage (and offload), before DeepSpeed builds its engine."""
-        from lightning_llm.planning.zero import choose_zero_stage
+        from lightning_llm.planning.zero import choose_zero_stage, parse_size, planning_inputs
 
-        micro_batch_size, seq_len = self._batch_shape(trainer)
+        memory = parse_size(self.device_memory) if self.device_memory is not None else None
+        # The micro-batch shape comes from the strategy's arguments, else the datamodule's batch_size/seq_len.
+        inputs = planning_inputs(trainer, self.root_device, memory, self.micro_batch_size, self.seq_len)
         self.decision = choose_zero_stage(
-            self.lightning_module, device_memory=self.device_memory or _device_memory(self.root_device,
-                                                                                     self.num_processes),
-            world_size=self.world_size, tp=1, pp=1, micro_batch_size=micro_batch_size, seq_len=seq_len,
-            precision=str(trainer.precision), activation_checkpointing="none", backend="deepspeed",
-            allow_offload=self.requested_offload == "auto", margin=0.1,
+            self.lightning_module, world_size=self.world_size, tp=1, pp=1, precision=str(trainer.precision),
+            activation_checkpointing="none", backend="deepspeed", allow_offload=self.requested_offload == "auto",
+            margin=0.1, **inputs,
         )
-        offload = self.decision.offload if self.requested_offload == "auto" else self.requested_offload
+        offload = self.decision.offload  # "none" whenever offload was not "auto"
         self.config = self._build_config(self.decision.stage, offload)
         self._config_initialized = False  # Lightning formats the new config (batch size, precision) again
-        rank_zero_info(f"LLMDeepSpeedStrategy: planned ZeRO stage {self.decision.stage}, offload "
-                       f"{offload!r}\n{self.decision.table}")
+        rank_zero_info(f"LLMDeepSpeedStrategy: zero_stage='auto' chose ZeRO {self.decision.stage}, offload "
+                       f"{offload!r}:\n{self.decision.table}")
         for logger in trainer.loggers:
             logger.log_hyperparams({"zero_stage": self.decision.stage, "zero_offload": offload})
-
-    def _batch_shape(self, trainer) -> tuple[int, int]:
-        hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-        micro_batch_size = self.micro_batch_size or hparams.get("batch_size")
-        seq_len = self.seq_len or hparams.get("seq_len")
-        if not micro_batch_size or not seq_len:
-            raise ValueError(
-                f"zero_stage='auto' needs the micro-batch size and sequence length (got micro_batch_size="
-                f"{micro_batch_size}, seq_len={seq_len}): pass LLMDeepSpeedStrategy(micro_batch_size=..., "
-                "seq_len=...) or use a datamodule whose hparams hold batch_size and seq_len."
-            )
-        return int(micro_batch_size), int(seq_len)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
@@ -276,10 +279,10 @@ def _validate_args(zero_stage, offload, offload_device, nvme_path, user_config: 
                          "stage 0 is plain data parallelism: use strategy='ddp').")
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r} is unknown: choose one of {', '.join(map(repr, OFFLOADS))}.")
-    if offload == "auto" and zero_stage != "auto":
-        raise ValueError(f"offload='auto' is planned together with the stage: set zero_stage='auto' (got "
-                         f"{zero_stage!r}) or choose offload='none', 'optimizer' or 'optimizer+params'.")
-    if offload == "optimizer+params" and zero_stage not in (3, "auto"):
+    if (offload == "auto") != (zero_stage == "auto") and offload != "none":
+        raise ValueError(f"zero_stage={zero_stage!r} with offload={offload!r}: the planner chooses the stage and the "
+                         "offload together. Set both to 'auto' (offload='none' to forbid offloading), or neither.")
+    if offload == "optimizer+params" and zero_stage != 3:
         raise ValueError(f"offload='optimizer+params' needs zero_stage=3 (got {zero_stage!r}): only stage 3 "
                          "partitions parameters. Use offload='optimizer' with stages 1 and 2.")
     if offload_device not in ("cpu", "nvme"):
@@ -315,11 +318,3 @@ def _require_deepspeed_cpu_accelerator() -> None:
             f"selected {name!r}. Set the environment variable DS_ACCELERATOR=cpu before Python starts."
         )
 
-
-def _device_memory(device: torch.device, local_ranks: int) -> int:
-    """Total bytes of one device; on CPU the host memory divided among the ranks that share it."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    import psutil
-
-    return psutil.virtual_memory().total // max(1, local_ranks)

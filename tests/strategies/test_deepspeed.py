@@ -1,8 +1,9 @@
-"""LLMDeepSpeedStrategy: ZeRO 1/2/3 parity with single-process training on 2 CPU ranks, resume, presets, errors.
+"""LLMDeepSpeedStrategy: ZeRO 1/2/3 (and offload) parity with single-process training on 2 CPU ranks, resume,
+"auto" through the planner, presets, the CLI and refused input.
 
-One 2-rank job (module fixture) trains every layout once and the tests below read its results:
-10 fp32 steps per stage against a single-process run of the same model, data and seed, then a
-save at step 5 with ``trainer.save_checkpoint`` and a resumed run to step 10.
+One 2-rank job (the module fixture) trains every layout once and the tests read its results: 10 fp32
+steps per layout against a single-process run of the same model, data and seed; per stage a save at
+step 5 with ``trainer.save_checkpoint`` and a run resumed from it to step 10.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
+import lightning_llm.planning.zero as zero_planner
+from lightning_llm.planning.zero import choose_zero_stage
 from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy, default_config, merge_config
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
@@ -28,6 +31,14 @@ SAVE_STEP = 5
 RTOL = 1e-5
 # Stage 3 keeps parameters under this many elements whole on each rank; 0 makes it shard the tiny model's all.
 SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+PLANNER_MARGIN = 0.1  # the share of device memory LLMDeepSpeedStrategy tells the planner to keep free
+LAYOUTS = {
+    "zero1": dict(zero_stage=1),
+    "zero2": dict(zero_stage=2),
+    "zero3": dict(zero_stage=3, config=SHARD_ALL),
+    "zero2_offload": dict(zero_stage=2, offload="optimizer"),
+    "zero3_offload": dict(zero_stage=3, offload="optimizer+params", config=SHARD_ALL),
+}
 
 
 class SaveAt(L.Callback):
@@ -54,18 +65,20 @@ class StateBytes(L.Callback):
 
 def engine_state_bytes(engine) -> dict[str, int]:
     """Storage bytes per category, each storage counted once: the model's parameters (under stage 3 the
-    local partitions), fp32 master copies and optimizer state of the wrapped torch optimizer, and the
-    gradient buffers the ZeRO optimizer holds (its attributes whose name mentions ``grad``)."""
+    local partitions and any parameter kept whole), the fp32 master copies and optimizer state of the wrapped
+    torch optimizer, and the gradient buffers the ZeRO optimizer holds (attributes whose name has ``grad``)."""
     seen: set[int] = set()
     total: Counter = Counter()
 
     def add(kind: str, tensor) -> None:
-        if torch.is_tensor(tensor) and tensor.untyped_storage().nbytes() and tensor.untyped_storage().data_ptr() not in seen:
-            seen.add(tensor.untyped_storage().data_ptr())
-            total[kind] += tensor.untyped_storage().nbytes()
+        storage = tensor.untyped_storage() if torch.is_tensor(tensor) else None
+        if storage is not None and storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total[kind] += storage.nbytes()
 
     for p in engine.module.parameters():
-        add("parameters", getattr(p, "ds_tensor", p))
+        add("parameters", getattr(p, "ds_tensor", None))  # a stage-3 partition
+        add("parameters", p)  # whole (below stage 3, or a stage-3 parameter kept whole); empty once released
         add("gradients", p.grad)
     inner = engine.optimizer.optimizer
     for param, state in inner.state.items():
@@ -112,69 +125,97 @@ def fit(strategy=None, devices: int = 1, steps: int = STEPS, callbacks=(), resum
     return losses.losses, full_params(model, sharded) if strategy else full_params(model, False)
 
 
-def _recording_planner(calls: list) -> types.ModuleType:
-    """Stands in for lightning_llm.planning.zero (tested in tests/planning): records its inputs, answers stage 3."""
-    module = types.ModuleType("lightning_llm.planning.zero")
+def validate(strategy=None, devices: int = 1) -> dict[str, float]:
+    """``trainer.validate`` alone (DeepSpeed builds an inference engine) on the untrained model."""
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy or "auto", limit_val_batches=4,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = trainer.validate(make_model("reference"), data(GLOBAL_BATCH // devices))
+    return metrics
+
+
+def memory_that_fits_only_zero3(micro_batch_size: int, seq_len: int) -> int:
+    """Device memory between the planner's ZeRO-2 and ZeRO-3 estimates for the tiny model on 2 ranks."""
+    rows = choose_zero_stage(make_model("reference"), device_memory=2**40, world_size=2,
+                             micro_batch_size=micro_batch_size, seq_len=seq_len, backend="deepspeed").rows
+    total = {(row.zero_stage, row.offload): row.total for row in rows}
+    assert total[(3, "none")] < total[(2, "none")] < total[(1, "none")]
+    return int((total[(3, "none")] + total[(2, "none")]) / 2 / (1 - PLANNER_MARGIN))
+
+
+def _spy_on_planner(calls: list) -> None:
+    """Records what the strategy asks the (real) planner."""
+    real = zero_planner.choose_zero_stage
 
     def choose_zero_stage(model, **kwargs):
         calls.append({"model": type(model).__name__, **kwargs})
-        return types.SimpleNamespace(stage=3, offload="none", table="stage  fits\n3      yes")
+        return real(model, **kwargs)
 
-    module.choose_zero_stage = choose_zero_stage
-    return module
+    zero_planner.choose_zero_stage = choose_zero_stage
 
 
-def _train_all_layouts(tmp: str) -> dict:
+def _train_all_layouts(tmp: str, auto_memory: int) -> dict:
     results = {}
-    for stage in (1, 2, 3):
-        strategy = LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None)
-        probe = StateBytes()
-        results[stage] = fit(strategy, devices=2, callbacks=[probe])
-        results[f"bytes{stage}"] = probe.bytes
-        results[f"config{stage}"] = strategy.config
-        checkpoint = f"{tmp}/stage{stage}.ckpt"
-        first = fit(LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None), devices=2,
-                    steps=SAVE_STEP, callbacks=[SaveAt(SAVE_STEP, checkpoint)])
-        second = fit(LLMDeepSpeedStrategy(zero_stage=stage, config=SHARD_ALL if stage == 3 else None), devices=2,
-                     resume_from=checkpoint)
-        results[f"resumed{stage}"] = (first[0] + second[0], second[1])
+    for name, kwargs in LAYOUTS.items():
+        strategy, probe = LLMDeepSpeedStrategy(**kwargs), StateBytes()
+        results[name] = fit(strategy, devices=2, callbacks=[probe])
+        results[f"{name} bytes"], results[f"{name} config"] = probe.bytes, strategy.config
+    for name in ("zero1", "zero2", "zero3"):
+        checkpoint = f"{tmp}/{name}.ckpt"
+        first = fit(LLMDeepSpeedStrategy(**LAYOUTS[name]), devices=2, steps=SAVE_STEP,
+                    callbacks=[SaveAt(SAVE_STEP, checkpoint)])
+        second = fit(LLMDeepSpeedStrategy(**LAYOUTS[name]), devices=2, resume_from=checkpoint)
+        results[f"{name} resumed"] = (first[0] + second[0], second[1])
+    results["validate"] = validate(LLMDeepSpeedStrategy(**LAYOUTS["zero3"]), devices=2)
     calls: list = []
-    sys.modules["lightning_llm.planning.zero"] = _recording_planner(calls)
-    auto = LLMDeepSpeedStrategy(zero_stage="auto", offload="auto", config=SHARD_ALL)
+    _spy_on_planner(calls)
+    auto = LLMDeepSpeedStrategy(zero_stage="auto", offload="auto", config=SHARD_ALL, device_memory=auto_memory)
     results["auto"] = fit(auto, devices=2)
-    results["auto_calls"], results["auto_stage"] = calls, auto.deepspeed_engine.zero_optimization_stage()
+    results["auto calls"], results["auto stage"] = calls, auto.deepspeed_engine.zero_optimization_stage()
+    results["auto decision"] = (auto.decision.stage, auto.decision.offload)
     return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed")
-    reference = fit()
-    rank0, rank1 = run_distributed(_train_all_layouts, 2, str(tmp), timeout=280)
-    return reference, rank0, rank1
+    reference, reference_validation = fit(), validate()
+    auto_memory = memory_that_fits_only_zero3(GLOBAL_BATCH // 2, data(1).hparams.seq_len)
+    rank0, rank1 = run_distributed(_train_all_layouts, 2, str(tmp), auto_memory, timeout=280)
+    return types.SimpleNamespace(reference=reference, reference_validation=reference_validation, ranks=(rank0, rank1),
+                                 auto_memory=auto_memory)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_matches_single_process(runs, stage):
-    reference, rank0, rank1 = runs
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(runs, layout):
+    reference, (rank0, rank1) = runs.reference, runs.ranks
     assert len(reference[0]) == STEPS
-    assert_parity(rank0[stage], reference, f"zero{stage}", rtol=RTOL)
-    assert_parity(rank1[stage], reference, f"zero{stage} rank 1", rtol=RTOL)
-    config = rank0[f"config{stage}"]
-    # What reached DeepSpeed: the stage, the LLM defaults, and the Trainer's clip value, batch and fp32 precision.
-    assert config["zero_optimization"]["stage"] == stage
-    assert config["zero_optimization"]["overlap_comm"] and config["zero_optimization"]["contiguous_gradients"]
+    assert_parity(rank0[layout], reference, layout, rtol=RTOL)
+    assert_parity(rank1[layout], reference, f"{layout} rank 1", rtol=RTOL)
+    config, zero = rank0[f"{layout} config"], rank0[f"{layout} config"]["zero_optimization"]
+    # What reached DeepSpeed: the stage and offload, the LLM defaults, and the Trainer's clip value, batch and fp32.
+    assert zero["stage"] == LAYOUTS[layout]["zero_stage"] and zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert ("offload_optimizer" in zero) == ("offload" in LAYOUTS[layout])
     assert config["gradient_clipping"] == 0.5 and config["train_micro_batch_size_per_gpu"] == GLOBAL_BATCH // 2
     assert "bf16" not in config and "fp16" not in config
+    # Buckets the user did not size are capped at the model's size (131k elements), not 200M.
+    numel = sum(p.numel() for p in reference[1].values())
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == numel
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_checkpoint_resume_continues_like_an_uninterrupted_run(runs, stage):
-    _, rank0, _ = runs
-    losses, params = rank0[f"resumed{stage}"]
-    uninterrupted_losses, uninterrupted_params = rank0[stage]
+def test_validate_alone_builds_an_inference_engine_with_the_same_loss(runs):
+    rank0, rank1 = runs.ranks
+    assert rank0["validate"]["val_loss"] > 5.0  # untrained: near ln(256)
+    assert rank0["validate"] == rank1["validate"] == pytest.approx(runs.reference_validation, rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+def test_checkpoint_resume_continues_like_an_uninterrupted_run(runs, layout):
+    rank0 = runs.ranks[0]
+    losses, params = rank0[f"{layout} resumed"]
+    uninterrupted_losses, uninterrupted_params = rank0[layout]
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted_losses), rtol=1e-6, atol=0)
     for name, value in uninterrupted_params.items():
@@ -183,33 +224,36 @@ def test_checkpoint_resume_continues_like_an_uninterrupted_run(runs, stage):
 
 @pytest.mark.distributed
 def test_each_rank_holds_its_share_of_model_states(runs):
-    reference, rank0, rank1 = runs
-    full = sum(p.numel() * 4 for p in reference[1].values())  # fp32 parameters of the whole model
-    table = "\n".join(f"stage {s}: " + ", ".join(f"{k}={v:,}" for k, v in sorted(rank0[f"bytes{s}"].items()))
-                      for s in (1, 2, 3))
-    print(f"\nper-rank bytes (2 ranks, full fp32 parameters = {full:,}):\n{table}")
-    for stage in (1, 2, 3):
-        for result in (rank0, rank1):
-            got = result[f"bytes{stage}"]
-            # AdamW's two moments, sharded over 2 ranks: one parameter-sized share each (plus padding).
-            assert full <= got["optimizer_state"] <= 1.01 * full, (stage, got)
-            assert 0.5 * full <= got["master_weights"] <= 0.51 * full, (stage, got)
-    assert rank0["bytes1"]["parameters"] == rank0["bytes2"]["parameters"] == full  # replicated below stage 3
-    assert 0.5 * full <= rank0["bytes3"]["parameters"] <= 0.51 * full  # stage 3: half per rank
-    assert rank0["bytes3"]["gradients"] <= 0.51 * full
+    rank0, rank1 = runs.ranks
+    full = sum(p.numel() * 4 for p in runs.reference[1].values())  # fp32 parameters of the whole model
+    table = "\n".join(f"{name:14}" + ", ".join(f"{k}={v:,}" for k, v in sorted(rank0[f"{name} bytes"].items()))
+                      for name in LAYOUTS)
+    print(f"\nper-rank bytes before the last step (2 ranks; all fp32 parameters = {full:,}):\n{table}")
+    for name in LAYOUTS:
+        for got in (rank0[f"{name} bytes"], rank1[f"{name} bytes"]):
+            # AdamW's two moments and the fp32 master copy, sharded over 2 ranks (plus a little padding).
+            assert full <= got["optimizer_state"] <= 1.01 * full, (name, got)
+            assert 0.5 * full <= got["master_weights"] <= 0.51 * full, (name, got)
+    assert rank0["zero1 bytes"]["parameters"] == rank0["zero2 bytes"]["parameters"] == full  # replicated below stage 3
+    for name in ("zero3", "zero3_offload"):
+        assert 0.5 * full <= rank0[f"{name} bytes"]["parameters"] <= 0.51 * full  # stage 3: a half per rank
+        assert rank0[f"{name} bytes"]["gradients"] <= 0.51 * full
 
 
 @pytest.mark.distributed
 def test_auto_takes_the_planners_stage_with_inputs_from_the_datamodule(runs):
-    reference, rank0, _ = runs
-    assert rank0["auto_stage"] == 3
-    (call,) = rank0["auto_calls"]
-    assert call["model"] == "CausalLM" and call["device_memory"] > 0
+    rank0 = runs.ranks[0]
+    # Given memory for ZeRO 3 but not 2, the planner picks 3 and the engine is built with it (the config
+    # held stage 2 until then); the micro-batch shape was read from the datamodule.
+    assert rank0["auto decision"] == (3, "none") and rank0["auto stage"] == 3
+    (call,) = rank0["auto calls"]
+    assert call["model"] == "CausalLM" and call["device_memory"] == runs.auto_memory
     assert {k: call[k] for k in ("world_size", "tp", "pp", "micro_batch_size", "seq_len", "precision", "backend",
-                                 "allow_offload", "activation_checkpointing")} == {
+                                 "allow_offload", "activation_checkpointing", "margin")} == {
         "world_size": 2, "tp": 1, "pp": 1, "micro_batch_size": GLOBAL_BATCH // 2, "seq_len": 32,
-        "precision": "32-true", "backend": "deepspeed", "allow_offload": True, "activation_checkpointing": "none"}
-    assert_parity(rank0["auto"], reference, "auto -> zero3", rtol=RTOL)
+        "precision": "32-true", "backend": "deepspeed", "allow_offload": True, "activation_checkpointing": "none",
+        "margin": PLANNER_MARGIN}
+    assert_parity(rank0["auto"], runs.reference, "auto -> zero3", rtol=RTOL)
 
 
 def test_missing_deepspeed_names_the_extra_to_install(monkeypatch):
@@ -225,7 +269,8 @@ def test_missing_deepspeed_names_the_extra_to_install(monkeypatch):
         (dict(zero_stage=0), r"zero_stage=0 .* use strategy='ddp'"),
         (dict(offload="disk"), r"offload='disk' is unknown: choose one of 'none', 'optimizer'"),
         (dict(zero_stage=2, offload="optimizer+params"), r"needs zero_stage=3 \(got 2\)"),
-        (dict(zero_stage=3, offload="auto"), r"offload='auto' is planned together with the stage"),
+        (dict(zero_stage=3, offload="auto"), r"chooses the stage and the offload together"),
+        (dict(zero_stage="auto", offload="optimizer"), r"chooses the stage and the offload together"),
         (dict(offload="optimizer", offload_device="nvme"), r"offload_device='nvme' needs nvme_path"),
         (dict(zero_stage=3, config={"zero_optimization": {"stage": 2}}), r"config sets zero_optimization.stage=2"),
     ],
@@ -243,6 +288,18 @@ def test_precision_contradicting_the_trainer_is_refused_before_training():
     with pytest.raises(ValueError, match=r"enables 'bf16' but the Trainer runs with precision='32-true'"):
         trainer.fit(model, data(4))
     assert trainer.global_step == 0
+
+
+def test_cpu_training_needs_deepspeeds_cpu_accelerator(monkeypatch):
+    import deepspeed.accelerator
+
+    # What DeepSpeed picks on a machine with a GPU when the Trainer is told to use the CPU.
+    cuda = types.SimpleNamespace(device_name=lambda: "cuda")
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: cuda)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, strategy=LLMDeepSpeedStrategy(),
+                        enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match=r"selected 'cuda'\. Set the environment variable DS_ACCELERATOR=cpu"):
+        trainer.fit(make_model("reference"), data(4))
 
 
 def test_user_config_dict_or_file_is_merged_over_the_defaults(tmp_path):
