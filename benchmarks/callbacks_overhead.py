@@ -16,20 +16,10 @@ import time
 import lightning as L
 import torch
 
+from _timing import StepTimer
 from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_before_optimizer_step")

@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import lightning as L
 import torch
 
+from _timing import StepTimer
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def fit(world_size: int, preset: str, schedule: str, microbatches: int, steps: int, batch: int, seq_len: int,

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
+from _timing import StepTimer
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -32,17 +32,6 @@ class HandParallelCausalLM(CausalLM):
         for block in self.model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def _fit(kind: str, world_size: int, preset: str, steps: int) -> list[float]:
