@@ -1,9 +1,13 @@
-"""Peak activation memory and step time of each activation-checkpointing mode, one model, one batch, one run.
+"""Peak activation memory and step time of each activation-checkpointing mode: one model, one batch, one run.
 
-Peak activation bytes come from torch's MemTracker (tensors autograd keeps, tracked on CPU);
-step times are medians over alternating rounds, reported as ratios to "none".
+Peak activations: on CPU, torch's MemTracker (tensors autograd keeps and backward temporaries, at the
+peak of all tracked memory; gradients are allocated beforehand so they do not move the peak); on
+CUDA, the allocator's peak above parameters and gradients. "auto" gets a budget halfway between
+full checkpointing and none (``--budget-fraction``) and reports its plan. Step times (forward +
+backward) are medians over rounds that alternate between the modes, as ratios to "none".
 
     python benchmarks/activation_checkpointing.py --preset small --batch 8 --seq-len 256
+    python benchmarks/activation_checkpointing.py --preset 125M --batch 8 --seq-len 1024 --device cuda
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_llm.models import CausalLM
-from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing, plan_for_budget
-from lightning_llm.parallel.activation_memory import measure_block_activations, silenced_logging
+from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing, predicted_peak
+from lightning_llm.parallel.activation_memory import measure_blocks
 
 MODES = {
     "none": dict(mode="none"),
@@ -25,32 +29,56 @@ MODES = {
     "selective op": dict(mode="selective", selective="op"),
     "selective op, every other mm": dict(mode="selective", selective="op", recompute_every_other_matmul=True),
     "selective layer (every 2nd)": dict(mode="selective", selective="layer", every_n_layers=2),
+    "auto": dict(mode="auto"),
 }
 
 
-def build(preset: str, options: dict) -> CausalLM:
+def build(preset: str, device: torch.device) -> CausalLM:
     torch.manual_seed(0)
     module = CausalLM(preset)
-    module.configure_model()
+    with device:
+        module.configure_model()
     module.log = lambda *args, **kwargs: None
-    apply_activation_checkpointing(list(module.model.layers), **options)
+    for p in module.parameters():  # allocated now: the peaks below are activations and temporaries only
+        p.grad = torch.zeros_like(p)
     return module
 
 
+def step(module: CausalLM, batch: torch.Tensor) -> None:
+    module.training_step(batch, 0).backward()
+
+
 def peak_activations(module: CausalLM, batch: torch.Tensor) -> int:
+    if batch.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(module, batch)
+        return torch.cuda.max_memory_allocated() - base
     tracker = MemTracker()
     tracker.track_external(module)
     with tracker:
-        module.training_step(batch, 0).backward()
+        step(module, batch)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    return next(v for k, v in peak.items() if "ACT" in str(k))
+    return sum(v for k, v in peak.items() if "ACT" in str(k) or "TEMP" in str(k))
 
 
 def step_time(module: CausalLM, batch: torch.Tensor) -> float:
+    if batch.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    module.training_step(batch, 0).backward()
-    module.zero_grad(set_to_none=True)
+    step(module, batch)
+    if batch.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def auto_options(preset: str, batch: torch.Tensor, fraction: float) -> dict:
+    probe = build(preset, batch.device)
+    sizes = measure_blocks(probe.model.layers, lambda: probe.training_step(batch, 0))
+    saved, inputs = [s.saved for s in sizes], [s.input for s in sizes]
+    low, high = predicted_peak(saved, inputs), predicted_peak(saved, saved)
+    return dict(mode="auto", budget=int(low + fraction * (high - low)))
 
 
 def main() -> None:
@@ -59,30 +87,38 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--budget-fraction", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads; 1 keeps ratios stable on a shared host")
     args = parser.parse_args()
-    batch = torch.randint(0, 256, (args.batch, args.seq_len + 1))
-    probe = build(args.preset, MODES["none"])
-    with silenced_logging(probe):
-        sizes = measure_block_activations(probe, list(probe.model.layers), lambda: probe.training_step(batch, 0))
-    saved, inputs = [s.saved for s in sizes], [s.input for s in sizes]
-    budget = sum(inputs) + (sum(saved) - sum(inputs)) // 2
-    policies, _ = plan_for_budget(saved, inputs, budget)
-    modes = {**MODES, f"auto (budget {budget / 2**20:.1f} MiB)": dict(mode="auto", auto_policies=policies)}
-    modules = {name: build(args.preset, options) for name, options in modes.items()}
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batch = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=device)
+    modules, reports = {}, {}
+    for name, options in MODES.items():
+        if name == "auto":
+            options = auto_options(args.preset, batch, args.budget_fraction)
+        module = modules[name] = build(args.preset, device)
+        if name == "auto":
+            options["measure_fn"] = lambda m=module: m.training_step(batch, 0)
+        reports[name] = apply_activation_checkpointing(module.model.layers, **options)
+    peaks = {name: peak_activations(module, batch) for name, module in modules.items()}
     times = {name: [] for name in modules}
-    for name, module in modules.items():
+    for module in modules.values():
         step_time(module, batch)  # warm-up
     for _ in range(args.rounds):
         for name, module in modules.items():
             times[name].append(step_time(module, batch))
-    base_time = statistics.median(times["none"])
-    base_peak = peak_activations(modules["none"], batch)
-    print(f"preset={args.preset}, batch {args.batch} x {args.seq_len}, CPU, {args.rounds} alternating rounds")
-    print(f"{'mode':<34} {'peak activations':>17} {'vs none':>8} {'step time':>10}")
-    for name, module in modules.items():
-        peak = peak_activations(module, batch)
-        ratio = statistics.median(times[name]) / base_time
-        print(f"{name:<34} {peak / 2**20:13.1f} MiB {peak / base_peak:8.2f} {ratio:9.2f}x")
+    base_time, base_peak = statistics.median(times["none"]), peaks["none"]
+    print(f"preset={args.preset}, batch {args.batch} x {args.seq_len}, {args.device} ({args.threads} CPU threads), "
+          f"{args.rounds} alternating rounds")
+    print(f"{'mode':<30} {'peak activations':>17} {'vs none':>8} {'step time':>10} {'vs none':>8}")
+    for name in modules:
+        median = statistics.median(times[name])
+        print(f"{name:<30} {peaks[name] / 2**20:13.1f} MiB {peaks[name] / base_peak:8.2f} "
+              f"{median * 1e3:7.1f} ms {median / base_time:7.2f}x")
+    auto = reports["auto"]
+    print(f"auto: {auto.summary()}; policies {auto.policies}")
 
 
 if __name__ == "__main__":

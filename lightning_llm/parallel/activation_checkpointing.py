@@ -1,29 +1,33 @@
 """Activation checkpointing of transformer blocks: full, selective (op or layer policy) and budget-driven.
 
-All modes wrap the block's ``forward`` in place with non-reentrant ``torch.utils.checkpoint``, so
-parameter names, state dicts and tensor-parallel plans are unchanged, and FSDP2's per-block hooks
-(installed afterwards) sit outside the checkpointed region, exactly as with torch's
-``checkpoint_wrapper``, which would rename every parameter.
+Every mode wraps the block's ``forward`` in place with non-reentrant ``torch.utils.checkpoint``, so
+parameter names, state dicts and tensor-parallel plans are unchanged (torch's
+``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every name). Hooks that
+others put on the block (FSDP2's all-gather, applied afterwards) stay outside the checkpointed
+region, as they would around ``checkpoint_wrapper``.
 
-* ``"full"``: every block saves only its inputs and recomputes everything in backward.
-* ``"selective"``, ``selective="op"``: save the outputs of matmuls and attention, recompute the
-  cheap pointwise ops (norms, activations, rotary); ``recompute_every_other_matmul`` also
-  recomputes every second matmul, as torchtitan does. ``selective="layer"``: checkpoint every
+* ``"full"``: every block keeps only its input and recomputes everything in backward.
+* ``"selective"``, ``selective="op"``: keep the outputs of matmuls, attention and tensor-parallel
+  reductions, recompute the cheap pointwise ops (norms, activations, rotary), through
+  ``create_selective_checkpoint_contexts``; ``recompute_every_other_matmul`` also recomputes the
+  2nd, 4th, ... matmul of each block, as torchtitan does. ``selective="layer"``: checkpoint every
   ``every_n_layers``-th block fully.
-* ``"auto"``: given a budget for the activations the blocks keep for backward, checkpoint the
-  fewest, heaviest blocks that fit, from per-block bytes measured once (see
-  :mod:`lightning_llm.parallel.activation_memory`).
+* ``"auto"``: measure what each block keeps (:mod:`lightning_llm.parallel.activation_memory`) and
+  give the fewest blocks the cheapest policy that brings the predicted peak under a budget.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_llm.parallel.activation_memory import BlockActivations, device_memory, measure_blocks
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +35,211 @@ MODES = ("none", "full", "selective", "auto")
 SELECTIVE_POLICIES = ("op", "layer")
 
 _aten = torch.ops.aten
-# Outputs worth keeping: expensive to recompute, and what backward needs anyway.
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 _ATTENTION = {
     getattr(_aten, name).default
     for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
     )
     if hasattr(_aten, name)
 }
+# Tensor-parallel outputs: recomputing them would repeat a collective in backward.
+_COLLECTIVES = {
+    getattr(torch.ops._c10d_functional, name).default
+    for name in ("reduce_scatter_tensor", "all_reduce")
+    if hasattr(torch.ops._c10d_functional, name)
+}
+
+
+def saves_output(op) -> bool:
+    """Whether the selective op policy keeps ``op``'s output (matmul, attention, TP reduction)."""
+    return op in _MATMULS or op in _ATTENTION or op in _COLLECTIVES
+
+
+def _op_policy(recompute_every_other_matmul: bool) -> Callable:
+    """A selective-checkpoint policy for one call of one block (forward and its recompute)."""
+    # Counted per pass: torch versions that ask the policy again during recompute get the same answers.
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS and recompute_every_other_matmul:
+            matmuls[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if saves_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_context(recompute_every_other_matmul: bool) -> Callable:
+    return lambda: create_selective_checkpoint_contexts(_op_policy(recompute_every_other_matmul))
+
+
+def checkpoint_block(block: nn.Module, context_fn: Callable | None = None) -> None:
+    """Wrap ``block.forward`` in non-reentrant checkpointing (selective when ``context_fn`` is given).
+
+    Example::
+
+        checkpoint_block(model.layers[0])   # full recomputation of block 0 in backward
+    """
+    if getattr(block, "_activation_checkpointed", False):
+        raise RuntimeError(f"{type(block).__name__} is already activation-checkpointed; apply checkpointing once per block.")
+    options = {"use_reentrant": False, "preserve_rng_state": True}
+    if context_fn is not None:
+        options["context_fn"] = context_fn
+    # The class's forward, bound at call time, so a deep copy of the block runs its own weights;
+    # a forward already set on the instance (another wrapper) is kept as it is.
+    own, class_forward = vars(block).get("forward"), type(block).forward
+
+    def forward(self, *args, **kwargs):
+        inner = own if own is not None else class_forward.__get__(self)
+        return checkpoint(inner, *args, **options, **kwargs)
+
+    block.forward = types.MethodType(forward, block)
+    block._activation_checkpointed = True
+
+
+@dataclass
+class ACReport:
+    """What :func:`apply_activation_checkpointing` did.
+
+    Attributes:
+        mode: the mode asked for.
+        policies: per block, "none", "op" (selective by operator) or "full".
+        measured: per block, the bytes kept for backward under each policy ("auto" only).
+        predicted_bytes: predicted peak of the blocks' activations with these policies ("auto" only).
+        budget_bytes: the budget in bytes ("auto" only).
+    """
+
+    mode: str
+    policies: list[str] = field(default_factory=list)
+    measured: list[BlockActivations] | None = None
+    predicted_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    @property
+    def checkpointed(self) -> int:
+        return sum(p != "none" for p in self.policies)
+
+    def summary(self, selective: str = "op") -> str:
+        label = f"selective {selective}" if self.mode == "selective" else self.mode
+        if self.mode == "auto" and self.budget_bytes is not None:
+            counts = ", ".join(f"{self.policies.count(p)} {p}" for p in ("op", "full") if p in self.policies) or "nothing"
+            label += (f": {counts}; predicted {self.predicted_bytes / 2**20:.1f} MiB within "
+                      f"{self.budget_bytes / 2**20:.1f} MiB")
+        return f"Applied activation checkpointing ({label}) to {self.checkpointed} of {len(self.policies)} blocks"
+
+
+def validate_options(mode: str, selective: str = "op", every_n_layers: int = 2) -> None:
+    """Refuse unknown modes and policies before anything is built."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} is not a mode; choose one of {MODES}.")
+    if selective not in SELECTIVE_POLICIES:
+        raise ValueError(
+            f"selective={selective!r} is not a policy; choose one of {SELECTIVE_POLICIES}: 'op' (save matmul and "
+            "attention outputs, recompute pointwise ops) or 'layer' (checkpoint every n-th block)."
+        )
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers={every_n_layers!r} must be an integer of at least 1 (1 = every block).")
+
+
+def block_policies(
+    mode: str, indices: Sequence[int], selective: str = "op", every_n_layers: int = 2,
+    auto_policies: Sequence[str] | None = None,
+) -> list[str]:
+    """The policy ("none", "op" or "full") of the blocks at model positions ``indices``."""
+    validate_options(mode, selective, every_n_layers)
+    if mode == "auto":
+        if auto_policies is None or len(auto_policies) != len(indices):
+            raise ValueError("activation_checkpointing='auto' needs one planned policy per block (see plan_for_budget).")
+        unknown = set(auto_policies) - {"none", "op", "full"}
+        if unknown:
+            raise ValueError(f"Planned policies {sorted(unknown)} are not policies; use 'none', 'op' or 'full'.")
+        return list(auto_policies)
+    if mode == "selective" and selective == "layer":
+        return ["full" if i % every_n_layers == 0 else "none" for i in indices]
+    return [{"none": "none", "full": "full", "selective": "op"}[mode]] * len(indices)
+
+
+def apply_activation_checkpointing(
+    blocks: nn.ModuleList | Sequence[nn.Module],
+    *,
+    mode: str,
+    selective: str = "op",
+    every_n_layers: int = 2,
+    recompute_every_other_matmul: bool = False,
+    budget: int | float | None = None,
+    device_memory: int | None = None,
+    measure_fn: Callable[[], object] | None = None,
+    auto_policies: Sequence[str] | None = None,
+    block_indices: Sequence[int] | None = None,
+) -> ACReport:
+    """Checkpoint ``blocks`` in place; call it after tensor parallelism and before FSDP2 sharding.
+
+    Arguments:
+        blocks: the transformer blocks (see :func:`~lightning_llm.parallel.blocks.find_blocks`).
+        mode: "none", "full", "selective" or "auto".
+        selective: for "selective": "op" (per operator) or "layer" (every ``every_n_layers``-th block).
+        every_n_layers: the layer policy checkpoints blocks 0, n, 2n, ...
+        recompute_every_other_matmul: the op policy also recomputes every second matmul of a block.
+        budget: for "auto": the peak bytes the blocks' activations may take, as bytes (int) or as a
+            fraction (float in (0, 1]) of ``device_memory``.
+        device_memory: bytes of the device; default: what the blocks' device reports.
+        measure_fn: for "auto": runs one forward of the model holding ``blocks`` on a real-shaped
+            micro-batch; each block is measured during it (see :func:`measure_blocks`).
+        auto_policies: for "auto", a plan made beforehand (one of "none"/"op"/"full" per block),
+            instead of ``budget`` and ``measure_fn``.
+        block_indices: the blocks' positions in the whole model, which the layer policy counts
+            (a pipeline stage holds a slice); default 0, 1, ...
+
+    Example::
+
+        report = apply_activation_checkpointing(model.layers, mode="selective", selective="op")
+        report = apply_activation_checkpointing(
+            model.layers, mode="auto", budget=2 * 2**30, measure_fn=lambda: model(tokens)
+        )
+    """
+    blocks = list(blocks)
+    validate_options(mode, selective, every_n_layers)
+    if not blocks:
+        raise ValueError("apply_activation_checkpointing got no blocks; pass the model's nn.ModuleList of blocks.")
+    if mode == "auto" and auto_policies is None:
+        if measure_fn is None:
+            raise ValueError("activation_checkpointing='auto' needs measure_fn: a callable running one forward of the model.")
+        validate_budget(budget)
+    indices = list(block_indices) if block_indices is not None else list(range(len(blocks)))
+    if len(indices) != len(blocks):
+        raise ValueError(f"block_indices has {len(indices)} entries for {len(blocks)} blocks; give one per block.")
+    report = ACReport(mode=mode)
+    if mode == "auto" and auto_policies is None:
+        auto_policies = _plan_auto(blocks, report, budget, device_memory, measure_fn)
+    report.policies = block_policies(mode, indices, selective, every_n_layers, auto_policies)
+    context = _selective_context(recompute_every_other_matmul)
+    for block, policy in zip(blocks, report.policies):
+        if policy != "none":
+            checkpoint_block(block, context if policy == "op" else None)
+    if mode != "none":
+        log.info(report.summary(selective))
+    return report
+
+
+def _plan_auto(blocks, report: ACReport, budget, memory: int | None, measure_fn) -> list[str]:
+    """Measure every block once and plan the cheapest policies under the budget (fills ``report``)."""
+    if isinstance(budget, float) and memory is None:
+        memory = device_memory(next(p for b in blocks for p in b.parameters()).device)
+    report.budget_bytes = resolve_budget(budget, memory)
+    report.measured = measure_blocks(blocks, measure_fn, saves_output=saves_output)
+    saved = [m.saved for m in report.measured]
+    policies, report.predicted_bytes = plan_for_budget(
+        saved, [m.input for m in report.measured], report.budget_bytes, op=[m.op for m in report.measured]
+    )
+    return policies
 
 
 @dataclass
 class ACOptions:
-    """The knobs of one activation-checkpointing mode, as plain values a config file can set."""
+    """The knobs of one mode as plain values a config file can set (``activation_checkpointing_options``)."""
 
     selective: str = "op"
     every_n_layers: int = 2
@@ -63,163 +257,114 @@ class ACOptions:
             )
         result = cls(**options)
         validate_options(mode, result.selective, result.every_n_layers)
-        if mode == "auto" and result.budget is None:
-            raise ValueError(
-                "activation_checkpointing='auto' needs activation_checkpointing_options={'budget': ...}: bytes (int) or a "
-                "fraction of device memory (float in (0, 1])."
-            )
+        if mode == "auto":
+            if result.budget is None:
+                raise ValueError(
+                    "activation_checkpointing='auto' needs activation_checkpointing_options={'budget': ...}: bytes (int) "
+                    "or a fraction of device memory (float in (0, 1])."
+                )
+            validate_budget(result.budget)
         return result
 
 
-def validate_options(mode: str, selective: str = "op", every_n_layers: int = 2) -> None:
-    """Refuse unknown modes and policies before anything is built."""
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} is not a mode; choose one of {MODES}.")
-    if selective not in SELECTIVE_POLICIES:
-        raise ValueError(f"selective={selective!r} is not a policy; choose 'op' (per operator) or 'layer' (every n-th block).")
-    if every_n_layers < 1:
-        raise ValueError(f"every_n_layers={every_n_layers} must be at least 1.")
-
-
-def _op_policy(recompute_every_other_matmul: bool):
-    def policy(ctx, op, *args, **kwargs):
-        if op in _ATTENTION:
-            return CheckpointPolicy.MUST_SAVE
-        if op in _MATMULS:
-            if recompute_every_other_matmul:
-                # Count per pass (forward and recompute count alike) and keep every second matmul.
-                key = "recompute" if ctx.is_recompute else "forward"
-                ctx_counts = policy.counts
-                ctx_counts[key] += 1
-                return CheckpointPolicy.MUST_SAVE if ctx_counts[key] % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    policy.counts = defaultdict(int)
-    return policy
-
-
-def _context_fn(recompute_every_other_matmul: bool):
-    def make():
-        policy = _op_policy(recompute_every_other_matmul)
-        return create_selective_checkpoint_contexts(policy)
-
-    return make
-
-
-def checkpoint_block(block: nn.Module, context_fn=None) -> None:
-    """Wrap ``block.forward`` in non-reentrant checkpointing (selective when ``context_fn`` is given)."""
-    inner = block.forward
-    kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if context_fn is not None:
-        kwargs["context_fn"] = context_fn
-
-    def forward(*args, **kw):
-        return checkpoint(inner, *args, **kwargs, **kw)
-
-    block.forward = forward
-    block._activation_checkpointing_inner = inner
-
-
-@dataclass
-class ACReport:
-    """Which block got which policy, and the activation bytes behind an ``"auto"`` decision."""
-
-    mode: str
-    policies: list[str] = field(default_factory=list)
-    measured_bytes: list[int] = field(default_factory=list)
-    predicted_bytes: int | None = None
-    budget: int | None = None
-
-    @property
-    def checkpointed(self) -> int:
-        return sum(p != "none" for p in self.policies)
-
-
-def apply_activation_checkpointing(
-    blocks: list[nn.Module],
-    *,
-    mode: str,
-    selective: str = "op",
-    every_n_layers: int = 2,
-    recompute_every_other_matmul: bool = False,
-    auto_policies: list[str] | None = None,
-    block_indices: list[int] | None = None,
-) -> ACReport:
-    """Checkpoint ``blocks`` in place according to ``mode``; see the module docstring.
-
-    ``auto_policies`` ("none" or "full" per block) is what :func:`plan_for_budget` chose for ``"auto"``;
-    ``block_indices`` are the blocks' positions in the model (a pipeline stage holds a slice), which
-    the layer policy counts from.
-
-    Example::
-
-        apply_activation_checkpointing(list(model.layers), mode="selective", selective="op")
-    """
-    indices = list(block_indices) if block_indices is not None else list(range(len(blocks)))
-    policies = block_policies(mode, indices, selective, every_n_layers, auto_policies)
-    context = _context_fn(recompute_every_other_matmul)
-    for block, policy in zip(blocks, policies):
-        if policy == "full":
-            checkpoint_block(block)
-        elif policy == "op":
-            checkpoint_block(block, context)
-    report = ACReport(mode=mode, policies=policies)
-    if mode != "none":
-        label = f"{mode} {selective}" if mode == "selective" else mode
-        log.info("Applied activation checkpointing (%s) to %d of %d blocks", label, report.checkpointed, len(blocks))
-    return report
-
-
-def block_policies(
-    mode: str, indices: list[int], selective: str = "op", every_n_layers: int = 2, auto_policies: list[str] | None = None
-) -> list[str]:
-    """The policy ("none", "full" or "op") of each block at the given positions."""
-    validate_options(mode, selective, every_n_layers)
-    if mode == "auto":
-        if auto_policies is None or len(auto_policies) != len(indices):
-            raise ValueError("activation_checkpointing='auto' needs the per-block plan from plan_for_budget().")
-        return list(auto_policies)
-    if mode == "selective" and selective == "layer":
-        return ["full" if i % every_n_layers == 0 else "none" for i in indices]
-    return [{"none": "none", "full": "full", "selective": "op"}[mode]] * len(indices)
-
-
-def plan_for_budget(saved_bytes: list[int], input_bytes: list[int], budget: int) -> tuple[list[str], int]:
-    """The fewest blocks to checkpoint fully, heaviest first, so the kept activations fit ``budget``.
-
-    A checkpointed block keeps only its input; the others keep everything they save. Returns the
-    per-block policies and the predicted bytes. Refuses a budget below what checkpointing every
-    block achieves, with the numbers.
-    """
-    floor = sum(input_bytes)
-    if budget < floor:
-        raise ValueError(
-            f"The activation budget {budget / 2**20:.1f} MiB is below what full checkpointing of every block "
-            f"keeps ({floor / 2**20:.1f} MiB of block inputs; without checkpointing {sum(saved_bytes) / 2**20:.1f} MiB). "
-            "Raise the budget, use a smaller micro-batch, or shard the sequence (sequence_parallel)."
+def validate_budget(budget) -> None:
+    """Refuse a budget that is neither positive bytes (int) nor a fraction in (0, 1] (float)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget={budget!r} must be bytes (int) or a fraction of device memory (float in (0, 1]); "
+            "'auto' needs one."
         )
-    policies = ["none"] * len(saved_bytes)
-    predicted = sum(saved_bytes)
-    for index in sorted(range(len(saved_bytes)), key=lambda i: saved_bytes[i] - input_bytes[i], reverse=True):
-        if predicted <= budget:
-            break
-        policies[index] = "full"
-        predicted += input_bytes[index] - saved_bytes[index]
-    return policies, predicted
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"budget={budget} bytes must be positive.")
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(
+            f"budget={budget} as a float is a fraction of device memory and must lie in (0, 1]; pass bytes as an int "
+            f"(e.g. budget={int(budget)})." if budget > 1 else f"budget={budget} as a fraction must lie in (0, 1]."
+        )
 
 
 def resolve_budget(budget: int | float | None, device_memory: int | None) -> int:
     """Bytes from an absolute budget (int) or a fraction (float in (0, 1]) of ``device_memory``."""
-    if budget is None:
-        raise ValueError("activation_checkpointing='auto' needs activation_budget: bytes, or a fraction of device memory.")
-    if isinstance(budget, float) and budget <= 1:
-        if not 0 < budget:
-            raise ValueError(f"activation_budget={budget} as a fraction must lie in (0, 1].")
+    validate_budget(budget)
+    if isinstance(budget, float):
         if device_memory is None:
-            raise ValueError("A fractional activation_budget needs the device memory size.")
+            raise ValueError(f"budget={budget} is a fraction of device memory; pass device_memory (bytes) as well.")
         return int(budget * device_memory)
-    if budget <= 0:
-        raise ValueError(f"activation_budget={budget} bytes must be positive.")
-    return int(budget)
+    return budget
 
+
+def predicted_peak(saved: Sequence[int], kept: Sequence[int]) -> int:
+    """Peak bytes of the blocks' activations when block ``i`` keeps ``kept[i]`` of the ``saved[i]`` it saves.
+
+    Backward runs the blocks last to first; while block ``i`` runs, the blocks before it still hold
+    what they kept and block ``i`` holds everything it saves (recomputed if checkpointed).
+    """
+    peak, before = 0, 0
+    for s, k in zip(saved, kept):
+        peak = max(peak, before + max(s, k))
+        before += k
+    return peak  # at least the end of the forward (``before``), as max(s, k) >= k
+
+
+def plan_for_budget(
+    saved: Sequence[int], inputs: Sequence[int], budget: int, op: Sequence[int | None] | None = None
+) -> tuple[list[str], int]:
+    """Per-block policies ("none", "op", "full") that keep :func:`predicted_peak` within ``budget``.
+
+    Greedy, cheapest recomputation first: while over budget, give the selective op policy (it
+    recomputes no matmul) to the block whose change lowers the excess over budget most; if every
+    useful block has it and the peak is still too high, checkpoint blocks fully in the same order.
+    A block whose change lowers nothing (the last block: it is recomputed while every other block
+    still holds its activations) is left alone. Returns the policies and the predicted peak;
+    refuses a budget below what full checkpointing of every block achieves, with the numbers.
+    """
+    floor = predicted_peak(saved, inputs)
+    if budget < floor:
+        raise ValueError(
+            f"The activation budget {budget / 2**20:.1f} MiB is below what full checkpointing of every block keeps at "
+            f"its peak ({floor / 2**20:.1f} MiB; without checkpointing {predicted_peak(saved, saved) / 2**20:.1f} MiB). "
+            "Raise the budget, use a smaller micro-batch, or shard the sequence (sequence_parallel)."
+        )
+    kept_by = {"none": list(saved), "full": list(inputs)}
+    levels = ["none", "full"]
+    if op is not None and all(o is not None for o in op):
+        kept_by["op"], levels = list(op), ["none", "op", "full"]
+    policies, kept = ["none"] * len(saved), list(saved)
+    for level in levels[1:]:
+        while predicted_peak(saved, kept) > budget:
+            index = _best_upgrade(saved, kept, policies, levels, level, kept_by[level], budget)
+            if index is None:
+                break
+            policies[index], kept[index] = level, kept_by[level][index]
+    return policies, predicted_peak(saved, kept)
+
+
+def _excess(saved: Sequence[int], kept: Sequence[int], budget: int) -> int:
+    """How far, summed over the backward of every block, the activations exceed ``budget``.
+
+    (The end of the forward, the sum of what is kept, never exceeds the last block's backward.)
+    """
+    total, before = 0, 0
+    for s, k in zip(saved, kept):
+        total += max(0, before + max(s, k) - budget)
+        before += k
+    return total
+
+
+def _best_upgrade(saved, kept, policies, levels, level, level_kept, budget) -> int | None:
+    """The block whose move to ``level`` lowers the excess most (then frees most bytes); None if none helps."""
+    now, best, best_gain = _excess(saved, kept, budget), None, (0, 0)
+    for i, policy in enumerate(policies):
+        if levels.index(policy) >= levels.index(level):
+            continue
+        trial = kept[:i] + [level_kept[i]] + kept[i + 1:]
+        gain = (now - _excess(saved, trial, budget), kept[i] - level_kept[i])
+        if gain[0] > 0 and gain > best_gain:
+            best, best_gain = i, gain
+    return best
+
+
+__all__ = [
+    "ACOptions", "ACReport", "MODES", "SELECTIVE_POLICIES", "apply_activation_checkpointing", "block_policies", "checkpoint_block",
+    "plan_for_budget", "predicted_peak", "resolve_budget", "saves_output", "validate_budget", "validate_options",
+]
