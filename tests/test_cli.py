@@ -56,6 +56,9 @@ def test_fit_through_console_entry_point_logs_to_wandb_offline(tmp_path, monkeyp
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     main(["fit", "--config", str(TINY), "--trainer.max_steps", "30", "--trainer.val_check_interval", "30",
           "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"])
+    import wandb
+
+    wandb.finish()  # the run's file is flushed by wandb's service; finishing waits for it
     runs = list((tmp_path / "runs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "the run must be written offline when no W&B key or mode is set"
     assert list(runs[0].glob("*.wandb"))
