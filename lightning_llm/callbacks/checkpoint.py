@@ -6,49 +6,75 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.callbacks.checkpoint_io import StagedWrite, checkpoint_layout, gather_rng_states, set_rng_state
 from lightning_llm.callbacks.mfu import batch_tokens, data_parallel_size
 
 log = logging.getLogger(__name__)
+
+SaveMode = Literal["sync", "thread", "sharded"]
+RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state per global rank
+
+
+@dataclass
+class _Pending:
+    """A save whose files may still be in flight: committed (rank 0) and rotated once they are written."""
+
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    resumed_from: str | None
+    future: Future | None = None  # background writer of a single file (rank 0); it commits by itself
 
 
 class CheckpointRotation(ModelCheckpoint):
     """Save every N steps and/or minutes and at the end; keep the last ``keep_last`` and the best ``keep_best``.
 
-    Crash safety: data is written under a temporary name and renamed into place, and a metadata
-    file (step, epoch, tokens seen, parallel layout, hyperparameters, wall time, loss) is written
-    last as the commit marker, after every rank finished. Only checkpoints with a marker count; on
-    start, leftovers of a crash are removed. Older checkpoints are deleted only after the new one is
-    complete and verified (archive readable, or every shard of a sharded checkpoint present;
-    ``verify="load"`` also loads it). The checkpoint a run resumed from and anything outside
-    ``dirpath`` are never deleted. ``ckpt_path="last"`` (``--ckpt_path last`` in the CLI) resolves
-    to the newest complete checkpoint.
+    Crash safety: data is written under a temporary name, verified (archive readable, or every shard
+    of a sharded/DeepSpeed checkpoint present; ``verify="load"`` also loads it), renamed into place,
+    and then a metadata file ``step=N.ckpt.meta.json`` (step, epoch, tokens seen, parallel layout,
+    hyperparameters, wall time, loss) is written atomically as the commit marker, after every rank
+    finished. Only checkpoints with a marker count; at the start of ``fit``, leftovers of a crash are
+    removed. Older checkpoints are deleted only after the new one is committed. The checkpoint a run
+    resumed from and anything outside ``dirpath`` are never deleted. ``ckpt_path="last"``
+    (``--ckpt_path last`` in the CLI) resolves to the newest complete checkpoint.
 
-    ``async_save=True`` stalls training only while the state is copied: single-file checkpoints are
-    written by a background thread, sharded ones by ``torch.distributed.checkpoint.async_save``
-    (LLMParallelStrategy). A save waits for the previous one; so does the end of training.
+    ``async_save=True`` stalls training only while the state is copied to host memory: single files
+    (single device, DDP) are written and committed by a background thread, sharded checkpoints of
+    LLMParallelStrategy by ``torch.distributed.checkpoint.async_save``. Strategies that offer neither
+    (DeepSpeed, Lightning's FSDP/ModelParallel) save synchronously, with a warning. A save first waits
+    for the previous one, and so does the end of training; rotation happens only after that wait.
+
+    Resuming restores what Lightning restores (model, optimizer, LR schedulers, loops, the data
+    module's position) and, from this callback, every rank's random generators (Lightning does not
+    checkpoint them) and the count of tokens seen, so a resumed run continues as if never stopped.
 
     Arguments:
-        dirpath: where checkpoints go (default: ``<default_root_dir>/checkpoints``).
-        every_n_train_steps: save every this many optimizer steps.
-        every_n_minutes: save when this much time passed since the last save (checked each step).
-        keep_last: newest checkpoints kept (at least 1).
-        monitor: metric for the best-k set (e.g. "val_loss"); ``keep_best`` of them are kept too.
+        dirpath: where checkpoints go (default: ``<default_root_dir>/checkpoints``, the same for every
+            run whatever the logger's version, so ``ckpt_path="last"`` finds the previous run's).
+        every_n_train_steps: save every this many optimizer steps (``None``: no step trigger).
+        every_n_minutes: save when this much time passed since the last save (checked each step; rank 0's clock).
+        keep_last: newest complete checkpoints kept (at least 1).
+        monitor: metric for the best-k set (e.g. "val_loss"), read from ``trainer.callback_metrics`` at each save.
         mode: "min" or "max" for ``monitor``.
-        keep_best: best checkpoints kept besides the newest ones.
-        save_on_train_end: save when training ends.
+        keep_best: best checkpoints by ``monitor`` kept besides the newest ones.
+        save_on_train_end: also save when training ends.
         async_save: write in the background; see above.
-        verify: "files" (structure) or "load" (also load the checkpoint) before older ones are deleted.
+        verify: "files" (structure: archive complete, every shard present) or "load" (also load it)
+            before older checkpoints are deleted.
 
     Example::
 
@@ -69,57 +95,101 @@ class CheckpointRotation(ModelCheckpoint):
         async_save: bool = False,
         verify: Literal["files", "load"] = "files",
     ) -> None:
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last}: at least 1 checkpoint must be kept (the newest complete one).")
-        if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be a positive number of steps, or None.")
-        if every_n_minutes is not None and every_n_minutes <= 0:
-            raise ValueError(f"every_n_minutes={every_n_minutes} must be a positive number of minutes, or None.")
-        if keep_best and monitor is None:
-            raise ValueError(f"keep_best={keep_best} needs `monitor`, the metric that ranks checkpoints.")
-        if verify not in ("files", "load"):
-            raise ValueError(f"verify={verify!r}: choose 'files' or 'load'.")
+        _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
         super().__init__(
             dirpath=dirpath, monitor=monitor, mode=mode, save_top_k=-1, save_last=False,
             every_n_train_steps=None, train_time_interval=None, save_on_train_epoch_end=False,
         )
-        self.save_every_n_steps = every_n_train_steps
-        self.every_n_minutes = every_n_minutes
+        self._dirpath_arg = dirpath
+        self.save_every_n_steps, self.every_n_minutes = every_n_train_steps, every_n_minutes
         self.keep_last, self.keep_best = keep_last, keep_best
         self.save_on_train_end, self.async_save, self.verify_mode = save_on_train_end, async_save, verify
         self.tokens_seen = 0
-        self.scores: dict[str, float] = {}
+        self._mode: SaveMode = "sync"
         self._last_save_time = time.monotonic()
-        self._last_saved_step = -1
-        self._last_step_seen = -1
-        self._pending: tuple[Path, Path, dict, Future | None] | None = None
+        self._last_saved_step = self._last_step_seen = -1
+        self._pending: _Pending | None = None
         self._writer: ThreadPoolExecutor | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
 
     @property
     def directory(self) -> Path:
         return Path(self.dirpath)
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # Keyed by the dirpath argument only, so a resumed run may change intervals and keep counts.
+        return self._generate_state_key(dirpath=self._dirpath_arg)
+
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        directory = self.directory
+        # Not ModelCheckpoint.setup: its default directory moves with the logger's version and it
+        # warns about a non-empty directory, which is how every resumed run starts.
+        self.dirpath = trainer.strategy.broadcast(str(self.dirpath or _default_dirpath(trainer)))
+        self._fs = get_filesystem(self.dirpath)
+        if stage != "fit":
+            return
+        self._mode = self._choose_mode(trainer.strategy)
         if trainer.is_global_zero:
-            _check_writable(directory)
-            for leftover in files.clean_incomplete(directory):
+            _check_writable(self.directory)
+            for leftover in files.clean_incomplete(self.directory):
                 log.warning("CheckpointRotation: removed incomplete checkpoint leftover %s", leftover)
         trainer.strategy.barrier("CheckpointRotation.setup")
 
+    def _choose_mode(self, strategy: Strategy) -> SaveMode:
+        if isinstance(strategy.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                "CheckpointRotation cannot tell when an AsyncCheckpointIO save is complete, so it could not commit "
+                "it safely. Remove the AsyncCheckpointIO plugin and use CheckpointRotation(async_save=True)."
+            )
+        if not self.async_save:
+            return "sync"
+        # LLMParallelStrategy's protocol: set `async_checkpointing`, save, later `wait_for_checkpoint()`.
+        sharded = getattr(strategy, "_save_distributed_checkpoint", True)
+        if hasattr(strategy, "wait_for_checkpoint") and hasattr(strategy, "async_checkpointing") and sharded:
+            return "sharded"
+        if type(strategy).save_checkpoint is Strategy.save_checkpoint:  # rank 0 writes one file via CheckpointIO
+            return "thread"
+        rank_zero_warn(f"CheckpointRotation(async_save=True): {type(strategy).__name__} offers no asynchronous "
+                       "save; checkpoints are written synchronously.")
+        return "sync"
+
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
-        complete = files.complete_checkpoints(Path(self.dirpath)) if self.dirpath and os.path.isdir(self.dirpath) else []
+        # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
+        directory = Path(self.dirpath or _default_dirpath(trainer))
+        complete = files.complete_checkpoints(directory) if directory.is_dir() else []
         return {str(complete[-1])} if complete else set()
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resumed run's state at this step is the checkpoint it resumed from: never save it again.
+        self._last_saved_step = self._last_step_seen = trainer.global_step
+        self._last_save_time = time.monotonic()
+        if self._rng_to_restore is not None:  # restored last, so nothing between here and the step draws from it
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[RNG_KEY] = gather_rng_states()
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get(RNG_KEY) or []
+        if trainer.global_rank < len(states):
+            self._rng_to_restore = states[trainer.global_rank]
+        elif states:
+            rank_zero_warn(f"The checkpoint holds random generator states of {len(states)} ranks, this run has "
+                           f"{trainer.world_size}: ranks beyond them keep their seeded generators.")
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
             self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * data_parallel_size(trainer)
         except TypeError:
-            pass
+            pass  # a batch without a (batch, seq_len) tensor: tokens are not counted
         step = trainer.global_step
         stepped, self._last_step_seen = step != self._last_step_seen, step
         if not stepped or step == self._last_saved_step:  # accumulating, or saved already
@@ -129,10 +199,9 @@ class CheckpointRotation(ModelCheckpoint):
         if by_steps or by_time:
             self._save(trainer, pl_module)
 
-    def _minutes_since_save(self, trainer) -> float:
+    def _minutes_since_save(self, trainer: L.Trainer) -> float:
         # Rank 0's clock decides, so every rank takes part in the same saves.
-        minutes = (time.monotonic() - self._last_save_time) / 60
-        return trainer.strategy.broadcast(minutes)
+        return trainer.strategy.broadcast((time.monotonic() - self._last_save_time) / 60)
 
     @override
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -143,7 +212,7 @@ class CheckpointRotation(ModelCheckpoint):
         pass
 
     @override
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_on_train_end and trainer.global_step != self._last_saved_step:
             self._save(trainer, pl_module)
         self._finish_pending(trainer)
@@ -153,108 +222,134 @@ class CheckpointRotation(ModelCheckpoint):
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._finish_pending(trainer)
-        step = trainer.global_step
-        final = self.directory / f"step={step:08d}.ckpt"
+        final = self.directory / f"step={trainer.global_step:08d}.ckpt"
         tmp = final.with_name(files.TMP_PREFIX + final.name)
-        meta = self._metadata(trainer, pl_module)
-        future = self._write(trainer, tmp)
-        self._pending = (tmp, final, meta, future)
-        self._last_saved_step, self._last_save_time = step, time.monotonic()
-        if future is None and not self._sharded_async(trainer):
+        ckpt_path = trainer.ckpt_path
+        pending = _Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
+        if self._mode == "thread":
+            pending.future = self._save_in_thread(trainer, pending)
+        elif self._mode == "sharded":
+            trainer.strategy.async_checkpointing = True
+            try:
+                trainer.save_checkpoint(tmp)  # returns once the state is staged; DCP writes in the background
+            finally:
+                trainer.strategy.async_checkpointing = False
+        else:
+            trainer.save_checkpoint(tmp)
+        self._pending = pending
+        self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
+        if self._mode == "sync":
             self._finish_pending(trainer)
 
-    def _sharded_async(self, trainer) -> bool:
-        return self.async_save and hasattr(trainer.strategy, "wait_for_checkpoint")
-
-    def _write(self, trainer: L.Trainer, tmp: Path) -> Future | None:
+    def _save_in_thread(self, trainer: L.Trainer, pending: _Pending) -> Future | None:
         strategy = trainer.strategy
-        if self._sharded_async(trainer):
-            strategy.async_checkpointing = True
-            try:
-                trainer.save_checkpoint(tmp)
-            finally:
-                strategy.async_checkpointing = False
-            return None
-        if not self.async_save:
-            trainer.save_checkpoint(tmp)
-            return None
-        # Single-file async: stage a host copy now (the only stall), write it in the background.
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if not trainer.is_global_zero:
-            return None
-        staged = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
         self._writer = self._writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        final = tmp.with_name(tmp.name[len(files.TMP_PREFIX) :])
-        meta, resumed = self._metadata(trainer, trainer.lightning_module), trainer.ckpt_path
-
-        def write_and_commit() -> None:
-            torch.save(staged, tmp)
-            self._commit(resumed, tmp, final, meta)
-
-        return self._writer.submit(write_and_commit)
+        staged = StagedWrite(strategy.checkpoint_io, self._writer, then=lambda: self._commit(pending))
+        strategy.checkpoint_io = staged
+        try:
+            trainer.save_checkpoint(pending.tmp)  # Lightning's dump; rank 0 hands it to `staged`
+        finally:
+            strategy.checkpoint_io = staged.inner
+        return staged.future
 
     def _finish_pending(self, trainer: L.Trainer) -> None:
-        """Wait for the pending save on every rank, then commit it and rotate (rank 0)."""
-        if self._pending is None:
+        """Wait for the pending save on every rank; rank 0 commits it (unless its writer did) and rotates."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        tmp, final, meta, future = self._pending
-        self._pending = None
-        if future is not None:  # single-file async: the writer thread also committed it
-            future.result()
-            return
-        if self._sharded_async(trainer):
-            trainer.strategy.wait_for_checkpoint()
-        trainer.strategy.barrier("CheckpointRotation.commit")
-        if trainer.is_global_zero:
-            self._commit(trainer.ckpt_path, tmp, final, meta)
-        trainer.strategy.barrier("CheckpointRotation.rotated")
+        error = None
+        try:
+            if pending.future is not None:
+                pending.future.result()  # the writer thread wrote and committed it
+            if self._mode == "sharded":
+                trainer.strategy.wait_for_checkpoint()
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(err).__name__}: {err}"
+        trainer.strategy.barrier("CheckpointRotation.written")
+        if trainer.is_global_zero and error is None:
+            try:
+                if self._mode != "thread":
+                    self._commit(pending)
+                self._rotate(pending.resumed_from)
+            except Exception as err:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(err).__name__}: {err}"
+        # A broadcast, not a bare raise on rank 0: every rank stops, none waits forever in a collective.
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise RuntimeError(
+                f"CheckpointRotation could not complete checkpoint {pending.final} ({error}). Checkpoints already "
+                f"complete were kept: check the storage under {self.dirpath} (space, permissions), then resume "
+                "with ckpt_path='last'."
+            )
 
-    def _commit(self, resumed_from, tmp: Path, final: Path, meta: dict) -> None:
-        """Rename into place, verify, write the marker, then delete what is no longer kept (rank 0)."""
-        os.replace(tmp, final)
-        files.verify(final, trial_load=self.verify_mode == "load")
-        files.write_json_atomically(files.marker_path(final), meta)
-        if "score" in meta:
-            self.scores[final.name] = meta["score"]
-        self._rotate(resumed_from)
+    def _commit(self, pending: _Pending) -> None:
+        """Verify the written data, rename it into place and write its marker (rank 0)."""
+        world_size = pending.meta["layout"]["world_size"]
+        files.verify(pending.tmp, trial_load=self.verify_mode == "load", world_size=world_size)
+        files.fsync_tree(pending.tmp)  # the data must be durable before a marker says it is complete
+        if pending.final.exists():  # a run resumed from an older checkpoint reached this step again
+            files.remove(pending.final)
+        os.replace(pending.tmp, pending.final)
+        files.fsync_dir(pending.final.parent)
+        files.write_json_atomically(files.marker_path(pending.final), pending.meta)
+        self.last_model_path = str(pending.final)
 
-    def _rotate(self, resumed_from) -> None:
+    def _rotate(self, resumed_from: str | None) -> None:
+        """Delete complete checkpoints that are neither among the newest, the best, nor the resumed-from one."""
         complete = files.complete_checkpoints(self.directory)
         keep = set(complete[-self.keep_last :])
-        if self.keep_best:
-            ranked = sorted((p for p in complete if p.name in self.scores), key=lambda p: self.scores[p.name],
-                            reverse=self.mode == "max")
-            keep |= set(ranked[: self.keep_best])
+        scores = {path: meta["score"] for path in complete
+                  if (meta := files.read_marker(path)) and meta.get("monitor") == self.monitor and "score" in meta}
+        best = sorted(scores, key=scores.get, reverse=self.mode == "max")
+        if best:
+            self.best_model_path, self.best_model_score = str(best[0]), torch.tensor(scores[best[0]])
+        keep |= set(best[: self.keep_best])
         resumed = Path(resumed_from).resolve() if resumed_from else None
+        inside = self.directory.resolve()
         for path in complete:
-            if path in keep or path.resolve() == resumed or path.resolve().parent != self.directory.resolve():
+            if path in keep or path.resolve() == resumed or path.resolve().parent != inside:
                 continue
             files.remove(path)
-            self.scores.pop(path.name, None)
 
     def _metadata(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        layout = {"world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
-        if dims is not None:
-            layout.update(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                          zero_stage=getattr(trainer.strategy, "zero_stage", None))
         loss = trainer.callback_metrics.get("train_loss")
         score = trainer.callback_metrics.get(self.monitor) if self.monitor else None
         return {
             "step": trainer.global_step, "epoch": trainer.current_epoch, "tokens_seen": self.tokens_seen,
-            "layout": layout, "config": dict(pl_module.hparams), "wall_time": time.time(),
+            "layout": checkpoint_layout(trainer), "config": dict(pl_module.hparams), "wall_time": time.time(),
             "loss": float(loss) if loss is not None else None,
-            **({"score": float(score)} if score is not None else {}),
+            **({"monitor": self.monitor, "score": float(score)} if score is not None else {}),
         }
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"tokens_seen": self.tokens_seen, "scores": dict(self.scores), "dirpath": self.dirpath}
+        return {"tokens_seen": self.tokens_seen, "dirpath": self.dirpath}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = state_dict.get("tokens_seen", 0)
-        self.scores = dict(state_dict.get("scores", {}))
+
+
+def _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify) -> None:
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: at least 1 checkpoint must be kept (the newest complete one).")
+    if every_n_train_steps is not None and every_n_train_steps < 1:
+        raise ValueError(f"every_n_train_steps={every_n_train_steps} must be a positive number of steps, or None.")
+    if every_n_minutes is not None and every_n_minutes <= 0:
+        raise ValueError(f"every_n_minutes={every_n_minutes} must be a positive number of minutes, or None.")
+    if every_n_train_steps is None and every_n_minutes is None and not save_on_train_end:
+        raise ValueError("CheckpointRotation would never save: set every_n_train_steps, every_n_minutes or "
+                         "save_on_train_end=True.")
+    if keep_best < 0:
+        raise ValueError(f"keep_best={keep_best} must be 0 or more.")
+    if keep_best and monitor is None:
+        raise ValueError(f"keep_best={keep_best} needs `monitor`, the metric that ranks checkpoints.")
+    if verify not in ("files", "load"):
+        raise ValueError(f"verify={verify!r}: choose 'files' or 'load'.")
+
+
+def _default_dirpath(trainer: L.Trainer) -> str:
+    return os.path.join(trainer.default_root_dir, "checkpoints")
 
 
 def _check_writable(directory: Path) -> None:

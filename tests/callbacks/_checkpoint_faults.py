@@ -1,9 +1,11 @@
 """Fault-injection driver: train with a save every step, SIGKILL the trainer at random moments, check the directory.
 
 A parent process imports everything once and forks a trainer child per round (fork keeps each
-round to well under a second). After each kill the parent checks that complete checkpoints load,
-and that once any checkpoint was complete, at least one still is. The last round must resume
-from "last" and finish. Prints a JSON report. Run by tests/callbacks/test_checkpoint_faults.py.
+round to well under a second). Rounds alternate between synchronous saves and asynchronous ones
+(a background writer thread), both with keep_last=1, the setting that lost the only complete
+checkpoint in Megatron-Bridge #4678. After each kill the parent checks that complete checkpoints
+load, and that once any checkpoint was complete, at least one still is. The last round must
+resume from "last" and finish. Prints a JSON report. Run by tests/callbacks/test_checkpoint_faults.py.
 """
 
 import json
@@ -25,11 +27,12 @@ from lightning_llm.data import LLMDataModule  # noqa: E402
 from lightning_llm.models import CausalLM, LlamaConfig  # noqa: E402
 
 
-def train(directory: Path, steps: int) -> None:
+def train(directory: Path, steps: int, async_save: bool) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CheckpointRotation(dirpath=str(directory), every_n_train_steps=1, keep_last=1)],
+        callbacks=[CheckpointRotation(dirpath=str(directory), every_n_train_steps=1, keep_last=1,
+                                      async_save=async_save)],
         limit_val_batches=0, num_sanity_val_steps=0,
     )
     # ~12M parameters: a ~150 MB checkpoint (with AdamW state), so most of each step is spent saving,
@@ -54,15 +57,17 @@ def _wait_for_save(directory: Path, since: float, timeout: float) -> None:
 def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
     directory = Path(directory)
     rng = random.Random(seed)
-    report = {"kills": 0, "killed_mid_save": 0, "violations": [], "max_complete": 0, "resumed_to_step": None}
+    report = {"kills": 0, "async_kills": 0, "killed_mid_save": 0, "violations": [], "max_complete": 0,
+              "resumed_to_step": None}
     had_complete = False
     deadline = time.monotonic() + budget_s
     while report["kills"] < kills and time.monotonic() < deadline:
         started = time.time()
+        async_save = report["kills"] % 2 == 1
         pid = os.fork()
         if pid == 0:
             try:
-                train(directory, steps=10_000)
+                train(directory, steps=10_000, async_save=async_save)
             finally:
                 os._exit(0)
         # Wait for a save to start (its temporary entry appears), then kill at a random point of it:
@@ -72,6 +77,7 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         report["kills"] += 1
+        report["async_kills"] += async_save
         complete = complete_checkpoints(directory)
         # The kill landed inside a save if it left a temporary or unmarked entry, or a committed
         # checkpoint whose older sibling was not yet rotated away (keep_last=1).
@@ -87,12 +93,16 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
             report["violations"].append(f"kill {report['kills']}: no complete checkpoint left")
         had_complete = had_complete or bool(complete)
         report["max_complete"] = max(report["max_complete"], len(complete))
+    if not complete_checkpoints(directory):
+        report["violations"].append("no complete checkpoint to resume from")
+        print(json.dumps(report))
+        return
     last = complete_checkpoints(directory)[-1]
     step = json.loads(Path(str(last) + ".meta.json").read_text())["step"]
     pid = os.fork()
     if pid == 0:
         try:
-            train(directory, steps=step + 2)
+            train(directory, steps=step + 2, async_save=True)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
