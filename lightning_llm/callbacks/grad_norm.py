@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -23,26 +25,46 @@ def global_grad_norm(trainer: L.Trainer, pl_module: L.LightningModule, norm_type
     return total_grad_norm(pl_module.parameters(), norm_type)
 
 
+def subset_grad_norm(trainer: L.Trainer, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm of some parameters' gradients (a block, an optimizer group), identical on all ranks.
+
+    Parameters held by other pipeline stages enter through the strategy's pipeline group; a weight
+    tied across stages (an embedding shared with the output head) counts once.
+    """
+    strategy = trainer.strategy
+    # LLMParallelStrategy lists the tied copies it leaves out of its own norm; other strategies have none.
+    tied = getattr(strategy, "_tied_copies", None)
+    skip = {id(p) for p in tied()} if callable(tied) else set()
+    kept = [p for p in parameters if id(p) not in skip]
+    return total_grad_norm(kept, norm_type, pipeline_group=getattr(strategy, "pipeline_group", None))
+
+
 class GradNormMonitor(L.Callback):
-    """Logs the total gradient norm before clipping, whether the step was clipped, and optional per-block norms.
+    """Logs the total gradient norm before clipping, whether the step was clipped, and optional finer norms.
 
     Logged once per optimizer step (so after all accumulated micro-batches), every
     ``log_every_n_steps`` steps: ``grad_norm/total``, ``grad_norm/clipped`` (1.0 when the norm exceeds
-    the Trainer's ``gradient_clip_val``) and with ``per_block=True`` ``grad_norm/block_{i}``. Computing a
-    global norm takes collectives, so steps in between add none. With DeepSpeed the engine's own
-    pre-clipping global norm is read after its step.
+    the Trainer's ``gradient_clip_val``), with ``per_block=True`` ``grad_norm/block_{i}`` for each
+    transformer block and with ``per_param_group=True`` ``grad_norm/group_{i}`` for each parameter group
+    of the optimizer. Every norm is global: over data-parallel replicas, FSDP and tensor-parallel
+    shards and pipeline stages. Computing one takes collectives, so steps in between add none. With
+    DeepSpeed the engine's own pre-clipping global norm is read after its step (finer norms are not
+    available there: the engine owns the gradient partitions).
 
     Arguments:
         log_every_n_steps: optimizer steps between logs.
         norm_type: the p of the p-norm (``float("inf")`` for the max norm).
         per_block: also log each transformer block's norm.
+        per_param_group: also log the norm of each of the optimizer's parameter groups.
 
     Example::
 
         trainer = L.Trainer(gradient_clip_val=1.0, callbacks=[GradNormMonitor(per_block=True)])
     """
 
-    def __init__(self, log_every_n_steps: int = 1, norm_type: float = 2.0, per_block: bool = False) -> None:
+    def __init__(
+        self, log_every_n_steps: int = 1, norm_type: float = 2.0, per_block: bool = False, per_param_group: bool = False
+    ) -> None:
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1.")
         if norm_type <= 0:
@@ -50,11 +72,17 @@ class GradNormMonitor(L.Callback):
         self.log_every_n_steps = log_every_n_steps
         self.norm_type = float(norm_type)
         self.per_block = per_block
+        self.per_param_group = per_param_group
         self.last_norm: torch.Tensor | None = None
+        self._read_at = 0  # the global step whose DeepSpeed norm was read last
 
     def _due(self, trainer: L.Trainer) -> bool:
         # on_before_optimizer_step runs before global_step counts this step.
         return (trainer.global_step + 1) % self.log_every_n_steps == 0
+
+    @override
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._read_at = trainer.global_step  # a resumed run has no norm of its own yet
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -63,27 +91,31 @@ class GradNormMonitor(L.Callback):
         norm = global_grad_norm(trainer, pl_module, self.norm_type)
         self._log(trainer, pl_module, norm)
         if self.per_block:
-            self._log_blocks(trainer, pl_module)
+            _, blocks = find_blocks(pl_module, getattr(trainer.strategy, "blocks", None))
+            # Blocks held by another pipeline stage contribute zero here and their norm over the group.
+            for index, block in enumerate(blocks._modules.values()):
+                self._log_one(pl_module, f"block_{index}", subset_grad_norm(trainer, block.parameters(), self.norm_type))
+        if self.per_param_group:
+            for index, group in enumerate(optimizer.param_groups):
+                self._log_one(pl_module, f"group_{index}", subset_grad_norm(trainer, group["params"], self.norm_type))
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not isinstance(trainer.strategy, DeepSpeedStrategy) or trainer.global_step % self.log_every_n_steps:
-            return
+        step = trainer.global_step
+        if not isinstance(trainer.strategy, DeepSpeedStrategy) or step % self.log_every_n_steps or step == self._read_at:
+            return  # not DeepSpeed, not due, or a micro-batch that accumulated without a step
+        self._read_at = step
         norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
         if norm is not None:
             self._log(trainer, pl_module, torch.as_tensor(float(norm)))
 
     def _log(self, trainer, pl_module, norm: torch.Tensor) -> None:
         self.last_norm = norm
-        pl_module.log("grad_norm/total", norm, on_step=True, on_epoch=False)
+        self._log_one(pl_module, "total", norm)
         clip = trainer.gradient_clip_val
         if clip is not None and clip > 0 and trainer.gradient_clip_algorithm in (None, "norm"):
-            pl_module.log("grad_norm/clipped", (norm > clip).float(), on_step=True, on_epoch=False)
+            self._log_one(pl_module, "clipped", (norm > clip).float())
 
-    def _log_blocks(self, trainer, pl_module) -> None:
-        _, blocks = find_blocks(pl_module, getattr(trainer.strategy, "blocks", None))
-        group = getattr(trainer.strategy, "pipeline_group", None)
-        for index, block in enumerate(blocks._modules.values()):
-            # Blocks held by another pipeline stage contribute zero here and their norm over the group.
-            norm = total_grad_norm(block.parameters(), self.norm_type, pipeline_group=group)
-            pl_module.log(f"grad_norm/block_{index}", norm, on_step=True, on_epoch=False)
+    @staticmethod
+    def _log_one(pl_module, name: str, value: torch.Tensor) -> None:
+        pl_module.log(f"grad_norm/{name}", value, on_step=True, on_epoch=False)

@@ -35,6 +35,9 @@ def batch_tokens(batch: Any, shifted_targets: bool) -> tuple[int, int]:
     return samples, samples * length
 
 
+# Lightning's ThroughputMonitor/Throughput are not used for the rates: they multiply per-device rates
+# by the world size (counting a tensor- or pipeline-parallel batch once per rank) and synchronise the
+# device after every batch. Their peak table (get_available_flops) is the fallback for unknown cards.
 class MFUMonitor(L.Callback):
     """Logs throughput and MFU every ``log_every_n_steps`` optimizer steps, through every configured logger.
 

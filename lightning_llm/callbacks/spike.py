@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from typing import Literal
@@ -27,11 +28,13 @@ class LossSpikeGuard(L.Callback):
     A spike is a loss above ``mean + threshold * std`` of the last ``window`` good steps, checked
     once ``warmup_steps`` steps have been seen. The loss checked is the step's global mean (over
     accumulated micro-batches and data-parallel ranks), so every rank takes the same decision. This
-    costs one small all-reduce and one host read per optimizer step.
+    costs one small all-reduce and one host read per optimizer step. The statistics and counts are
+    saved in Lightning checkpoints and restored on resume.
 
     Actions: ``"warn"``; ``"skip"``: the optimizer step is skipped on every rank and the gradients
     dropped, so parameters and optimizer state (moments, step counts) stay as they were (the LR
-    schedule still advances); ``"stop"``: raise :class:`LossSpikeError` naming the step and batches.
+    schedule still advances; the skip works by wrapping each optimizer's ``step`` at fit start,
+    since Lightning calls the hooks inside it); ``"stop"``: raise :class:`LossSpikeError` naming the step and batches.
     Logged: ``loss_guard/nonfinite``, ``loss_guard/spikes`` and ``loss_guard/skipped`` (running counts).
 
     Arguments:
@@ -39,7 +42,8 @@ class LossSpikeGuard(L.Callback):
         window: good steps the spike statistics cover.
         threshold: standard deviations above the mean that count as a spike.
         warmup_steps: steps before spikes are judged (non-finite values are judged from the start).
-        check_gradients: also treat non-finite gradients as bad.
+        check_gradients: also treat non-finite gradients as bad (under "16-mixed" precision the GradScaler
+            handles overflowing gradients itself, so only the loss is checked).
 
     Example::
 
@@ -69,7 +73,20 @@ class LossSpikeGuard(L.Callback):
         self._loss_sum: torch.Tensor | None = None
         self._batches: list[int] = []
         self._skip_next_update = False
+        self._scaler_owns_overflow = False
         self._steps_seen = 0
+
+    @override
+    def state_dict(self) -> dict:
+        # Saved with Lightning checkpoints, so a resumed run keeps its statistics and needs no new warmup.
+        return {"history": list(self.history), "counts": dict(self.counts), "steps_seen": self._steps_seen}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history.clear()
+        self.history.extend(state_dict["history"])
+        self.counts.update(state_dict["counts"])
+        self._steps_seen = state_dict["steps_seen"]
 
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -80,14 +97,25 @@ class LossSpikeGuard(L.Callback):
                     "with LLMDeepSpeedStrategy (DeepSpeed skips overflowing fp16 steps itself)."
                 )
             for optimizer in trainer.optimizers:
+                if isinstance(optimizer, torch.optim.LBFGS):
+                    raise ValueError(
+                        "LossSpikeGuard(action='skip') runs the closure once before deciding, but LBFGS re-evaluates "
+                        "it inside its step; use action='warn' or 'stop' with LBFGS."
+                    )
                 self._guard(optimizer)
+        # Under fp16 mixed precision the GradScaler owns overflowing gradients: it skips those steps and
+        # lowers the scale, which is routine, not a fault.
+        self._scaler_owns_overflow = str(trainer.precision) == "16-mixed"
 
     def _guard(self, optimizer: torch.optim.Optimizer) -> None:
         # Lightning runs forward and backward inside optimizer.step(closure), and this callback decides
         # within that closure (on_before_optimizer_step). Wrapping the step is the one place where the
         # update itself can be left out after the closure has run.
+        # functools.wraps keeps the marker torch's LR scheduler put on the step it wrapped, so the
+        # scheduler does not warn that optimizer.step was replaced behind its back.
         update = optimizer.step
 
+        @functools.wraps(update)
         def step(closure=None, **kwargs):
             loss = closure() if closure is not None else None
             if self._skip_next_update:
@@ -111,6 +139,7 @@ class LossSpikeGuard(L.Callback):
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         step, batches = trainer.global_step, self._batches
+        self._skip_next_update = False  # decided afresh: a step the GradScaler skipped never consumed the flag
         loss, bad_grads = self._global_loss_and_grad_flag(trainer, pl_module)
         self._loss_sum, self._batches = None, []
         self._steps_seen += 1
@@ -143,7 +172,7 @@ class LossSpikeGuard(L.Callback):
     def _global_loss_and_grad_flag(self, trainer, pl_module) -> tuple[float, bool]:
         loss = self._loss_sum if self._loss_sum is not None else torch.tensor(float("nan"))
         flag = torch.zeros((), device=loss.device)
-        if self.check_gradients:
+        if self.check_gradients and not self._scaler_owns_overflow:
             flag = (~_local_grads_finite(pl_module, loss.device)).float()
         stats = torch.stack([loss.reshape(()), flag])
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:

@@ -22,7 +22,9 @@ from lightning_llm.parallel.blocks import find_blocks
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' datasheets: NVIDIA A100 (2020), H100
 # SXM/PCIe/NVL (2023), H200 (2024), B200/GB200 (HGX/NVL72 per-GPU figures, 2025), L40S, L4; AMD MI300X,
-# MI325X. "tf32" also stands for fp32 matmuls on NVIDIA tensor cores.
+# MI325X. A10G (AWS) has no NVIDIA datasheet: AWS's published g5 figures. "tf32" also stands for fp32
+# matmuls on NVIDIA tensor cores. This table comes before Lightning's get_available_flops because
+# Lightning lists some cards (H100 NVL, H200) at their 2:4-sparsity figures, twice the dense peak.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12},
     "H100 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.9e12, "tf32": 417.8e12, "fp32": 60.0e12},

@@ -7,7 +7,7 @@ import torch
 from lightning_llm.callbacks import MFUMonitor
 from lightning_llm.callbacks.mfu import batch_tokens
 from lightning_llm.data import LLMDataModule
-from lightning_llm.models import CausalLM
+from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.planning.flops import ModelShape
 from lightning_llm.testing import run_distributed
 
@@ -35,26 +35,57 @@ def _fit(strategy="auto", devices=1, steps=4, **monitor):
         mfu.time = real_time
 
 
-def _fit_with_clock(strategy, devices, steps, **monitor):
+def _trainer(callback, strategy="auto", devices=1, steps=4):
     torch.manual_seed(0)
-    model = CausalLM("tiny")
-    callback = MFUMonitor(log_every_n_steps=2, peak_flops=1e12, **monitor)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[callback], limit_val_batches=0)
-    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=SEQ, batch_size=BATCH))
+    trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=20_000, seq_len=SEQ, batch_size=BATCH))
+    return trainer
+
+
+def _fit_with_clock(strategy, devices, steps, **monitor):
+    trainer = _trainer(MFUMonitor(**{"log_every_n_steps": 2, "peak_flops": 1e12, **monitor}), strategy, devices, steps)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
+    model = trainer.lightning_module
     return metrics, ModelShape.of(model).flops_per_token(SEQ) if devices == 1 else None
 
 
 def test_mfu_and_tflops_match_hand_computed_values():
-    metrics, flops_per_token = _fit()
+    metrics, _ = _fit()
+    # The tiny reference model: 2 blocks, attention width 64; N counted by the model itself.
+    n = Llama(LlamaConfig.from_name("tiny")).num_parameters(exclude_embeddings=True)
+    flops_per_token = 6 * n + 12 * 2 * 64 * SEQ
     tokens_per_sec = 2 * BATCH * SEQ / 1.0  # 2 steps per one-second window
     assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens_per_sec)
     assert metrics["throughput/samples_per_sec"] == pytest.approx(2 * BATCH)
     assert metrics["throughput/tflops_per_device"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
     assert metrics["throughput/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
     assert "throughput/hfu" not in metrics
+
+
+def test_peak_comes_from_the_device_lookup(monkeypatch):
+    import lightning_llm.callbacks.mfu as mfu
+
+    asked = []
+    monkeypatch.setattr(mfu, "device_peak_flops", lambda device, precision: asked.append((device, precision)) or 4e12)
+    metrics, _ = _fit(peak_flops=None)
+    assert asked == [(torch.device("cpu"), "32-true")]
+    assert metrics["throughput/mfu"] == pytest.approx(metrics["throughput/tflops_per_device"] * 1e12 / 4e12)
+
+
+def test_progress_bar_shows_tokens_per_sec_and_mfu_only_when_asked():
+    import lightning_llm.callbacks.mfu as mfu
+
+    shown = {}
+    for prog_bar in (True, False):
+        real_time, mfu.time = mfu.time, types.SimpleNamespace(perf_counter=FakeClock().perf_counter)
+        try:
+            trainer = _trainer(MFUMonitor(log_every_n_steps=2, peak_flops=1e12, prog_bar=prog_bar))
+        finally:
+            mfu.time = real_time
+        shown[prog_bar] = {k for k in trainer.progress_bar_metrics if k.startswith("throughput/")}
+    assert shown == {True: {"throughput/tokens_per_sec", "throughput/mfu"}, False: set()}
 
 
 def _layout_metrics(world_size):
