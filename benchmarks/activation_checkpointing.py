@@ -20,8 +20,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_llm.models import CausalLM
-from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing, predicted_peak
-from lightning_llm.parallel.activation_memory import measure_blocks
+from lightning_llm.modeling.activations import measure_blocks
+from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_llm.planning.activation_budget import predicted_peak
 
 MODES = {
     "none": dict(mode="none"),

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from lightning_llm.callbacks import MFUMonitor
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_llm.planning.flops import ModelShape, device_peak_flops
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.planning.flops import device_peak_flops
 from lightning_llm.strategies import LLMParallelStrategy
 
 SIZES = {"tiny": "tiny", "125M": "125M", "1B": "1B"}

@@ -54,7 +54,8 @@ def plan(args: list[str]) -> str:
     import torch
     import yaml
 
-    from lightning_llm.planning.zero import MemoryPlanError, choose_zero_stage, parse_size
+    from lightning_llm.planning.zero import MemoryPlanError, parse_size
+    from lightning_llm.strategies.zero_auto import choose_zero_stage
 
     parser = argparse.ArgumentParser(prog="lightning-llm plan", description=plan.__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a lightning-llm / LightningCLI YAML config")
@@ -74,7 +75,10 @@ def plan(args: list[str]) -> str:
         module = cli.model
         if hasattr(module, "configure_model"):
             module.configure_model()
+    from lightning_llm.strategies import LLMParallelStrategy
+
     strategy = cli.trainer.strategy
+    native = isinstance(strategy, LLMParallelStrategy)
     devices = options.devices or trainer_config.get("devices")
     devices = devices if isinstance(devices, int) else 1
     nodes = options.num_nodes or trainer_config.get("num_nodes") or 1
@@ -82,9 +86,9 @@ def plan(args: list[str]) -> str:
     hparams = cli.datamodule.hparams
     settings = dict(
         device_memory=parse_size(options.device_memory), world_size=devices * nodes,
-        tp=getattr(strategy, "_tensor_parallel_size", 1), pp=getattr(strategy, "pipeline_parallel_size", 1),
+        tp=strategy.tensor_parallel_size if native else 1, pp=strategy.pipeline_parallel_size if native else 1,
         micro_batch_size=hparams.get("batch_size", 1), seq_len=hparams.get("seq_len", 2048),
-        precision=str(cli.trainer.precision), activation_checkpointing=getattr(strategy, "activation_checkpointing", "none"),
+        precision=str(cli.trainer.precision), activation_checkpointing=strategy.activation_checkpointing if native else "none",
         backend=backend, margin=options.margin,
     )
     params = sum(p.numel() for p in module.parameters())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -15,17 +15,16 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_llm.callbacks import checkpoint_files as files
-from lightning_llm.callbacks.checkpoint_io import StagedWrite, checkpoint_layout, gather_rng_states, set_rng_state
-from lightning_llm.callbacks.mfu import batch_tokens, data_parallel_size
+from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
+from lightning_llm.contract import contract_of
+from lightning_llm.data.batch import batch_tokens
 
 log = logging.getLogger(__name__)
 
-SaveMode = Literal["sync", "thread", "sharded"]
 RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state per global rank
 
 
@@ -37,7 +36,7 @@ class _Pending:
     final: Path
     meta: dict[str, Any]
     resumed_from: str | None
-    future: Future | None = None  # background writer of a single file (rank 0); it commits by itself
+    future: Future | None = None  # an asynchronous save's files on this rank
 
 
 class CheckpointRotation(ModelCheckpoint):
@@ -53,7 +52,7 @@ class CheckpointRotation(ModelCheckpoint):
     (``--ckpt_path last`` in the CLI) resolves to the newest complete checkpoint.
 
     ``async_save=True`` stalls training only while the state is copied to host memory: single files
-    (single device, DDP) are written and committed by a background thread, sharded checkpoints of
+    (single device, DDP) are written by a background thread, sharded checkpoints of
     LLMParallelStrategy by ``torch.distributed.checkpoint.async_save``. Strategies that offer neither
     (DeepSpeed, Lightning's FSDP/ModelParallel) save synchronously, with a warning. A save first waits
     for the previous one, and so does the end of training; rotation happens only after that wait.
@@ -105,11 +104,10 @@ class CheckpointRotation(ModelCheckpoint):
         self.keep_last, self.keep_best = keep_last, keep_best
         self.save_on_train_end, self.async_save, self.verify_mode = save_on_train_end, async_save, verify
         self.tokens_seen = 0
-        self._mode: SaveMode = "sync"
+        self._async = False
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._last_step_seen = -1
         self._pending: _Pending | None = None
-        self._writer: ThreadPoolExecutor | None = None
         self._rng_to_restore: dict[str, Any] | None = None
 
     @property
@@ -130,30 +128,26 @@ class CheckpointRotation(ModelCheckpoint):
         self._fs = get_filesystem(self.dirpath)
         if stage != "fit":
             return
-        self._mode = self._choose_mode(trainer.strategy)
+        self._async = self._can_save_async(trainer)
         if trainer.is_global_zero:
             _check_writable(self.directory)
             for leftover in files.clean_incomplete(self.directory):
                 log.warning("CheckpointRotation: removed incomplete checkpoint leftover %s", leftover)
         trainer.strategy.barrier("CheckpointRotation.setup")
 
-    def _choose_mode(self, strategy: Strategy) -> SaveMode:
-        if isinstance(strategy.checkpoint_io, AsyncCheckpointIO):
+    def _can_save_async(self, trainer: L.Trainer) -> bool:
+        if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             raise ValueError(
                 "CheckpointRotation cannot tell when an AsyncCheckpointIO save is complete, so it could not commit "
                 "it safely. Remove the AsyncCheckpointIO plugin and use CheckpointRotation(async_save=True)."
             )
         if not self.async_save:
-            return "sync"
-        # LLMParallelStrategy's protocol: set `async_checkpointing`, save, later `wait_for_checkpoint()`.
-        sharded = getattr(strategy, "_save_distributed_checkpoint", True)
-        if hasattr(strategy, "wait_for_checkpoint") and hasattr(strategy, "async_checkpointing") and sharded:
-            return "sharded"
-        if type(strategy).save_checkpoint is Strategy.save_checkpoint:  # rank 0 writes one file via CheckpointIO
-            return "thread"
-        rank_zero_warn(f"CheckpointRotation(async_save=True): {type(strategy).__name__} offers no asynchronous "
-                       "save; checkpoints are written synchronously.")
-        return "sync"
+            return False
+        if not contract_of(trainer).supports_async_save:
+            rank_zero_warn(f"CheckpointRotation(async_save=True): {type(trainer.strategy).__name__} offers no "
+                           "asynchronous save; checkpoints are written synchronously.")
+            return False
+        return True
 
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
@@ -187,7 +181,7 @@ class CheckpointRotation(ModelCheckpoint):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
-            self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * data_parallel_size(trainer)
+            self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * contract_of(trainer).layout.dp
         except TypeError:
             pass  # a batch without a (batch, seq_len) tensor: tokens are not counted
         step = trainer.global_step
@@ -216,9 +210,6 @@ class CheckpointRotation(ModelCheckpoint):
         if self.save_on_train_end and trainer.global_step != self._last_saved_step:
             self._save(trainer, pl_module)
         self._finish_pending(trainer)
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._finish_pending(trainer)
@@ -226,50 +217,30 @@ class CheckpointRotation(ModelCheckpoint):
         tmp = final.with_name(files.TMP_PREFIX + final.name)
         ckpt_path = trainer.ckpt_path
         pending = _Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
-        if self._mode == "thread":
-            pending.future = self._save_in_thread(trainer, pending)
-        elif self._mode == "sharded":
-            trainer.strategy.async_checkpointing = True
-            try:
-                trainer.save_checkpoint(tmp)  # returns once the state is staged; DCP writes in the background
-            finally:
-                trainer.strategy.async_checkpointing = False
+        if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
+            pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
         else:
             trainer.save_checkpoint(tmp)
         self._pending = pending
         self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
-        if self._mode == "sync":
+        if not self._async:
             self._finish_pending(trainer)
 
-    def _save_in_thread(self, trainer: L.Trainer, pending: _Pending) -> Future | None:
-        strategy = trainer.strategy
-        self._writer = self._writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        staged = StagedWrite(strategy.checkpoint_io, self._writer, then=lambda: self._commit(pending))
-        strategy.checkpoint_io = staged
-        try:
-            trainer.save_checkpoint(pending.tmp)  # Lightning's dump; rank 0 hands it to `staged`
-        finally:
-            strategy.checkpoint_io = staged.inner
-        return staged.future
-
     def _finish_pending(self, trainer: L.Trainer) -> None:
-        """Wait for the pending save on every rank; rank 0 commits it (unless its writer did) and rotates."""
+        """Wait for the pending save on every rank; rank 0 commits it and rotates."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         error = None
         try:
             if pending.future is not None:
-                pending.future.result()  # the writer thread wrote and committed it
-            if self._mode == "sharded":
-                trainer.strategy.wait_for_checkpoint()
+                pending.future.result()
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = f"{type(err).__name__}: {err}"
         trainer.strategy.barrier("CheckpointRotation.written")
         if trainer.is_global_zero and error is None:
             try:
-                if self._mode != "thread":
-                    self._commit(pending)
+                self._commit(pending)
                 self._rotate(pending.resumed_from)
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(err).__name__}: {err}"
@@ -316,7 +287,7 @@ class CheckpointRotation(ModelCheckpoint):
         score = trainer.callback_metrics.get(self.monitor) if self.monitor else None
         return {
             "step": trainer.global_step, "epoch": trainer.current_epoch, "tokens_seen": self.tokens_seen,
-            "layout": checkpoint_layout(trainer), "config": dict(pl_module.hparams), "wall_time": time.time(),
+            "layout": contract_of(trainer).layout.as_dict(), "config": dict(pl_module.hparams), "wall_time": time.time(),
             "loss": float(loss) if loss is not None else None,
             **({"monitor": self.monitor, "score": float(score)} if score is not None else {}),
         }

@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
-from lightning_llm.parallel.blocks import find_blocks
-from lightning_llm.parallel.grad_norm import total_grad_norm
-
-
-def global_grad_norm(trainer: L.Trainer, pl_module: L.LightningModule, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm over every gradient of the model, identical on all ranks.
-
-    LLMParallelStrategy knows its shards, stages and tied copies (``global_grad_norm``); plain
-    data parallelism holds whole, already averaged gradients, so the local norm is the global one.
-    """
-    strategy_norm = getattr(trainer.strategy, "global_grad_norm", None)
-    if callable(strategy_norm):
-        return strategy_norm(norm_type)
-    return total_grad_norm(pl_module.parameters(), norm_type)
-
-
-def subset_grad_norm(trainer: L.Trainer, parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The global norm of some parameters' gradients (a block, an optimizer group), identical on all ranks.
-
-    Parameters held by other pipeline stages enter through the strategy's pipeline group; a weight
-    tied across stages (an embedding shared with the output head) counts once.
-    """
-    strategy = trainer.strategy
-    # LLMParallelStrategy lists the tied copies it leaves out of its own norm; other strategies have none.
-    tied = getattr(strategy, "_tied_copies", None)
-    skip = {id(p) for p in tied()} if callable(tied) else set()
-    kept = [p for p in parameters if id(p) not in skip]
-    return total_grad_norm(kept, norm_type, pipeline_group=getattr(strategy, "pipeline_group", None))
+from lightning_llm.contract import contract_of
+from lightning_llm.modeling.blocks import find_blocks
 
 
 class GradNormMonitor(L.Callback):
@@ -88,16 +60,16 @@ class GradNormMonitor(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if isinstance(trainer.strategy, DeepSpeedStrategy) or not self._due(trainer):
             return
-        norm = global_grad_norm(trainer, pl_module, self.norm_type)
-        self._log(trainer, pl_module, norm)
+        contract = contract_of(trainer)
+        self._log(trainer, pl_module, contract.grad_norm(norm_type=self.norm_type))
         if self.per_block:
-            _, blocks = find_blocks(pl_module, getattr(trainer.strategy, "blocks", None))
+            _, blocks = find_blocks(pl_module, contract.blocks_name)
             # Blocks held by another pipeline stage contribute zero here and their norm over the group.
             for index, block in enumerate(blocks._modules.values()):
-                self._log_one(pl_module, f"block_{index}", subset_grad_norm(trainer, block.parameters(), self.norm_type))
+                self._log_one(pl_module, f"block_{index}", contract.grad_norm(block.parameters(), self.norm_type))
         if self.per_param_group:
             for index, group in enumerate(optimizer.param_groups):
-                self._log_one(pl_module, f"group_{index}", subset_grad_norm(trainer, group["params"], self.norm_type))
+                self._log_one(pl_module, f"group_{index}", contract.grad_norm(group["params"], self.norm_type))
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -3,36 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_llm.planning.flops import ModelShape, device_peak_flops
-
-
-def data_parallel_size(trainer: L.Trainer) -> int:
-    """How many replicas read different data: tensor- and pipeline-parallel peers share one batch."""
-    dims = getattr(trainer.strategy, "parallel_dims", None)
-    return dims.dp if dims is not None else trainer.world_size
-
-
-def batch_tokens(batch: Any, shifted_targets: bool) -> tuple[int, int]:
-    """(samples, trained tokens) of a batch, from shapes only (no device synchronisation).
-
-    A (batch, seq_len + 1) token tensor trains seq_len tokens per sample when ``shifted_targets``;
-    dicts are read through their ``input_ids``.
-    """
-    if isinstance(batch, dict):
-        batch = batch.get("input_ids", next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        batch = batch[0]
-    if not isinstance(batch, torch.Tensor) or batch.dim() < 2:
-        raise TypeError("MFUMonitor counts tokens of (batch, seq_len) tensors or dicts with 'input_ids'.")
-    samples, length = batch.shape[0], batch.shape[1] - (1 if shifted_targets else 0)
-    return samples, samples * length
+from lightning_llm.contract import contract_of
+from lightning_llm.data.batch import batch_tokens
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.planning.flops import device_peak_flops
 
 
 # Lightning's ThroughputMonitor/Throughput are not used for the rates: they multiply per-device rates
@@ -84,6 +64,7 @@ class MFUMonitor(L.Callback):
         self._shape: ModelShape | None = None
         self._policies: list[str] = []
         self._last_step = 0
+        self._dp = 1
         self._reset_window(None)
 
     def _reset_window(self, start: float | None) -> None:
@@ -92,9 +73,15 @@ class MFUMonitor(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step
-        strategy = trainer.strategy
-        self._shape = getattr(strategy, "model_shape", None) or (None if self.flops_per_token else ModelShape.of(pl_module))
-        self._policies = list(getattr(strategy, "ac_policies", []) or [])
+        strategy, contract = trainer.strategy, contract_of(trainer)
+        self._shape = contract.model_shape
+        if self._shape is None and not self.flops_per_token:
+            raise ValueError(
+                f"MFUMonitor cannot read the shape of {type(pl_module).__name__} (no transformer-block list found); "
+                "pass flops_per_token=<model FLOPs per trained token>."
+            )
+        self._policies = contract.activation_checkpointing_policies
+        self._dp = contract.layout.dp
         if self.peak_flops is None:
             self.peak_flops = device_peak_flops(strategy.root_device, str(trainer.precision))
             if self.peak_flops is None:
@@ -123,7 +110,7 @@ class MFUMonitor(L.Callback):
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         now = self._now(trainer)
         elapsed = now - self._window_start
-        dp, world = data_parallel_size(trainer), trainer.world_size
+        dp, world = self._dp, trainer.world_size
         tokens_per_sec = self._tokens * dp / elapsed
         metrics = {
             "throughput/tokens_per_sec": tokens_per_sec,

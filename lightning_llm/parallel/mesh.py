@@ -53,6 +53,36 @@ class ParallelDims:
                 f"{others * self.dp_shard}, but the world size is {self.world_size}; the product must equal it."
             )
 
+    @classmethod
+    def for_world(
+        cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | str = "auto", dp_replicate: int = 1,
+        replicate_all: bool = False,
+    ) -> ParallelDims:
+        """The degrees for ``world_size`` ranks given tp, pp and the data-parallel size (``"auto"``: what is left).
+
+        ``replicate_all`` puts every data-parallel rank on the replicate axis (ZeRO 0); otherwise
+        ``dp_replicate`` groups each shard over ``dp / dp_replicate`` ranks (HSDP when > 1).
+
+        Example::
+
+            ParallelDims.for_world(8, tp=2, dp_replicate=2)   # pp=1, dp_replicate=2, dp_shard=2, tp=2
+        """
+        if dp == "auto":
+            dp = cls(world_size=world_size, tp=tp, pp=pp).dp_shard
+        elif dp * tp * pp != world_size:
+            raise ValueError(
+                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) * pipeline_parallel_size ({pp}) = "
+                f"{dp * tp * pp}, but there are {world_size} processes; make the product equal devices * nodes."
+            )
+        if replicate_all:
+            return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
+        if dp % dp_replicate:
+            raise ValueError(
+                f"data_parallel_replicate_size={dp_replicate} does not divide the data-parallel size {dp}; "
+                "choose a divisor so that each replica shards over the same number of ranks."
+            )
+        return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp // dp_replicate)
+
     @property
     def dp(self) -> int:
         """Data-parallel degree: the number of model replicas that read different data."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from lightning_llm.parallel.pipeline_split import SCHEDULES, SINGLE_STAGE_SCHEDULES

@@ -4,20 +4,15 @@ Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020): with 
 mixed-precision AdamW keeps 2Ψ bytes of 16-bit parameters, 2Ψ of gradients and KΨ = 12Ψ of fp32
 master weights and moments; ZeRO shards the optimizer state (stage 1), then gradients (2), then
 parameters (3) over N_d data-parallel ranks. Tensor and pipeline parallelism divide all of them.
-Activations are not guessed: one forward runs on fake tensors (nothing allocated; a 70B model
-plans on a laptop) and the bytes autograd keeps are counted
-(:mod:`lightning_llm.parallel.activation_memory`).
+The activation bytes come in measured (:func:`lightning_llm.modeling.activations.activation_bytes`:
+one forward on fake tensors, nothing allocated, so a 70B model plans on a laptop); this module is
+arithmetic only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from lightning_llm.parallel.activation_memory import measure_block_activations, silenced_logging
-from lightning_llm.parallel.blocks import find_blocks
 
 # (parameter, gradient, optimizer-state) bytes per parameter, and fp32 master bytes, per precision.
 _BYTES = {
@@ -32,6 +27,25 @@ _DEEPSPEED_BYTES = {  # DeepSpeed keeps 16-bit parameters and gradients plus fp3
     "16-mixed": (2, 2, 8, 4),
     "bf16-true": (2, 2, 4, 0),
 }
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What memory planning needs to know of a model, measured once per model-parallel rank's view of it.
+
+    Attributes:
+        num_params: all parameters of the whole model.
+        largest_block: parameters of its largest transformer block.
+        outside_blocks: parameters outside the blocks (embeddings, final norm, head).
+        activations: bytes autograd keeps for one micro-batch without checkpointing.
+        full_activations: the same with every block fully checkpointed.
+    """
+
+    num_params: float
+    largest_block: float
+    outside_blocks: float
+    activations: float
+    full_activations: float
 
 
 @dataclass
@@ -87,34 +101,3 @@ def model_state_bytes(
     if offload == "optimizer+params":
         params = p_bytes * largest_block_params
     return params, grads, optimizer
-
-
-def activation_bytes(
-    module: nn.Module, *, micro_batch_size: int, seq_len: int, activation_checkpointing: str = "none",
-    batch_fn=None, precision: str = "32-true",
-) -> float:
-    """Bytes autograd keeps for one micro-batch, measured on fake tensors.
-
-    "full" keeps each block's input plus, while one block recomputes, that block's activations; the
-    other modes are planned at their "none" value (an upper bound). ``batch_fn(b, t)`` builds a batch;
-    by default (b, t + 1) token ids, the layout of :class:`~lightning_llm.models.CausalLM`. The forward
-    runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
-    every saved activation in 16 bits).
-    """
-    device = next(module.parameters()).device
-    batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
-    _, blocks = find_blocks(module)
-    with silenced_logging(module):
-        sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
-    scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
-    if activation_checkpointing == "full":
-        return scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
-    return scale * sum(s.saved for s in sizes)
-
-
-def parameter_counts(module: nn.Module) -> tuple[int, int, int]:
-    """(all parameters, the largest block's, those outside the blocks) of ``module`` (meta device is fine)."""
-    _, blocks = find_blocks(module)
-    total = sum(p.numel() for p in module.parameters())
-    in_blocks = sum(p.numel() for p in blocks.parameters())
-    return total, max(sum(p.numel() for p in b.parameters()) for b in blocks.children()), total - in_blocks

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-from torch import nn
-
-from lightning_llm.planning.memory import MemoryEstimate, activation_bytes, model_state_bytes, parameter_counts
+from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, model_state_bytes
 
 GiB = 2**30
 # Options from least to most communication (and host traffic).
@@ -71,16 +68,14 @@ def render_table(rows: list[MemoryEstimate], usable: float | None, chosen: Memor
     return "\n".join(lines)
 
 
-def choose_zero_stage(
-    model: nn.Module,
+def plan_zero_stage(
+    footprint: ModelFootprint,
     *,
     device_memory: int,
     world_size: int,
     tp: int = 1,
     pp: int = 1,
     dp_replicate: int = 1,
-    micro_batch_size: int,
-    seq_len: int,
     precision: str = "32-true",
     activation_checkpointing: str = "none",
     backend: str = "native",
@@ -89,27 +84,26 @@ def choose_zero_stage(
 ) -> ZeroDecision:
     """The least-communication (stage, offload) whose per-rank memory fits ``device_memory * (1 - margin)``.
 
-    ``model`` may live on the meta device. Raises :class:`MemoryPlanError` with the table and the
-    changes that would fit (more devices, tensor/pipeline parallelism, offload, checkpointing).
+    Raises :class:`MemoryPlanError` with the table and the changes that would fit (more devices,
+    tensor/pipeline parallelism, offload, checkpointing). ``footprint`` holds the measured numbers
+    (:func:`lightning_llm.strategies.zero_auto.model_footprint` measures a model).
 
     Example::
 
-        with torch.device("meta"):
-            module = CausalLM("70B"); module.configure_model()
-        choose_zero_stage(module, device_memory=80 * 2**30, world_size=64, tp=8, micro_batch_size=1, seq_len=4096)
+        footprint = ModelFootprint(num_params=7e9, largest_block=2e8, outside_blocks=2.6e8,
+                                   activations=30 * 2**30, full_activations=4 * 2**30)
+        plan_zero_stage(footprint, device_memory=80 * 2**30, world_size=8).stage   # 3
     """
-    num_params, largest_block, outside_blocks = parameter_counts(model)
-    activations = activation_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                   activation_checkpointing=activation_checkpointing, precision=precision)
+    activations = footprint.full_activations if activation_checkpointing == "full" else footprint.activations
     usable = device_memory * (1 - margin)
     common = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision, backend=backend,
-                  outside_blocks=outside_blocks)
-    rows = estimate_options(num_params, largest_block, activations, allow_offload=allow_offload, usable=usable, **common)
+                  outside_blocks=footprint.outside_blocks)
+    rows = estimate_options(footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload,
+                            usable=usable, **common)
     chosen = next((row for row in rows if row.fits), None)
     table = render_table(rows, usable, chosen)
     if chosen is None:
-        hints = _what_would_fit(num_params, largest_block, activations, usable, allow_offload, activation_checkpointing, model,
-                                micro_batch_size, seq_len, **common)
+        hints = _what_would_fit(footprint, activations, usable, allow_offload, activation_checkpointing, **common)
         raise MemoryPlanError(
             f"No ZeRO stage{' or offload' if allow_offload else ''} fits {_size(device_memory)} per device "
             f"(margin {margin:.0%}):\n{table}\nOptions that would fit: " + ("; ".join(hints) or "none found") + "."
@@ -117,15 +111,14 @@ def choose_zero_stage(
     return ZeroDecision(chosen.zero_stage, chosen.offload, rows, table)
 
 
-def _what_would_fit(num_params, largest_block, activations, usable, allow_offload, activation_checkpointing, model,
-                    micro_batch_size, seq_len, *, world_size, tp, pp, dp_replicate, precision, backend,
-                    outside_blocks) -> list[str]:
+def _what_would_fit(footprint: ModelFootprint, activations, usable, allow_offload, activation_checkpointing, *,
+                    world_size, tp, pp, dp_replicate, precision, backend, outside_blocks) -> list[str]:
     def fits(**changes) -> bool:
         settings = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision,
                         backend=backend, allow_offload=allow_offload, usable=usable, outside_blocks=outside_blocks)
         acts = changes.pop("activations", activations)
         settings.update(changes)
-        return any(r.fits for r in estimate_options(num_params, largest_block, acts, **settings))
+        return any(r.fits for r in estimate_options(footprint.num_params, footprint.largest_block, acts, **settings))
 
     hints = []
     for factor in (2, 4, 8, 16, 32):
@@ -142,11 +135,8 @@ def _what_would_fit(num_params, largest_block, activations, usable, allow_offloa
             break
     if not allow_offload and fits(allow_offload=True):
         hints.append("CPU offload (offload='auto' or 'optimizer')")
-    if activation_checkpointing != "full":
-        full = activation_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len, activation_checkpointing="full",
-                                precision=precision)
-        if fits(activations=full):
-            hints.append("activation_checkpointing='full'")
+    if activation_checkpointing != "full" and fits(activations=footprint.full_activations):
+        hints.append("activation_checkpointing='full'")
     return hints
 
 
@@ -167,20 +157,3 @@ def parse_size(text: str | int | float) -> int:
         return int(float(number) * units[unit])
     except (KeyError, ValueError):
         raise ValueError(f"Cannot read the size {text!r}; write it like '80GB', '80GiB' or '24G'.") from None
-
-
-def planning_inputs(trainer, device: torch.device, device_memory: int | None, micro_batch_size: int | None,
-                    seq_len: int | None) -> dict:
-    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run."""
-    from lightning_llm.parallel.activation_memory import device_memory as accelerator_memory
-
-    hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-    micro_batch_size = micro_batch_size or hparams.get("batch_size")
-    seq_len = seq_len or hparams.get("seq_len")
-    if not micro_batch_size or not seq_len:
-        raise ValueError(
-            "Automatic ZeRO selection needs the micro-batch shape: pass micro_batch_size and seq_len to the strategy "
-            "(they are read from the datamodule's batch_size and seq_len when it has them)."
-        )
-    return {"device_memory": device_memory or accelerator_memory(device), "micro_batch_size": micro_batch_size,
-            "seq_len": seq_len}

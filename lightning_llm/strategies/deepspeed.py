@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+from concurrent.futures import Future
 from typing import Any, Literal
+
+import torch
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-ZERO_STAGES = (1, 2, 3, "auto")
-OFFLOADS = ("none", "optimizer", "optimizer+params", "auto")
+from lightning_llm.contract import ParallelLayout, completed
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
+from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
+
 INSTALL_HINT = "pip install 'lightning_llm[deepspeed]'"
 
 
@@ -27,79 +30,6 @@ def _require_deepspeed() -> None:
             f"LLMDeepSpeedStrategy needs DeepSpeed, which could not be imported ({err}). "
             f"Install the extra: {INSTALL_HINT}"
         ) from err
-
-
-def default_config(
-    *, zero_stage: int, offload: str = "none", offload_device: str = "cpu", nvme_path: str | None = None
-) -> dict[str, Any]:
-    """DeepSpeed settings suited to LLM training, for one ZeRO stage and offload choice.
-
-    Communication overlaps the backward pass in buckets of 200M elements (DeepSpeed's own default
-    of 500M costs 1 GB of bf16 buffer per rank; the strategy also caps them at the model's size);
-    gradients go to one contiguous buffer so they do not fragment memory. Precision (``bf16``/``fp16``),
-    ``gradient_clipping``, ``gradient_accumulation_steps`` and the micro-batch size are left out on
-    purpose: Lightning fills them from the Trainer (``precision``, ``gradient_clip_val``,
-    ``accumulate_grad_batches``) and the train dataloader.
-
-    Arguments:
-        zero_stage: 1, 2 or 3.
-        offload: "none", "optimizer" (optimizer state and its step on the host) or "optimizer+params"
-            (stage 3 only: parameters as well).
-        offload_device: "cpu" or "nvme".
-        nvme_path: directory on a fast local disk, for ``offload_device="nvme"``.
-
-    Example::
-
-        config = default_config(zero_stage=3, offload="optimizer")
-    """
-    zero: dict[str, Any] = {
-        "stage": zero_stage,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "reduce_scatter": True,
-        "reduce_bucket_size": 2e8,
-        "allgather_bucket_size": 2e8,
-    }
-    if zero_stage == 3:
-        # Parameters under 100k elements (norms, biases) stay whole on every rank: gathering them costs
-        # more latency than the memory they would save.
-        zero.update(stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5,
-                    stage3_max_live_parameters=1e9)
-    device = {"device": offload_device, "pin_memory": True, **({"nvme_path": nvme_path} if nvme_path else {})}
-    # The optimizer comes from LightningModule.configure_optimizers (usually torch AdamW), not the config.
-    config: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
-    if offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = dict(device)
-        # DeepSpeed refuses an offloaded step by any optimizer but its own DeepSpeedCPUAdam; the module's
-        # optimizer works too, only slower: let it run (return DeepSpeedCPUAdam from configure_optimizers for speed).
-        config["zero_force_ds_cpu_optimizer"] = False
-    if offload == "optimizer+params":
-        zero["offload_param"] = dict(device)
-    return config
-
-
-def merge_config(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``update`` laid over it; nested dicts are merged key by key, other values replaced."""
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_config(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def check_precision(config: dict[str, Any], precision: str) -> None:
-    """Refuse a DeepSpeed config whose fp16/bf16 sections contradict the Trainer's ``precision``."""
-    enabled = {name for name in ("fp16", "bf16") if config.get(name, {}).get("enabled", False)}
-    wanted = {"16": {"fp16"}, "bf16": {"bf16"}}.get(precision.split("-")[0], set())
-    if enabled - wanted:
-        section = sorted(enabled - wanted)[0]
-        raise ValueError(
-            f"The DeepSpeed config enables {section!r} but the Trainer runs with precision={precision!r}: the two "
-            f"must agree. Set Trainer(precision='{'bf16' if section == 'bf16' else '16'}-mixed') or remove the "
-            f"{section!r} section and let the Trainer's precision decide."
-        )
 
 
 class LLMDeepSpeedStrategy(DeepSpeedStrategy):
@@ -144,13 +74,14 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         _require_deepspeed()
-        user_config = _read_config(config)
-        _validate_args(zero_stage, offload, offload_device, nvme_path, user_config)
+        user_config = read_config(config)
+        validate_args(zero_stage, offload, offload_device, nvme_path, user_config)
         self.requested_stage, self.requested_offload = zero_stage, offload
         self.offload_device, self.nvme_path = offload_device, nvme_path
         self.user_config = user_config
         self.device_memory, self.micro_batch_size, self.seq_len = device_memory, micro_batch_size, seq_len
         self.decision: Any = None  # the planner's ZeroDecision once "auto" is resolved
+        self._model_shape: ModelShape | None = None
         # Until "auto" is resolved in setup() the config holds stage 2: it shards no parameters, so the
         # model is built whole by configure_model, which runs before setup().
         stage = 2 if zero_stage == "auto" else zero_stage
@@ -191,6 +122,10 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer) -> None:
+        try:
+            self._model_shape = ModelShape.of(self.lightning_module)
+        except ValueError:  # not a decoder whose blocks can be found: MFUMonitor then needs flops_per_token
+            self._model_shape = None
         if self.requested_stage == "auto":
             self._resolve_auto(trainer)
         self._size_buckets_to_model()
@@ -208,23 +143,58 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _resolve_auto(self, trainer) -> None:
         """Ask the memory planner for the stage (and offload), before DeepSpeed builds its engine."""
-        from lightning_llm.planning.zero import choose_zero_stage, parse_size, planning_inputs
-
-        memory = parse_size(self.device_memory) if self.device_memory is not None else None
         # The micro-batch shape comes from the strategy's arguments, else the datamodule's batch_size/seq_len.
-        inputs = planning_inputs(trainer, self.root_device, memory, self.micro_batch_size, self.seq_len)
-        self.decision = choose_zero_stage(
-            self.lightning_module, world_size=self.world_size, tp=1, pp=1, precision=str(trainer.precision),
+        inputs = planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len)
+        self.decision = decide_and_report(
+            trainer, self.lightning_module, name="LLMDeepSpeedStrategy", world_size=self.world_size, tp=1, pp=1,
             activation_checkpointing="none", backend="deepspeed", allow_offload=self.requested_offload == "auto",
             margin=0.1, **inputs,
         )
-        offload = self.decision.offload  # "none" whenever offload was not "auto"
-        self.config = self._build_config(self.decision.stage, offload)
+        # offload is "none" whenever it was not "auto"
+        self.config = self._build_config(self.decision.stage, self.decision.offload)
         self._config_initialized = False  # Lightning formats the new config (batch size, precision) again
-        rank_zero_info(f"LLMDeepSpeedStrategy: zero_stage='auto' chose ZeRO {self.decision.stage}, offload "
-                       f"{offload!r}:\n{self.decision.table}")
-        for logger in trainer.loggers:
-            logger.log_hyperparams({"zero_stage": self.decision.stage, "zero_offload": offload})
+
+    # The StrategyContract (lightning_llm.contract): what callbacks and the CLI read.
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """Data parallel over every rank, sharded by ZeRO."""
+        return ParallelLayout(strategy=type(self).__name__, world_size=self.world_size, num_nodes=self.num_nodes,
+                              dp_shard=self.world_size, dp_rank=self.global_rank, zero_stage=self.zero_stage)
+
+    @property
+    def model_shape(self) -> ModelShape | None:
+        """The model's shape, read in ``setup`` before DeepSpeed partitions the parameters."""
+        return self._model_shape
+
+    @property
+    def activation_checkpointing_policies(self) -> list[str]:
+        return []
+
+    @property
+    def blocks_name(self) -> str | None:
+        return None
+
+    @property
+    def pipeline_group(self) -> None:
+        return None
+
+    @property
+    def supports_async_save(self) -> bool:
+        return False
+
+    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """The engine's global gradient norm of the last step (DeepSpeed owns the partitions: all parameters only)."""
+        if parameters is not None or norm_type != 2.0:
+            raise ValueError("Under DeepSpeed only the engine's global 2-norm of all gradients is available "
+                             "(parameters=None, norm_type=2.0); the engine owns the gradient partitions.")
+        norm = self.deepspeed_engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else float(norm))
+
+    def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
+        """DeepSpeed writes its checkpoints synchronously: saves, then returns a completed future."""
+        self.lightning_module.trainer.save_checkpoint(filepath, weights_only=weights_only)
+        return completed()
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
@@ -271,41 +241,6 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
         for name, init_args in presets.items():
             description = "LLMDeepSpeedStrategy " + ", ".join(f"{k}={v}" for k, v in init_args.items())
             strategy_registry.register(name, cls, description=description, override=True, **init_args)
-
-
-def _validate_args(zero_stage, offload, offload_device, nvme_path, user_config: dict) -> None:
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
-        raise ValueError(f"zero_stage={zero_stage!r} is not supported: choose 1, 2, 3 or 'auto' (DeepSpeed's "
-                         "stage 0 is plain data parallelism: use strategy='ddp').")
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r} is unknown: choose one of {', '.join(map(repr, OFFLOADS))}.")
-    if (offload == "auto") != (zero_stage == "auto") and offload != "none":
-        raise ValueError(f"zero_stage={zero_stage!r} with offload={offload!r}: the planner chooses the stage and the "
-                         "offload together. Set both to 'auto' (offload='none' to forbid offloading), or neither.")
-    if offload == "optimizer+params" and zero_stage != 3:
-        raise ValueError(f"offload='optimizer+params' needs zero_stage=3 (got {zero_stage!r}): only stage 3 "
-                         "partitions parameters. Use offload='optimizer' with stages 1 and 2.")
-    if offload_device not in ("cpu", "nvme"):
-        raise ValueError(f"offload_device={offload_device!r} is unknown: choose 'cpu' or 'nvme'.")
-    if offload_device == "nvme" and not nvme_path:
-        raise ValueError("offload_device='nvme' needs nvme_path=<a directory on a fast local disk>.")
-    stage_in_config = user_config.get("zero_optimization", {}).get("stage")
-    if stage_in_config is not None and stage_in_config != zero_stage:
-        raise ValueError(f"The DeepSpeed config sets zero_optimization.stage={stage_in_config} but "
-                         f"zero_stage={zero_stage!r}: remove the stage from the config and set it with zero_stage.")
-
-
-def _read_config(config: dict | str | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return config
-    if not isinstance(config, (str, Path)):
-        raise TypeError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}.")
-    path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config file {str(path)!r} does not exist: pass a JSON file or a dict.")
-    return json.loads(path.read_text())
 
 
 def _require_deepspeed_cpu_accelerator() -> None:

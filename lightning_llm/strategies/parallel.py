@@ -1,54 +1,49 @@
-"""LLMParallelStrategy: ZeRO 0-3 data parallelism and tensor/sequence parallelism for any LightningModule LLM."""
+"""LLMParallelStrategy: ZeRO 0-3 data parallelism, tensor/sequence and pipeline parallelism for any LightningModule LLM.
+
+The strategy translates Lightning's lifecycle into calls of plain functions: the layout
+(:mod:`lightning_llm.parallel.mesh`), the parallelization itself (:mod:`lightning_llm.parallel.parallelize`),
+activation-checkpointing and ZeRO "auto" planning (:mod:`.ac_planning`, :mod:`.zero_auto`), sharded
+checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`). It implements
+:class:`lightning_llm.contract.StrategyContract` for callbacks and the CLI.
+"""
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import Shard
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_llm.parallel.activation_checkpointing import (
-    ACOptions,
-    ACReport,
-    apply_activation_checkpointing,
-    block_policies,
-    plan_for_budget,
-    resolve_budget,
-)
-from lightning_llm.parallel.activation_memory import device_memory, example_batch, measure_block_activations, silenced_logging
-from lightning_llm.parallel.blocks import find_blocks
-from lightning_llm.planning.flops import ModelShape
-from lightning_llm.parallel.data_parallel import ZERO_STAGES, set_gradient_sync
+from lightning_llm.contract import ParallelLayout, completed
+from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.parallel.activation_checkpointing import ACOptions
+from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
-from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule, split_microbatches
-from lightning_llm.strategies.pipelined_steps import PipelinedSteps
+from lightning_llm.strategies import dcp_checkpoint
+from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.parallel_options import PRESETS, validate_arguments
+from lightning_llm.strategies.pipeline_hooks import PipelineHooks
+from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
+from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 
 log = logging.getLogger(__name__)
 
 
-class LLMParallelStrategy(ModelParallelStrategy):
+class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
     """Train an ordinary LightningModule LLM with ZeRO data parallelism and tensor (+ sequence) parallelism.
 
     Unlike Lightning's ``ModelParallelStrategy`` the user writes no ``configure_model``
@@ -114,10 +109,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        _validate_arguments(tensor_parallel_size, data_parallel_size, data_parallel_replicate_size, zero_stage, sequence_parallel)
+        validate_arguments(tensor_parallel_size, data_parallel_size, data_parallel_replicate_size, zero_stage, sequence_parallel)
         self.zero_stage = zero_stage
         self.device_memory = device_memory
-        self.zero_decision = None
         self.sequence_parallel = sequence_parallel
         self.tensor_parallel_plan = tensor_parallel_plan
         self.blocks = blocks
@@ -135,14 +129,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
                     "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
                 )
         self._pipelined: PipelinedSteps | None = None
-        self.async_checkpointing = False
-        self._checkpoint_future = None
-        self._checkpoint_group = None
+        self._saver = dcp_checkpoint.AsyncSaver()
         self.activation_checkpointing = activation_checkpointing
         self.ac_options = ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options)
-        self.ac_report: ACReport | None = None
-        self.ac_policies: list[str] = []
-        self.model_shape: ModelShape | None = None
+        self._ac_policies: list[str] = []
+        self._model_shape: ModelShape | None = None
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
 
@@ -154,25 +145,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _parallel_dims(self) -> ParallelDims:
-        tp, pp = self._tensor_parallel_size, self.pipeline_parallel_size
-        dp = self._data_parallel_size
-        if dp == "auto":
-            dp = ParallelDims(world_size=self.world_size, tp=tp, pp=pp).dp_shard
-        elif dp * tp * pp != self.world_size:
-            raise ValueError(
-                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) * pipeline_parallel_size ({pp}) = "
-                f"{dp * tp * pp}, but there are {self.world_size} processes; make the product equal devices * nodes."
-            )
-        if self.zero_stage == 0:
-            return ParallelDims(world_size=self.world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1)
-        # "auto" decides in setup(); a (replicate, shard) mesh serves stage 0 too (through its flattened dp axis).
-        replicate = self.data_parallel_replicate_size
-        if dp % replicate:
-            raise ValueError(
-                f"data_parallel_replicate_size={replicate} does not divide the data-parallel size {dp}; "
-                "choose a divisor so that each replica shards over the same number of ranks."
-            )
-        return ParallelDims(world_size=self.world_size, tp=tp, pp=pp, dp_replicate=replicate, dp_shard=dp // replicate)
+        return ParallelDims.for_world(
+            self.world_size, tp=self._tensor_parallel_size, pp=self.pipeline_parallel_size, dp=self._data_parallel_size,
+            dp_replicate=self.data_parallel_replicate_size, replicate_all=self.zero_stage == 0,
+        )
 
     @property
     @override
@@ -187,26 +163,34 @@ class LLMParallelStrategy(ModelParallelStrategy):
         if not on_meta:
             module.to(self.root_device)
         try:  # read before the model is cut into shards and stages; MFUMonitor uses it
-            self.model_shape = ModelShape.of(module, self.blocks)
+            self._model_shape = ModelShape.of(module, self.blocks)
         except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
-            self.model_shape = None
+            self._model_shape = None
         if self.zero_stage == "auto":
             self._choose_zero_stage(trainer, module)
-        checkpointing = self._plan_activation_checkpointing(trainer, module)
+        pipelined = self.pipeline_parallel_size > 1
+        self._ac_policies, checkpointing = plan_checkpointing(
+            trainer, module, find_blocks(module, self.blocks)[1], mode=self.activation_checkpointing,
+            options=self.ac_options, tp=self._tensor_parallel_size, sequence_parallel=self.sequence_parallel,
+            num_microbatches=self.pipeline.num_microbatches if pipelined else None, device=self.root_device,
+        )
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
             blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
-            pipeline=self.pipeline if self.pipeline_parallel_size > 1 else None,
-            activation_checkpointing=checkpointing,
+            pipeline=self.pipeline if pipelined else None, activation_checkpointing=checkpointing,
         )
         if on_meta:
             _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         if not self.cpu_offload:
             self.model_to_device()
-        if self.pipeline_parallel_size > 1:
-            self._pipelined = self._build_pipeline(module)
+        if pipelined:
+            self._pipelined = build_pipelined_steps(
+                module, self.report, self.parallel_dims, schedule=self.pipeline.schedule,
+                num_microbatches=self.pipeline.num_microbatches, device=self.root_device,
+                sequence_parallel=self.sequence_parallel,
+            )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -229,134 +213,73 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     def _choose_zero_stage(self, trainer, module) -> None:
         """Plan memory for every stage and take the least-communication one that fits (before training)."""
-        from lightning_llm.planning.zero import choose_zero_stage, parse_size, planning_inputs
-
-        memory = parse_size(self.device_memory) if self.device_memory is not None else None
         dims = self.parallel_dims
-        self.zero_decision = choose_zero_stage(
-            module, world_size=dims.world_size, tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate,
-            precision=str(trainer.precision), activation_checkpointing=self.activation_checkpointing, backend="native",
-            allow_offload=True, **planning_inputs(trainer, self.root_device, memory, None, None),
+        decision = decide_and_report(
+            trainer, module, name="LLMParallelStrategy", world_size=dims.world_size, tp=dims.tp, pp=dims.pp,
+            dp_replicate=dims.dp_replicate, activation_checkpointing=self.activation_checkpointing, backend="native",
+            allow_offload=True, **planning_inputs(trainer, self.root_device, self.device_memory, None, None),
         )
-        self.zero_stage, self.cpu_offload = self.zero_decision.stage, self.zero_decision.offload != "none"
-        rank_zero_info(f"zero_stage='auto' chose ZeRO {self.zero_stage} (offload {self.zero_decision.offload}):\n"
-                       f"{self.zero_decision.table}")
-        for logger in trainer.loggers:
-            logger.log_hyperparams({"zero_stage": self.zero_stage, "cpu_offload": self.cpu_offload})
+        self.zero_stage, self.cpu_offload = decision.stage, decision.offload != "none"
 
-    def _plan_activation_checkpointing(self, trainer, module):
-        """The callable that checkpoints this rank's blocks; for "auto", measured and planned here, before training."""
-        _, blocks = find_blocks(module, self.blocks)
-        self.ac_policies = ["none"] * len(blocks)
-        if self.activation_checkpointing == "none":
-            return None
-        index_of = {id(block): i for i, block in enumerate(blocks)}
-        policies = None
-        if self.activation_checkpointing == "auto":
-            policies, predicted, budget, measured = self._auto_policies(trainer, module, list(blocks))
-            rank_zero_info(
-                f"Activation checkpointing 'auto': budget {budget / 2**20:.1f} MiB, measured "
-                f"{sum(measured) / 2**20:.1f} MiB without checkpointing; checkpointing "
-                f"{policies.count('full')} of {len(policies)} blocks -> {predicted / 2**20:.1f} MiB"
-            )
-        options = self.ac_options
-        self.ac_policies = block_policies(
-            self.activation_checkpointing, list(range(len(blocks))), options.selective, options.every_n_layers, policies
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks that split each layer's matrices."""
+        return self._tensor_parallel_size
+
+    # The StrategyContract (lightning_llm.contract): what callbacks and the CLI read.
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout of this run (valid from ``setup_environment`` on)."""
+        dims = self.parallel_dims
+        return ParallelLayout(
+            strategy=type(self).__name__, world_size=dims.world_size, num_nodes=self.num_nodes, tp=dims.tp, pp=dims.pp,
+            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, dp_rank=dims.dp_rank(),
+            zero_stage=None if self.zero_stage == "auto" else self.zero_stage,
         )
 
-        def apply(owned_blocks):
-            indices = [index_of[id(b)] for b in owned_blocks]
-            self.ac_report = apply_activation_checkpointing(
-                owned_blocks, mode=self.activation_checkpointing, selective=self.ac_options.selective,
-                every_n_layers=self.ac_options.every_n_layers,
-                recompute_every_other_matmul=self.ac_options.recompute_every_other_matmul,
-                auto_policies=[policies[i] for i in indices] if policies is not None else None,
-                block_indices=indices,
-            )
+    @property
+    def model_shape(self) -> ModelShape | None:
+        """The whole model's shape, read before it was sharded and cut into stages."""
+        return self._model_shape
 
-        return apply
+    @property
+    def activation_checkpointing_policies(self) -> list[str]:
+        """"none", "full" or "op" per transformer block."""
+        return list(self._ac_policies)
 
-    def _auto_policies(self, trainer, module, blocks):
-        batch = example_batch(trainer, self.root_device)
-        if self.pipeline_parallel_size > 1:
-            batch = split_microbatches(batch, self.pipeline.num_microbatches)[0]
-        with silenced_logging(module):
-            sizes = measure_block_activations(module, blocks, lambda: module.training_step(batch, 0))
-        tp, sp = self._tensor_parallel_size, self.sequence_parallel
-        # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
-        saved = [s.saved // tp for s in sizes]
-        inputs = [s.input // (tp if sp else 1) for s in sizes]
-        budget = resolve_budget(self.ac_options.budget, self.ac_options.device_memory or device_memory(self.root_device))
-        policies, predicted = plan_for_budget(saved, inputs, budget)
-        return policies, predicted, budget, saved
-
-    def _build_pipeline(self, module) -> PipelinedSteps:
-        report, dims = self.report, self.parallel_dims
-        state = PipelineState(chunks=report.chunks, num_microbatches=self.pipeline.num_microbatches)
-        pp_group = dims.mesh["pp"].get_group()
-        blocks = module.get_submodule(report.blocks_name)
-        stages = build_stages(
-            module, report.blocks_name, blocks, report.chunks, report.outer, state,
-            num_stages=len(report.stage_ranks), device=self.root_device, group=pp_group,
-            boundary_layout=(dims.mesh["tp"], (Shard(1),)) if self.sequence_parallel else None,
-        )
-        schedule = make_schedule(self.pipeline.schedule, stages, self.pipeline.num_microbatches)
-        return PipelinedSteps(state, schedule, report.stage_ranks, pp_group, self._tied_peers(module))
-
-    def _tied_peers(self, module) -> list:
-        """Parameters shared by the first and last stages, with the pipeline rank holding the other copy."""
-        ranks = self.report.stage_ranks
-        first, last = ranks[0], ranks[-1]
-        me = self.parallel_dims.mesh["pp"].get_local_rank()
-        if first == last or me not in (first, last):
-            return []
-        present = dict(module.named_parameters(remove_duplicate=False))
-        peers = []
-        for names in self.report.tied:
-            mine = [present[n] for n in names if n in present]
-            if mine:
-                peers.append((mine[0], last if me == first else first))
-        return peers
+    @property
+    def blocks_name(self) -> str | None:
+        """The dotted name of the transformer-block list (found, or given as ``blocks``)."""
+        return self.report.blocks_name if self.report is not None else self.blocks
 
     @property
     def pipeline_group(self):
         """The process group of this rank's pipeline stages (``None`` without pipeline parallelism)."""
         return self.parallel_dims.mesh["pp"].get_group() if self.pipeline_parallel_size > 1 else None
 
-    @override
-    def training_step(self, *args, **kwargs):
-        if self._pipelined is None:
-            return super().training_step(*args, **kwargs)
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        with self.precision_plugin.train_step_context():
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            return self._pipelined.training_step(self.lightning_module, batch, batch_idx, accumulate)
+    @property
+    def supports_async_save(self) -> bool:
+        return self._save_distributed_checkpoint
 
-    @override
-    def validation_step(self, *args, **kwargs):
-        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of these parameters' gradients (default: all) across every shard and stage, as clipping sees it.
 
-    @override
-    def test_step(self, *args, **kwargs):
-        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+        Identical on all ranks; a weight tied across the first and last stage counts once.
+        """
+        skip = {id(p) for p in self._tied_copies()}
+        params = self.lightning_module.parameters() if parameters is None else parameters
+        return total_grad_norm([p for p in params if id(p) not in skip], norm_type, pipeline_group=self.pipeline_group)
 
-    def _evaluation_step(self, name: str, context, *args, **kwargs):
-        if self._pipelined is None:
-            return getattr(super(), name)(*args, **kwargs)
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        with context():
-            self._pipelined.evaluation_step(self.lightning_module, getattr(self.lightning_module, name), batch, batch_idx)
-        return None
+    def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
+        """Save the trainer's checkpoint with DCP's ``async_save``: returns once the state is copied to host memory.
 
-    @override
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self._pipelined is not None:  # the schedule already ran every micro-batch's backward
-            module = self.lightning_module
-            self.precision_plugin.pre_backward(closure_loss, module)  # Lightning's on_before_backward hooks
-            self._pipelined.add_step_gradients(module)
-            self.precision_plugin.post_backward(closure_loss, module)  # and on_after_backward
-            return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        The future completes when this rank's files are written. Without sharded checkpoints
+        (``save_distributed_checkpoint=False``) the save is synchronous and the future already done.
+        """
+        request = _AsyncSave()  # reaches save_checkpoint below through Lightning's storage_options argument
+        self.lightning_module.trainer.save_checkpoint(filepath, weights_only=weights_only, storage_options=request)
+        return request.future
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -368,79 +291,42 @@ class LLMParallelStrategy(ModelParallelStrategy):
             return []
         return [param for param, _ in self._pipelined.tied_peers]
 
-    def global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of all gradients across every shard and stage, as the clipping sees it (same on all ranks)."""
-        skip = {id(p) for p in self._tied_copies()}
-        params = [p for p in self.lightning_module.parameters() if id(p) not in skip]
-        return total_grad_norm(params, norm_type, pipeline_group=self.pipeline_group)
-
     @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name, hyperparameters included (torch's "flattened" form).
-
-        Lightning's form keys param groups by their index; pipeline stages have different groups
-        under the same index, so a sharded checkpoint could not tell them apart.
-        """
+        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.strategies.dcp_checkpoint`)."""
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER)
+        return dcp_checkpoint.optimizer_state(self.model, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Lightning's sharded save, or with ``async_checkpointing`` set (by CheckpointRotation), DCP's async_save.
-
-        async_save copies the state to host memory before returning; the files are written in the
-        background until :meth:`wait_for_checkpoint`.
-        """
-        if not (self.async_checkpointing and self._save_distributed_checkpoint):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        self.wait_for_checkpoint()
-        path = Path(self.broadcast(filepath))
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self._checkpoint_group is None:
-            # The background writer runs collectives of its own; on the training group they could
-            # interleave with the training's collectives, so it gets a gloo group to itself.
-            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
-        self._checkpoint_future = dcp.async_save(state, checkpoint_id=path, process_group=self._checkpoint_group)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until the last asynchronous checkpoint is fully written on this rank."""
-        if self._checkpoint_future is not None:
-            self._checkpoint_future.result()
-            self._checkpoint_future = None
+        if isinstance(storage_options, _AsyncSave):
+            if self._save_distributed_checkpoint:
+                storage_options.future = self._saver.save(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank)
+                return
+            storage_options = None
+        self._saver.wait()  # one save at a time: an asynchronous one still writing finishes first
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint into this layout, whatever layout saved it.
+        """Load a sharded checkpoint into this layout, whatever layout saved it (DCP reshards by name)."""
+        self._saver.wait()
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return dcp_checkpoint.load(self.model, self.optimizers, path, self.lightning_module.strict_loading, weights_only)
 
-        torch.distributed.checkpoint reshards by parameter name: each rank asks for the tensors (or
-        slices) it holds now, so pipeline stages, TP and ZeRO degrees may all differ from the save.
-        """
-        path = Path(self.broadcast(checkpoint_path))
-        if not (path / ".metadata").is_file():
-            raise ValueError(
-                f"{path} is not a sharded checkpoint directory (no .metadata inside). LLMParallelStrategy resumes "
-                "from checkpoints it saved; load a single-file checkpoint into the model before fitting instead."
-            )
-        strict = self.lightning_module.strict_loading
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(model_state, checkpoint_id=path)
-        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-        for index, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER)}
-            dcp.load(optimizer_state, checkpoint_id=path)
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key], options=_FLAT_OPTIMIZER)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    def wait_for_checkpoint(self) -> None:
+        """Block until the last asynchronous checkpoint is fully written on this rank."""
+        self._saver.wait()
+
+    @override
+    def teardown(self) -> None:
+        self._saver.wait()
+        super().teardown()
 
     @contextmanager
     @override
@@ -455,36 +341,12 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        for name, kwargs, description in _PRESETS:
+        for name, kwargs, description in PRESETS:
             strategy_registry.register(name, cls, description=description, **kwargs)
 
 
-_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
-_PRESETS = [
-    ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
-    ("llm_zero2", {"zero_stage": 2}, "LLMParallelStrategy: gradients and optimizer state sharded (ZeRO 2)"),
-    ("llm_zero3", {"zero_stage": 3}, "LLMParallelStrategy: fully sharded (ZeRO 3 / FSDP2)"),
-    ("llm_zero_auto", {"zero_stage": "auto"}, "LLMParallelStrategy: ZeRO stage and offload chosen by the memory planner"),
-    ("llm_tp2", {"tensor_parallel_size": 2}, "LLMParallelStrategy: tp=2, ZeRO 3 over the rest"),
-    ("llm_tp2_sp", {"tensor_parallel_size": 2, "sequence_parallel": True}, "LLMParallelStrategy: tp=2 + sequence parallel"),
-    ("llm_tp4_sp", {"tensor_parallel_size": 4, "sequence_parallel": True}, "LLMParallelStrategy: tp=4 + sequence parallel"),
-    ("llm_tp8_sp", {"tensor_parallel_size": 8, "sequence_parallel": True}, "LLMParallelStrategy: tp=8 + sequence parallel"),
-]
+class _AsyncSave:
+    """Asks :meth:`LLMParallelStrategy.save_checkpoint` to write in the background; it leaves the future here."""
 
-
-def _validate_arguments(tp, dp, replicate, zero_stage, sequence_parallel) -> None:
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer.")
-    if dp != "auto" and (not isinstance(dp, int) or dp < 1):
-        raise ValueError(f"data_parallel_size={dp!r} must be a positive integer or 'auto'.")
-    if not isinstance(replicate, int) or replicate < 1:
-        raise ValueError(f"data_parallel_replicate_size={replicate!r} must be a positive integer.")
-    if zero_stage not in (*ZERO_STAGES, "auto"):
-        raise ValueError(f"zero_stage={zero_stage!r} is not supported; choose one of {ZERO_STAGES} or 'auto'.")
-    if zero_stage == 0 and replicate > 1:
-        raise ValueError(
-            "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."
-        )
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
+    future: Future = completed()

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_llm.parallel.pipeline import PipelineState, split_microbatches
+from torch.distributed.tensor import Shard
+
+from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.parallelize import ParallelizeReport
+from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule, split_microbatches
 
 
 class PipelinedSteps:
@@ -156,3 +160,34 @@ def _batch_size(batch: Any) -> int:
 
 def _device(module) -> torch.device:
     return module.device
+
+
+def build_pipelined_steps(
+    module: torch.nn.Module, report: ParallelizeReport, dims: ParallelDims, *, schedule: str, num_microbatches: int,
+    device: torch.device, sequence_parallel: bool,
+) -> PipelinedSteps:
+    """This rank's stages of the already stage-split ``module``, their schedule, and the tied-weight peers."""
+    state = PipelineState(chunks=report.chunks, num_microbatches=num_microbatches)
+    pp_group = dims.mesh["pp"].get_group()
+    stages = build_stages(
+        module, report.blocks_name, module.get_submodule(report.blocks_name), report.chunks, report.outer, state,
+        num_stages=len(report.stage_ranks), device=device, group=pp_group,
+        boundary_layout=(dims.mesh["tp"], (Shard(1),)) if sequence_parallel else None,
+    )
+    steps = make_schedule(schedule, stages, num_microbatches)
+    return PipelinedSteps(state, steps, report.stage_ranks, pp_group, _tied_peers(module, report, dims))
+
+
+def _tied_peers(module: torch.nn.Module, report: ParallelizeReport, dims: ParallelDims) -> list:
+    """Parameters shared by the first and last stages, with the pipeline rank holding the other copy."""
+    first, last = report.stage_ranks[0], report.stage_ranks[-1]
+    me = dims.mesh["pp"].get_local_rank()
+    if first == last or me not in (first, last):
+        return []
+    present = dict(module.named_parameters(remove_duplicate=False))
+    peers = []
+    for names in report.tied:
+        mine = [present[n] for n in names if n in present]
+        if mine:
+            peers.append((mine[0], last if me == first else first))
+    return peers

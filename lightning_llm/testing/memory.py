@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.modeling.blocks import find_blocks
 
 
 def _local_bytes(tensors) -> int:

@@ -103,7 +103,7 @@ def test_keeps_the_last_k_with_metadata_and_resolves_last(tmp_path):
     assert periodic["epoch"] == 0 and meta["epoch"] == 1, "at the end, Lightning counts the epoch as done"
     assert meta["step"] == 9 and meta["tokens_seen"] == 9 * 8 * 32
     assert meta["layout"] == {"strategy": "SingleDeviceStrategy", "world_size": 1, "num_nodes": 1, "tp": 1, "pp": 1,
-                              "dp_replicate": 1, "dp_shard": 1, "zero_stage": None}
+                              "dp_replicate": 1, "dp_shard": 1, "zero_stage": None, "dp": 1}
     assert meta["config"]["warmup_steps"] == 2 and isinstance(meta["loss"], float) and meta["wall_time"] > 0
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")], "no leftovers"
     assert callback._find_last_checkpoints(None) == {str(complete_checkpoints(tmp_path / "ckpt")[-1])}
@@ -159,7 +159,7 @@ def test_async_single_file_checkpoints_complete_and_load(tmp_path):
     callback = CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2, async_save=True,
                                   verify="load")
     _fit(callback, 6, tmp_path)
-    assert callback._mode == "thread" and _steps(tmp_path) == [4, 6]
+    assert callback._async and _steps(tmp_path) == [4, 6]
     state = torch.load(complete_checkpoints(tmp_path)[-1], weights_only=True)
     assert state["global_step"] == 6 and len(state[checkpoint_module.RNG_KEY]) == 1
 

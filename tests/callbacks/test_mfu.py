@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from lightning_llm.callbacks import MFUMonitor
-from lightning_llm.callbacks.mfu import batch_tokens
+from lightning_llm.data.batch import batch_tokens
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
-from lightning_llm.planning.flops import ModelShape
+from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.testing import run_distributed
 
 BATCH, SEQ = 4, 32

@@ -18,16 +18,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.models.llama import rotary_tables
-from lightning_llm.parallel.activation_checkpointing import (
-    ACOptions,
-    apply_activation_checkpointing,
-    plan_for_budget,
-    predicted_peak,
-    resolve_budget,
-    saves_output,
-)
-from lightning_llm.parallel.activation_memory import measure_block_activations, measure_blocks
-from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.modeling.activations import measure_block_activations, measure_blocks
+from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, saves_output
+from lightning_llm.planning.activation_budget import plan_for_budget, predicted_peak, resolve_budget
 from lightning_llm.testing import run_distributed
 from lightning_llm.testing.models import HFCausalLM, UserLM
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
-from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_llm.models import Llama, LlamaConfig
-from lightning_llm.parallel.blocks import find_blocks
+from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.parallel.parallelize import plan_tensor_parallel
 from lightning_llm.parallel.tensor_parallel import divide_head_counts, hf_plan, infer_plan, validate_plan
 from lightning_llm.testing.models import HFCausalLM, UserLM

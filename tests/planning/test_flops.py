@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
-from lightning_llm.planning.flops import ModelShape, counted_flops_per_token, peak_flops, precision_dtype
+from lightning_llm.modeling.shape import ModelShape, counted_flops_per_token
+from lightning_llm.planning.flops import peak_flops, precision_dtype
 from lightning_llm.testing.models import HFCausalLM
 
 

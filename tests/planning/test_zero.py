@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from lightning_llm.models import CausalLM
-from lightning_llm.planning.memory import model_state_bytes, parameter_counts
-from lightning_llm.planning.zero import MemoryPlanError, choose_zero_stage, parse_size
+from lightning_llm.modeling.activations import parameter_counts
+from lightning_llm.planning.memory import model_state_bytes
+from lightning_llm.planning.zero import MemoryPlanError, parse_size
+from lightning_llm.strategies.zero_auto import choose_zero_stage
 from lightning_llm.testing import run_distributed
 from lightning_llm.testing.memory import measure_model_states
 

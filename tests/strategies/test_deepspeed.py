@@ -18,9 +18,10 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_llm.planning.zero as zero_planner
-from lightning_llm.planning.zero import choose_zero_stage
-from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy, default_config, merge_config
+import lightning_llm.strategies.zero_auto as zero_planner
+from lightning_llm.strategies.zero_auto import choose_zero_stage
+from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy
+from lightning_llm.strategies.deepspeed_config import default_config, merge_config
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
 

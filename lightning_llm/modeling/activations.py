@@ -12,8 +12,8 @@ Two ways to measure the same three numbers per block (:class:`BlockActivations`)
 Counting: a ``saved_tensors_hooks`` pack hook sees every tensor autograd keeps; storages are
 counted once per block and parameters not at all. The "op" number (selective checkpointing by
 operator) adds the block's input to the outputs of the ops the selective policy saves, seen by a
-``TorchDispatchMode``; that is what torch's selective checkpoint caches. The private pieces used
-(FakeTensorMode, StorageWeakRef, stateless reparametrization) are confined to this file.
+``TorchDispatchMode``; that is what torch's selective checkpoint caches. ``StorageWeakRef`` (private)
+tells storages apart; fake tensors come from :mod:`lightning_llm.modeling.fake`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.fake import fake_parameters
 
 
 @dataclass
@@ -181,17 +182,16 @@ def measure_block_activations(
 
         sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fake_params = {n: mode.from_tensor(p, static_shapes=True) for n, p in module.named_parameters(remove_duplicate=False)}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        fake_params[name].requires_grad_(param.requires_grad)
-    tally = _BlockTally(len(blocks), list(fake_params.values()), keep=True)
-    with ExitStack() as stack:
-        stack.enter_context(_reparametrize_module(module, fake_params, tie_weights=True))
-        stack.enter_context(mode)
-        stack.enter_context(_counting(blocks, tally, saves_output))
-        step()
+    # Parameters are told apart by storage; fake copies made by fake_parameters are not the module's, so
+    # they are recognised inside the call, where the module's parameters are the fakes.
+    tally = _BlockTally(len(blocks), [], keep=True)
+
+    def run() -> None:
+        tally.params = {_storage(p) for p in module.parameters()}
+        with _counting(blocks, tally, saves_output):
+            step()
+
+    fake_parameters(module, run)
     return tally.result(saves_output is not None)
 
 
@@ -206,35 +206,32 @@ def silenced_logging(module):
         module.log = original
 
 
-def example_batch(trainer, device: torch.device):
-    """One real-shaped training batch, read from the dataset without touching the sampler's position."""
-    loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else None
-    if loader is None:
-        loader = trainer.fit_loop._data_source.dataloader()  # dataloaders passed straight to fit()
-    dataset, size = loader.dataset, loader.batch_size
-    if size is None or not hasattr(dataset, "__getitem__"):
-        raise ValueError(
-            "activation_checkpointing='auto' measures one batch from a map-style dataset with a batch_size; "
-            "this DataLoader has neither. Choose 'full' or 'selective' instead."
-        )
-    batch = loader.collate_fn([dataset[i] for i in range(size)])
-    return _to_device(batch, device)
+def activation_bytes(
+    module: nn.Module, *, micro_batch_size: int, seq_len: int, activation_checkpointing: str = "none",
+    batch_fn=None, precision: str = "32-true",
+) -> float:
+    """Bytes autograd keeps for one micro-batch, measured on fake tensors.
+
+    "full" keeps each block's input plus, while one block recomputes, that block's activations; the
+    other modes are planned at their "none" value (an upper bound). ``batch_fn(b, t)`` builds a batch;
+    by default (b, t + 1) token ids, the layout of :class:`~lightning_llm.models.CausalLM`. The forward
+    runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
+    every saved activation in 16 bits).
+    """
+    device = next(module.parameters()).device
+    batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
+    _, blocks = find_blocks(module)
+    with silenced_logging(module):
+        sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
+    scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
+    if activation_checkpointing == "full":
+        return scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
+    return scale * sum(s.saved for s in sizes)
 
 
-def _to_device(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def device_memory(device: torch.device) -> int:
-    """Total memory of the accelerator, or of the host for CPU training."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    import psutil
-
-    return psutil.virtual_memory().total
+def parameter_counts(module: nn.Module) -> tuple[int, int, int]:
+    """(all parameters, the largest block's, those outside the blocks) of ``module`` (meta device is fine)."""
+    _, blocks = find_blocks(module)
+    total = sum(p.numel() for p in module.parameters())
+    in_blocks = sum(p.numel() for p in blocks.parameters())
+    return total, max(sum(p.numel() for p in b.parameters()) for b in blocks.children()), total - in_blocks

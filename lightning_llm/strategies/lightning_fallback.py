@@ -1,0 +1,139 @@
+"""The strategy contract for Lightning's own strategies (single device, DDP, FSDP, DeepSpeed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+
+from lightning_llm.contract import ParallelLayout, completed
+from lightning_llm.parallel.grad_norm import total_grad_norm
+
+if TYPE_CHECKING:
+    from lightning_llm.modeling.shape import ModelShape
+
+
+class LightningContract:
+    """The contract for Lightning's own strategies: data parallel only, one model replica per rank.
+
+    The gradient norm is torch's over the local gradients (after DDP's all-reduce they are the same on
+    every rank). Asynchronous saving is offered where Lightning writes one file from rank 0 through
+    the strategy's ``CheckpointIO`` (single device, DDP): the tensors are copied to host memory, then
+    written by a background thread. Lightning's ``AsyncCheckpointIO`` does the same but exposes no
+    per-save completion, which a caller committing the checkpoint needs.
+    """
+
+    def __init__(self, trainer: L.Trainer) -> None:
+        self.trainer = trainer
+
+    @property
+    def layout(self) -> ParallelLayout:
+        trainer = self.trainer
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, DeepSpeedStrategy))
+        return ParallelLayout(
+            strategy=type(trainer.strategy).__name__, world_size=trainer.world_size, num_nodes=trainer.num_nodes,
+            dp_replicate=1 if sharded else trainer.world_size, dp_shard=trainer.world_size if sharded else 1,
+            dp_rank=trainer.global_rank, zero_stage=_lightning_zero_stage(trainer.strategy),
+        )
+
+    @property
+    def model_shape(self) -> ModelShape | None:
+        from lightning_llm.modeling.shape import ModelShape
+
+        try:
+            return ModelShape.of(self.trainer.lightning_module)
+        except ValueError:  # not a decoder whose blocks can be found
+            return None
+
+    @property
+    def activation_checkpointing_policies(self) -> list[str]:
+        return []
+
+    @property
+    def blocks_name(self) -> str | None:
+        return None
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    @property
+    def supports_async_save(self) -> bool:
+        return type(self.trainer.strategy).save_checkpoint is Strategy.save_checkpoint
+
+    def grad_norm(self, parameters: Iterable[torch.Tensor] | None = None, norm_type: float = 2.0) -> torch.Tensor:
+        params = self.trainer.lightning_module.parameters() if parameters is None else parameters
+        if not isinstance(self.trainer.strategy, FSDPStrategy):
+            # Whole gradients (averaged by DDP) or DTensor shards (FSDP2), which total_grad_norm reduces itself.
+            return total_grad_norm(params, norm_type)
+        # FSDP1's flat-parameter shards are plain tensors: combine every rank's part.
+        local = total_grad_norm(params, norm_type)
+        if norm_type == float("inf"):
+            return self.trainer.strategy.reduce(local, reduce_op="max")
+        return self.trainer.strategy.reduce(local.pow(norm_type), reduce_op="sum").pow(1.0 / norm_type)
+
+    def save_checkpoint_async(self, filepath: str, weights_only: bool = False) -> Future:
+        if not self.supports_async_save:
+            self.trainer.save_checkpoint(filepath, weights_only=weights_only)
+            return completed()
+        strategy = self.trainer.strategy
+        staged = StagedWrite(strategy.checkpoint_io, _writer())
+        strategy.checkpoint_io = staged  # a public, settable attribute; restored right after this one save
+        try:
+            self.trainer.save_checkpoint(filepath, weights_only=weights_only)  # rank 0 hands the dict to `staged`
+        finally:
+            strategy.checkpoint_io = staged.inner
+        return staged.future or completed()  # ranks other than 0 write nothing
+
+
+_WRITER: ThreadPoolExecutor | None = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    # One worker for the process, so background saves are written in the order they were made.
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+    return _WRITER
+
+
+def _lightning_zero_stage(strategy) -> int | None:
+    if isinstance(strategy, DeepSpeedStrategy):
+        return int(strategy.config.get("zero_optimization", {}).get("stage", 0))
+    return None
+
+
+class StagedWrite(CheckpointIO):
+    """Stands in for a strategy's CheckpointIO for one save: copies the tensors now, writes them on ``executor``.
+
+    Lightning's ``AsyncCheckpointIO`` copies and writes in a thread too, but reports no completion of
+    a particular save, and a caller committing the checkpoint must know when the file is written:
+    the write's :class:`Future` is kept in ``future``.
+
+    Arguments:
+        inner: the CheckpointIO that writes (the strategy's own).
+        executor: where the write runs (one worker keeps saves in order).
+    """
+
+    def __init__(self, inner: CheckpointIO, executor: Executor) -> None:
+        self.inner, self.executor = inner, executor
+        self.future: Future | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        # The only stall: a point-in-time host copy, so training may change the live tensors meanwhile.
+        staged = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+        self.future = self.executor.submit(self.inner.save_checkpoint, staged, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        self.inner.remove_checkpoint(path)

@@ -1,0 +1,88 @@
+"""``zero_stage="auto"`` for both strategies: measure the model, plan every option, log the choice.
+
+The planner itself (:mod:`lightning_llm.planning.zero`) is arithmetic; this module feeds it what it
+needs from a run (device memory, the micro-batch shape, the model's measured footprint) and reports
+the decision through the run's loggers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_llm.modeling.activations import activation_bytes, parameter_counts
+from lightning_llm.parallel.devices import device_memory as accelerator_memory
+from lightning_llm.planning.memory import ModelFootprint
+from lightning_llm.planning.zero import ZeroDecision, parse_size, plan_zero_stage
+
+
+def model_footprint(module: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true") -> ModelFootprint:
+    """Parameter counts and activation bytes (without and with full checkpointing) of ``module``, on fake tensors.
+
+    Example::
+
+        with torch.device("meta"):
+            module = CausalLM("7B"); module.configure_model()
+        model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
+    """
+    num_params, largest, outside = parameter_counts(module)
+    acts = {mode: activation_bytes(module, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                   activation_checkpointing=mode, precision=precision) for mode in ("none", "full")}
+    return ModelFootprint(num_params, largest, outside, acts["none"], acts["full"])
+
+
+def choose_zero_stage(model: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true",
+                      **options: Any) -> ZeroDecision:
+    """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
+
+    Example::
+
+        choose_zero_stage(module, device_memory=80 * 2**30, world_size=64, tp=8, micro_batch_size=1, seq_len=4096)
+    """
+    footprint = model_footprint(model, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+    return plan_zero_stage(footprint, precision=precision, **options)
+
+
+def planning_inputs(trainer: L.Trainer, device: torch.device, device_memory: int | str | None,
+                    micro_batch_size: int | None, seq_len: int | None) -> dict[str, int]:
+    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run."""
+    hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+    micro_batch_size = micro_batch_size or hparams.get("batch_size")
+    seq_len = seq_len or hparams.get("seq_len")
+    if not micro_batch_size or not seq_len:
+        raise ValueError(
+            "Automatic ZeRO selection needs the micro-batch shape: pass micro_batch_size and seq_len to the strategy "
+            "(they are read from the datamodule's batch_size and seq_len when it has them)."
+        )
+    memory = parse_size(device_memory) if device_memory is not None else accelerator_memory(device)
+    return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
+
+
+def decide_and_report(trainer: L.Trainer, module: nn.Module, *, name: str, **planning: Any) -> ZeroDecision:
+    """Plan with :func:`choose_zero_stage`, log the table on rank 0 and put the decision in the loggers' hyperparameters."""
+    decision = choose_zero_stage(module, precision=str(trainer.precision), **planning)
+    rank_zero_info(f"{name}: zero_stage='auto' chose ZeRO {decision.stage}, offload {decision.offload!r}:\n"
+                   f"{decision.table}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"zero_stage": decision.stage, "zero_offload": decision.offload})
+    return decision
+
+
+def example_batch(trainer: L.Trainer, device: torch.device) -> Any:
+    """One real-shaped training batch, read from the dataset without touching the sampler's position."""
+    loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else None
+    if loader is None:
+        # Dataloaders passed straight to fit(): Lightning keeps them in the fit loop's data source (private).
+        loader = trainer.fit_loop._data_source.dataloader()
+    dataset, size = loader.dataset, loader.batch_size
+    if size is None or not hasattr(dataset, "__getitem__"):
+        raise ValueError(
+            "activation_checkpointing='auto' measures one batch from a map-style dataset with a batch_size; "
+            "this DataLoader has neither. Choose 'full' or 'selective' instead."
+        )
+    return move_data_to_device(loader.collate_fn([dataset[i] for i in range(size)]), device)
