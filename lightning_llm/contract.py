@@ -108,11 +108,24 @@ class StrategyContract(Protocol):
 def contract_of(trainer: L.Trainer) -> StrategyContract:
     """The trainer's strategy if it implements :class:`StrategyContract`, else a :class:`LightningContract` for it."""
     strategy = trainer.strategy
-    if isinstance(strategy, StrategyContract):
+    if implements_contract(strategy):
         return strategy
     from lightning_llm.strategies.lightning_fallback import LightningContract
 
     return LightningContract(trainer)
+
+
+_MEMBERS = ("layout", "model_shape", "activation_checkpointing_policies", "blocks_name", "pipeline_group",
+            "supports_async_save", "grad_norm", "save_checkpoint_async")
+
+
+def implements_contract(strategy: object) -> bool:
+    """Whether ``strategy``'s class defines every member of :class:`StrategyContract`.
+
+    Checked on the class, not the instance: ``isinstance(x, StrategyContract)`` reads each property, and
+    a strategy's layout exists only once it is set up.
+    """
+    return all(hasattr(type(strategy), name) for name in _MEMBERS)
 
 
 def completed(value: Any = None) -> Future:

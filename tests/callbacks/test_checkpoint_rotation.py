@@ -274,7 +274,7 @@ def _resume_layouts(root):
                                           verify="load")
             losses += _fit(rotation, steps, root, strategy(), 2, dp, ckpt_path="last")[0]
         last = complete_checkpoints(directory)[-1]
-        layout = {**files.read_marker(last)["layout"], "mode": rotation._mode, "files": sorted(os.listdir(last)),
+        layout = {**files.read_marker(last)["layout"], "async": rotation._async, "files": sorted(os.listdir(last)),
                   "deepspeed_files": sorted(os.listdir(last / "checkpoint")) if label.startswith("deepspeed") else []}
         results[label] = (losses, _steps(directory), layout)
     return results
@@ -286,7 +286,7 @@ def test_exact_resume_under_parallel_layouts(tmp_path):
     straight, _ = _fit(CheckpointRotation(dirpath=str(tmp_path / "single"), every_n_train_steps=100), 10, tmp_path)
     results = run_distributed(_resume_layouts, 2, str(tmp_path), timeout=560)[0]
     assert results["tp2"][2]["tp"] == 2 and results["pp2"][2]["pp"] == 2
-    assert results["dp2-zero3-async"][2]["zero_stage"] == 3 and results["dp2-zero3-async"][2]["mode"] == "sharded"
+    assert results["dp2-zero3-async"][2]["zero_stage"] == 3 and results["dp2-zero3-async"][2]["async"]
     assert ".metadata" in results["tp2"][2]["files"], "a torch.distributed.checkpoint directory"
     deepspeed = results["deepspeed-zero2"][2]
     assert deepspeed["zero_stage"] == 2 and {"checkpoint", "latest"} <= set(deepspeed["files"]), deepspeed
