@@ -51,13 +51,13 @@ def check_float(name: str, value: Any, minimum: float | None = None, maximum: fl
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name}={value!r} must be a number{_bounds(minimum, maximum, inclusive)}, got "
                         f"{type(value).__name__}{_or_none(optional)}.{_hint(hint)}")
-    value = float(value)
+    given, value = value, float(value)
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name}={value!r} must be a finite number{_bounds(minimum, maximum, inclusive)}.{_hint(hint)}")
+        raise ValueError(f"{name}={given!r} must be a finite number{_bounds(minimum, maximum, inclusive)}.{_hint(hint)}")
     low = minimum is not None and (value < minimum if inclusive else value <= minimum)
     high = maximum is not None and (value > maximum if inclusive else value >= maximum)
     if low or high:
-        raise ValueError(f"{name}={value!r} must be a number{_bounds(minimum, maximum, inclusive)}"
+        raise ValueError(f"{name}={given!r} must be a number{_bounds(minimum, maximum, inclusive)}"
                          f"{_or_none(optional)}.{_hint(hint)}")
     return value
 

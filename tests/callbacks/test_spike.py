@@ -175,7 +175,7 @@ def test_spike_three_steps_after_resume_is_skipped_as_in_the_straight_run(tmp_pa
     ({"threshold": float("inf")}, "threshold=inf must be a finite number"),
     ({"threshold": "6"}, "threshold='6' must be a number"),
     ({"threshold": True}, "threshold=True must be a number"),
-    ({"threshold": 0}, "threshold=0.0 must be a number > 0"),
+    ({"threshold": 0}, "threshold=0 must be a number > 0"),
     ({"window": 10.0}, "window=10.0 must be an integer"),
     ({"window": "10"}, "window='10' must be an integer"),
     ({"window": True}, "window=True must be an integer"),
