@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
+from lightning_llm.preflight import check_checkpoint_path
 from lightning_llm.validation import check_float, check_int
 
 
@@ -57,6 +58,11 @@ class LLMCLI(LightningCLI):
             for each in self._parsers_with_defaults:
                 each.set_defaults(replaced)
             super().parse_arguments(parser, args)
+
+
+    def before_fit(self) -> None:
+        # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
+        check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
 
 
 def _import(class_path: str):

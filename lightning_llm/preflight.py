@@ -58,7 +58,8 @@ def check_checkpoint_path(ckpt_path: str | Path | None, strategy) -> None:
 
     Sharded (DCP) directories are read by Lightning's ModelParallel and FSDP strategies (and so
     LLMParallelStrategy); DeepSpeed directories have their own layout and are left to DeepSpeed.
-    Files and names ("last", "best") are Lightning's to resolve.
+    Files and names ("last", "best") are Lightning's to resolve. ``lightning-llm fit`` runs it before
+    fitting; Lightning's own Trainer gives user code no hook between ``fit(ckpt_path=...)`` and the load.
     """
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 

@@ -12,7 +12,7 @@ from lightning_llm.data.datasets import TokenWindows, read_text_files, read_toke
 from lightning_llm.data.sampler import ResumableDistributedSampler
 from lightning_llm.data.synthetic import entropy_floor, markov_corpus
 from lightning_llm.data.tokenizer import ByteTokenizer
-from lightning_llm.preflight import check_checkpoint_path, check_data_fits_model
+from lightning_llm.preflight import check_data_fits_model
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
 SOURCES = ("synthetic", "text", "tokens")
@@ -94,11 +94,8 @@ class LLMDataModule(L.LightningDataModule):
             self.train_set = TokenWindows(train, self.hparams.seq_len)
             self.val_set = TokenWindows(val, self.hparams.seq_len)
         trainer = self.trainer
-        if trainer is not None:  # before the first step: the model's limits and the checkpoint to resume from
-            if stage in ("fit", None):
-                check_checkpoint_path(trainer.ckpt_path, trainer.strategy)
-            if trainer.lightning_module is not None:
-                check_data_fits_model(trainer.lightning_module, self.max_token_id, self.hparams.seq_len)
+        if trainer is not None and trainer.lightning_module is not None:  # the model's limits, before the first step
+            check_data_fits_model(trainer.lightning_module, self.max_token_id, self.hparams.seq_len)
 
     def _load_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         hp = self.hparams
