@@ -163,7 +163,7 @@ def _check_plan_options(options) -> None:
 
 def _check_layout(module, world_size: int, tp: int, pp: int) -> None:
     """The parallel layout against the machine and the model: tp divides the heads, pp fits the blocks."""
-    from lightning_llm.parallel.blocks import find_blocks
+    from lightning_llm.modeling.blocks import find_blocks
 
     if world_size % (tp * pp):
         raise ValueError(
