@@ -11,7 +11,9 @@ Example::
 
 from importlib.metadata import PackageNotFoundError, version
 
-from lightning_llm.callbacks import CheckpointRotation, GradNormMonitor, LossSpikeError, LossSpikeGuard, MFUMonitor
+from lightning_llm.callbacks import (
+    CheckpointRotation, GradNormMonitor, LossSpikeError, LossSpikeGuard, MFUMonitor, RankUnresponsiveError, RankWatchdog,
+)
 from lightning_llm.contract import ParallelLayout, StrategyContract, contract_of
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
 
@@ -22,5 +24,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "CheckpointRotation", "GradNormMonitor", "LLMDeepSpeedStrategy", "LLMParallelStrategy", "LossSpikeError",
-    "LossSpikeGuard", "MFUMonitor", "ParallelLayout", "StrategyContract", "__version__", "contract_of",
+    "LossSpikeGuard", "MFUMonitor", "ParallelLayout", "RankUnresponsiveError", "RankWatchdog", "StrategyContract",
+    "__version__", "contract_of",
 ]

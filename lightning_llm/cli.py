@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from jsonargparse import lazy_instance
@@ -21,6 +22,12 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
+from lightning_llm.preflight import check_checkpoint_path
+from lightning_llm.validation import check_float, check_int
+
+
+_DEFAULT_CLASSES = {"model": CausalLM, "data": LLMDataModule}
+_DEFAULTS = {key: lazy_instance(cls) for key, cls in _DEFAULT_CLASSES.items()}
 
 
 class LLMCLI(LightningCLI):
@@ -33,7 +40,34 @@ class LLMCLI(LightningCLI):
         super().__init__(None, None, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults({"model": lazy_instance(CausalLM), "data": lazy_instance(LLMDataModule)})
+        parser.set_defaults(_DEFAULTS)
+        self._parsers_with_defaults = [*getattr(self, "_parsers_with_defaults", []), parser]
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse; if the user named their own model or data class, parse again without our default for it.
+
+        jsonargparse carries a default instance's init_args over to the class the user names, so with
+        ``--model my.Module`` arguments sharing a name with CausalLM's (``learning_rate``, ...) would
+        silently take CausalLM's defaults instead of ``my.Module``'s own.
+        """
+        super().parse_arguments(parser, args)
+        config = self.config.get(self.config.get("subcommand"), self.config) if "subcommand" in self.config else self.config
+        replaced = {key: None for key, cls in _DEFAULT_CLASSES.items()
+                    if config.get(key) is not None and _import(config[key].class_path) is not cls}
+        if replaced:
+            for each in self._parsers_with_defaults:
+                each.set_defaults(replaced)
+            super().parse_arguments(parser, args)
+
+
+    def before_fit(self) -> None:
+        # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
+        check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+
+
+def _import(class_path: str):
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None)
 
 
 def _default_wandb_offline() -> None:
@@ -65,6 +99,10 @@ def plan(args: list[str]) -> str:
     parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
     options = parser.parse_args(args)
+    try:
+        _check_plan_options(options)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
     trainer_config = (yaml.safe_load(Path(options.config).read_text()) or {}).get("trainer", {})
     # The planning machine need not be the training one: the Trainer is built for one CPU, the
     # devices and nodes come from the config (or the flags), the model on the meta device.
@@ -91,6 +129,10 @@ def plan(args: list[str]) -> str:
         precision=str(cli.trainer.precision), activation_checkpointing=strategy.activation_checkpointing if native else "none",
         backend=backend, margin=options.margin,
     )
+    try:
+        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"])
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
     params = sum(p.numel() for p in module.parameters())
     header = (f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
               f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']}; micro-batch "
@@ -99,9 +141,49 @@ def plan(args: list[str]) -> str:
         decision = choose_zero_stage(module, **settings)
         report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
     except MemoryPlanError as err:
-        report = f"{header}\n{err}"
+        print(f"{header}\n{err}")
+        raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
     print(report)
     return report
+
+
+def _check_plan_options(options) -> None:
+    """Flags of ``plan`` that are wrong whatever the model: refused before anything is built."""
+    from lightning_llm.planning.zero import parse_size
+
+    for flag, value in (("--devices", options.devices), ("--num_nodes", options.num_nodes)):
+        if value is not None:
+            check_int(flag, value, minimum=1)
+    check_float("--margin", options.margin, minimum=0, hint="the fraction of device memory kept free, in [0, 1)")
+    if options.margin >= 1:
+        raise ValueError(f"--margin={options.margin!r} must be below 1 (the fraction of device memory kept free).")
+    if parse_size(options.device_memory) <= 0:
+        raise ValueError(f"--device_memory={options.device_memory!r} must be a positive size such as 80GB.")
+
+
+def _check_layout(module, world_size: int, tp: int, pp: int) -> None:
+    """The parallel layout against the machine and the model: tp divides the heads, pp fits the blocks."""
+    from lightning_llm.modeling.blocks import find_blocks
+
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"{world_size} devices cannot be split into tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+            f"groups; use a device count that is a multiple of {tp * pp}, or other tp/pp sizes."
+        )
+    config = getattr(module, "config", None)
+    for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {name}={heads}: tensor parallelism splits "
+                f"whole heads. Choose a tp that divides {heads}."
+            )
+    _, blocks = find_blocks(module, None)
+    if pp > len(blocks):
+        raise ValueError(
+            f"pipeline_parallel_size={pp} is more than the model's {len(blocks)} blocks: every stage needs at least "
+            f"one. Use pipeline_parallel_size <= {len(blocks)}."
+        )
 
 
 def main(args: list[str] | None = None) -> None:

@@ -62,3 +62,24 @@ def test_fit_through_console_entry_point_logs_to_wandb_offline(tmp_path, monkeyp
     # An offline run directory proves the mode; tests/callbacks/test_logging.py reads a run's contents back.
     runs = list((tmp_path / "runs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "the run must be written offline when no W&B key or mode is set"
+
+
+@pytest.mark.parametrize("form", ["command line", "yaml"])
+def test_user_classes_keep_their_own_defaults(form, tmp_path, monkeypatch):
+    # CausalLM's learning_rate=3e-4 / warmup_steps=100 and LLMDataModule's seq_len=128 / batch_size=8 share the
+    # names; the user's classes must get their own defaults, and an explicit value still wins.
+    monkeypatch.chdir(tmp_path)
+    if form == "yaml":
+        config = tmp_path / "user.yaml"
+        config.write_text(yaml.safe_dump({
+            "model": {"class_path": "tests._cli_user_classes.UserModule", "init_args": {"warmup_steps": 9}},
+            "data": {"class_path": "tests._cli_user_classes.UserData"},
+        }))
+        args = ["--config", str(config)]
+    else:
+        args = ["--model", "tests._cli_user_classes.UserModule", "--data", "tests._cli_user_classes.UserData",
+                "--model.warmup_steps", "9"]
+    cli = LLMCLI(args=[*args, "--trainer.logger", "false"], run=False)
+    assert type(cli.model).__name__ == "UserModule" and type(cli.datamodule).__name__ == "UserData"
+    assert (cli.model.hparams.learning_rate, cli.model.hparams.warmup_steps) == (1e-3, 9)
+    assert (cli.datamodule.hparams.seq_len, cli.datamodule.hparams.batch_size) == (32, 3)

@@ -1,8 +1,10 @@
-"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding, crash-safe checkpoint rotation."""
+"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding, crash-safe checkpoint rotation, a rank watchdog."""
 
 from lightning_llm.callbacks.checkpoint import CheckpointRotation
 from lightning_llm.callbacks.grad_norm import GradNormMonitor
 from lightning_llm.callbacks.mfu import MFUMonitor
 from lightning_llm.callbacks.spike import LossSpikeError, LossSpikeGuard
+from lightning_llm.callbacks.watchdog import RankUnresponsiveError, RankWatchdog
 
-__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor"]
+__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor", "RankUnresponsiveError",
+           "RankWatchdog"]

@@ -22,6 +22,7 @@ from lightning_llm.callbacks import checkpoint_files as files
 from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
+from lightning_llm.validation import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,10 @@ class CheckpointRotation(ModelCheckpoint):
 
 
 def _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify) -> None:
+    check_int("keep_last", keep_last)
+    check_int("every_n_train_steps", every_n_train_steps, optional=True)
+    check_float("every_n_minutes", every_n_minutes, optional=True)
+    check_int("keep_best", keep_best)
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: at least 1 checkpoint must be kept (the newest complete one).")
     if every_n_train_steps is not None and every_n_train_steps < 1:

@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import contract_of
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.validation import check_float, check_int
 
 
 class GradNormMonitor(L.Callback):
@@ -37,8 +38,8 @@ class GradNormMonitor(L.Callback):
     def __init__(
         self, log_every_n_steps: int = 1, norm_type: float = 2.0, per_block: bool = False, per_param_group: bool = False
     ) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1.")
+        check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+        check_float("norm_type", norm_type, allow_inf=True)
         if norm_type <= 0:
             raise ValueError(f"norm_type={norm_type} must be positive (2.0 for the L2 norm, inf for the max norm).")
         self.log_every_n_steps = log_every_n_steps

@@ -15,6 +15,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_llm.validation import check_bool, check_choice, check_float, check_int
+
 ACTIONS = ("warn", "skip", "stop")
 
 
@@ -58,14 +60,12 @@ class LossSpikeGuard(L.Callback):
         warmup_steps: int = 20,
         check_gradients: bool = True,
     ) -> None:
-        if action not in ACTIONS:
-            raise ValueError(f"action={action!r} is not one of {ACTIONS}.")
-        if window < 2:
-            raise ValueError(f"window={window} must be at least 2 to have a standard deviation.")
-        if threshold <= 0:
-            raise ValueError(f"threshold={threshold} must be positive (standard deviations above the mean).")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps} must not be negative.")
+        check_choice("action", action, ACTIONS)
+        window = check_int("window", window, minimum=2, hint="a standard deviation needs at least 2 steps")
+        threshold = check_float("threshold", threshold, minimum=0, inclusive=False,
+                                hint="standard deviations above the mean, e.g. 6.0")
+        warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        check_bool("check_gradients", check_gradients)
         self.action, self.threshold, self.warmup_steps = action, threshold, warmup_steps
         self.check_gradients = check_gradients
         self.history: deque[float] = deque(maxlen=window)

@@ -12,6 +12,10 @@ from lightning_llm.data.datasets import TokenWindows, read_text_files, read_toke
 from lightning_llm.data.sampler import ResumableDistributedSampler
 from lightning_llm.data.synthetic import entropy_floor, markov_corpus
 from lightning_llm.data.tokenizer import ByteTokenizer
+from lightning_llm.preflight import check_data_fits_model
+from lightning_llm.validation import check_bool, check_choice, check_float, check_int
+
+SOURCES = ("synthetic", "text", "tokens")
 
 
 class LLMDataModule(L.LightningDataModule):
@@ -67,15 +71,14 @@ class LLMDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if source in ("text", "tokens") and not path:
-            raise ValueError(f"source={source!r} needs `path` (a file or a list of files).")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction={val_fraction} must lie strictly between 0 and 1.")
+        _validate(source, path, seq_len, batch_size, token_dtype, val_fraction, num_tokens, vocab_size, markov_order,
+                  branching, seed, shuffle, num_workers)
         self.save_hyperparameters()
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
         self._resume: tuple[int, int] | None = None
         self._train_sampler: ResumableDistributedSampler | None = None
+        self.max_token_id: int | None = None
 
     @property
     def entropy_floor(self) -> float | None:
@@ -83,11 +86,16 @@ class LLMDataModule(L.LightningDataModule):
         return entropy_floor(self.hparams.branching) if self.hparams.source == "synthetic" else None
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
-        train, val = self._load_tokens()
-        self.train_set = TokenWindows(train, self.hparams.seq_len)
-        self.val_set = TokenWindows(val, self.hparams.seq_len)
+        if self.train_set is None:
+            train, val = self._load_tokens()
+            # One pass over the tokens (memory-mapped files in chunks), once: far cheaper than the IndexError or
+            # device assert an out-of-vocabulary id causes in the first forward.
+            self.max_token_id = max(_max_token(train), _max_token(val))
+            self.train_set = TokenWindows(train, self.hparams.seq_len)
+            self.val_set = TokenWindows(val, self.hparams.seq_len)
+        trainer = self.trainer
+        if trainer is not None and trainer.lightning_module is not None:  # the model's limits, before the first step
+            check_data_fits_model(trainer.lightning_module, self.max_token_id, self.hparams.seq_len)
 
     def _load_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         hp = self.hparams
@@ -154,3 +162,28 @@ class LLMDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict:
             self._resume = (state_dict["epoch"], state_dict["global_samples"])
+
+
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)) if len(tokens) else -1
+
+
+def _validate(source, path, seq_len, batch_size, token_dtype, val_fraction, num_tokens, vocab_size, markov_order,
+              branching, seed, shuffle, num_workers) -> None:
+    check_choice("source", source, SOURCES, hint="parquet, JSON and the like: tokenize to a uint16/uint32 file and "
+                 "use source='tokens'")
+    if source in ("text", "tokens"):
+        paths = [path] if isinstance(path, str) else path
+        if not paths or not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+            raise ValueError(f"source={source!r} needs `path` (a file or a list of files), got path={path!r}.")
+    check_int("seq_len", seq_len, minimum=1, hint="tokens per sample, e.g. 2048")
+    check_int("batch_size", batch_size, minimum=1)
+    check_choice("token_dtype", token_dtype, ("uint16", "uint32"))
+    check_float("val_fraction", val_fraction, minimum=0, maximum=1, inclusive=False)
+    check_int("num_tokens", num_tokens, minimum=2)
+    check_int("vocab_size", vocab_size, minimum=1, maximum=2**32)
+    check_int("markov_order", markov_order, minimum=1)
+    check_int("branching", branching, minimum=1, maximum=vocab_size, hint="at most vocab_size successors per context")
+    check_int("seed", seed, minimum=0)
+    check_bool("shuffle", shuffle)
+    check_int("num_workers", num_workers, minimum=0)

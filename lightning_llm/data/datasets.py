@@ -64,5 +64,14 @@ def read_text_files(paths: list[str | Path], encode) -> np.ndarray:
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"Text file not found: {path}. Check `data.path` in your config.")
-        arrays.append(encode(path.read_text(encoding="utf-8")))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"Text file {path} is not UTF-8 (byte {err.object[err.start]:#04x} at offset {err.start}); convert it "
+                "(e.g. `iconv -t UTF-8`) or tokenize it yourself and use source='tokens'."
+            ) from None
+        if not text:
+            raise ValueError(f"Text file {path} is empty; remove it from `data.path` or give it some text.")
+        arrays.append(encode(text))
     return np.concatenate(arrays)

@@ -16,6 +16,14 @@ class ResumableDistributedSampler(DistributedSampler):
     ``resume(epoch, samples)`` skips the first ``samples`` indices of this rank in that
     epoch: a resumed run continues with the next batch.
 
+    ``len()`` is always the full epoch, also while a skip is pending. Lightning reads the length
+    once (as ``num_training_batches`` for every later epoch) and counts the resumed epoch's batches
+    from the restored ``batch_progress``: a shortened length would end the resumed epoch early and
+    shorten every later one. This is the contract of torchdata's ``StatefulDataLoader`` too; a
+    sampler is kept rather than that loader because the position must be global (samples of all
+    data-parallel ranks), so a run can resume with a different data-parallel size, while the
+    loader's state counts one rank's samples and Lightning checkpoints rank 0's state only.
+
     Being a ``DistributedSampler``, Lightning leaves it in place instead of injecting its own.
     """
 
@@ -29,9 +37,6 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def _skip(self) -> int:
         return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
-
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self._skip())
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())[self._skip() :]

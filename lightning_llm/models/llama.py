@@ -52,6 +52,11 @@ class LlamaConfig:
             self.ffn_hidden_dim = 64 * math.ceil(hidden / 64)
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim={self.head_dim} (dim={self.dim} / n_heads={self.n_heads}) is odd; rotary embeddings rotate "
+                "channel pairs, so choose dim and n_heads with an even dim // n_heads."
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}.")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -35,10 +34,11 @@ from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
-from lightning_llm.strategies.parallel_options import PRESETS, validate_arguments
+from lightning_llm.strategies.parallel_options import PRESETS, TRAINING_TIMEOUT, validate_arguments
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
+from lightning_llm.validation import check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         compile_blocks: ``torch.compile`` each block.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: "nccl", "gloo", ...; the default follows the device.
-        timeout: collective timeout.
+        timeout: how long a collective may wait for the other ranks (a ``timedelta`` or seconds; NCCL and gloo),
+            10 minutes by default rather than torch's 30: long enough for a checkpoint save or the first step's
+            compilation, short enough that a rank that stopped responding does not hold the job for half an hour.
+            Add :class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.
 
     Example::
 
@@ -102,14 +105,17 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         device_memory: int | str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = TRAINING_TIMEOUT,
     ) -> None:
+        validate_arguments(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                           data_parallel_replicate_size, zero_stage, sequence_parallel, num_microbatches,
+                           virtual_stages, device_memory)
+        timeout = check_timeout("timeout", timeout)
         super().__init__(
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        validate_arguments(tensor_parallel_size, data_parallel_size, data_parallel_replicate_size, zero_stage, sequence_parallel)
         self.zero_stage = zero_stage
         self.device_memory = device_memory
         self.sequence_parallel = sequence_parallel
@@ -166,6 +172,7 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
             self._model_shape = ModelShape.of(module, self.blocks)
         except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
             self._model_shape = None
+        self._check_microbatches(trainer)
         if self.zero_stage == "auto":
             self._choose_zero_stage(trainer, module)
         pipelined = self.pipeline_parallel_size > 1
@@ -202,6 +209,17 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._log_layout()
+
+    def _check_microbatches(self, trainer) -> None:
+        """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches."""
+        hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
+        batch_size, micro = hparams.get("batch_size"), self.pipeline.num_microbatches
+        if self.pipeline_parallel_size > 1 and isinstance(batch_size, int) and batch_size % micro:
+            raise ValueError(
+                f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}, so it "
+                f"cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
+                "num_microbatches that divides it."
+            )
 
     def _log_layout(self) -> None:
         dims = self.parallel_dims

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from lightning_llm.parallel.data_parallel import ZERO_STAGES
+from lightning_llm.planning.zero import parse_size
+from lightning_llm.validation import check_bool, check_choice, check_int
+
+# The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
+TRAINING_TIMEOUT = timedelta(minutes=10)
 
 # (name, init arguments, description): registered in Lightning's StrategyRegistry, so Trainer(strategy="llm_tp2").
 PRESETS = [
@@ -17,16 +24,22 @@ PRESETS = [
 ]
 
 
-def validate_arguments(tp, dp, replicate, zero_stage, sequence_parallel) -> None:
+def validate_arguments(tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches=None,
+                       virtual_stages=None, device_memory=None) -> None:
     """Refuse impossible LLMParallelStrategy arguments before any process starts, naming the value and the fix."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer.")
-    if dp != "auto" and (not isinstance(dp, int) or dp < 1):
-        raise ValueError(f"data_parallel_size={dp!r} must be a positive integer or 'auto'.")
-    if not isinstance(replicate, int) or replicate < 1:
-        raise ValueError(f"data_parallel_replicate_size={replicate!r} must be a positive integer.")
-    if zero_stage not in (*ZERO_STAGES, "auto"):
-        raise ValueError(f"zero_stage={zero_stage!r} is not supported; choose one of {ZERO_STAGES} or 'auto'.")
+    check_int("tensor_parallel_size", tp, minimum=1)
+    check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")
+    if dp != "auto":
+        check_int("data_parallel_size", dp, minimum=1, hint="or 'auto' for world size / (tp * pp)")
+    check_int("data_parallel_replicate_size", replicate, minimum=1)
+    check_bool("sequence_parallel", sequence_parallel)
+    check_int("num_microbatches", num_microbatches, minimum=1, optional=True)
+    check_int("virtual_stages", virtual_stages, minimum=1, optional=True)
+    if device_memory is not None and not isinstance(device_memory, str):
+        check_int("device_memory", device_memory, minimum=1, hint="bytes per device, or a size such as '80GB'")
+    elif device_memory is not None and parse_size(device_memory) <= 0:
+        raise ValueError(f"device_memory={device_memory!r} must be a positive size such as '80GB'.")
+    check_choice("zero_stage", zero_stage, (*ZERO_STAGES, "auto"))
     if zero_stage == 0 and replicate > 1:
         raise ValueError(
             "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."

@@ -111,7 +111,7 @@ def test_tokens_count_once_per_data_parallel_replica():
 def test_batch_tokens_and_argument_checks():
     assert batch_tokens(torch.zeros(4, 33), shifted_targets=True) == (4, 128)
     assert batch_tokens({"input_ids": torch.zeros(2, 10)}, shifted_targets=False) == (2, 20)
-    with pytest.raises(ValueError, match="log_every_n_steps=0 must be at least 1"):
+    with pytest.raises(ValueError, match="log_every_n_steps=0 must be an integer >= 1"):
         MFUMonitor(log_every_n_steps=0)
     with pytest.raises(ValueError, match="peak_flops=-1"):
         MFUMonitor(peak_flops=-1)

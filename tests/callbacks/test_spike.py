@@ -1,6 +1,7 @@
 """LossSpikeGuard: a NaN or spiking step is skipped on every rank without touching parameters or optimizer state."""
 
 import copy
+import re
 
 import lightning as L
 import pytest
@@ -119,7 +120,7 @@ def test_every_rank_skips_when_one_rank_sees_nan():
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="action='pause' is not one of"):
         LossSpikeGuard(action="pause")
-    with pytest.raises(ValueError, match="window=1 must be at least 2"):
+    with pytest.raises(ValueError, match="window=1 must be an integer >= 2"):
         LossSpikeGuard(window=1)
     model = Faulty(bad_step=-1, factor=1.0)
     model.configure_optimizers = lambda: torch.optim.LBFGS(model.parameters())
@@ -139,3 +140,48 @@ def test_statistics_survive_a_checkpoint(tmp_path):
     assert len(guard.history) == 5 and list(restored.history) == list(guard.history)
     assert restored.counts == guard.counts == {"nonfinite": 1, "spikes": 0, "skipped": 1}
     assert restored.state_dict()["steps_seen"] == 6
+
+
+def test_spike_three_steps_after_resume_is_skipped_as_in_the_straight_run(tmp_path):
+    """The issue's scenario: with warm-up 6, a x100 spike at step 8 right after resuming from step 5. A guard
+    whose window and warm-up restarted on resume would let it through; the straight run is the oracle."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps, resume_from=None, checkpoint=None):
+        L.seed_everything(0)
+        guard, model = LossSpikeGuard(action="skip", warmup_steps=6, window=10), Faulty(bad_step=8, factor=100.0)
+        model.hparams.max_steps = 11  # one LR schedule for every piece, not the Trainer's estimate of each
+        callbacks = [guard] + ([checkpoint] if checkpoint else [])
+        trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks, limit_val_batches=0,
+                            default_root_dir=tmp_path)
+        trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4), ckpt_path=resume_from)
+        return guard, model
+
+    straight_guard, straight = fit(11)
+    fit(5, checkpoint=ModelCheckpoint(dirpath=tmp_path, filename="step5", every_n_train_steps=5))
+    resumed_guard, resumed = fit(11, resume_from=tmp_path / "step5.ckpt")
+
+    assert straight_guard.counts == {"nonfinite": 0, "spikes": 1, "skipped": 1}
+    assert resumed_guard.counts == straight_guard.counts
+    _assert_step_left_nothing(resumed, 8)
+    assert resumed.losses == straight.losses[5:]
+    for name, param in resumed.named_parameters():
+        assert torch.equal(param, dict(straight.named_parameters())[name]), name
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"threshold": float("nan")}, "threshold=nan must be a finite number"),
+    ({"threshold": float("inf")}, "threshold=inf must be a finite number"),
+    ({"threshold": "6"}, "threshold='6' must be a number"),
+    ({"threshold": True}, "threshold=True must be a number"),
+    ({"threshold": 0}, "threshold=0 must be a number > 0"),
+    ({"window": 10.0}, "window=10.0 must be an integer"),
+    ({"window": "10"}, "window='10' must be an integer"),
+    ({"window": True}, "window=True must be an integer"),
+    ({"warmup_steps": float("nan")}, "warmup_steps=nan must be an integer"),
+    ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0"),
+])
+def test_bad_statistics_arguments_are_refused(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        LossSpikeGuard(**kwargs)

@@ -19,8 +19,8 @@ from tests.strategies._parity import STEPS, assert_parity, data, full_state, mak
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"zero_stage": 4}, r"zero_stage=4 is not supported; choose one of \(0, 1, 2, 3\) or 'auto'"),
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive integer"),
+        ({"zero_stage": 4}, r"zero_stage=4 is not one of 0, 1, 2, 3, 'auto'"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be an integer >= 1"),
         ({"sequence_parallel": True}, "sequence_parallel=True needs tensor_parallel_size > 1"),
         ({"zero_stage": 0, "data_parallel_replicate_size": 2}, "HSDP\\) needs zero_stage 2 or 3"),
     ],

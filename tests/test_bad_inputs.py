@@ -1,0 +1,233 @@
+"""Bad input, table-driven: every case must fail with an error that names the bad value, before any training step.
+
+Three kinds of case, cheapest first and none spawning a process:
+* constructors (strategies, callbacks, data, model config): the error comes from ``__init__``;
+* fit-time cases that need the model and the data together: a callback counts training steps and must count 0;
+* the ``lightning-llm`` CLI (``plan`` and ``fit``), in process: exit code non-zero and the value in the message.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import yaml
+
+from lightning_llm.callbacks import (
+    CheckpointRotation, GradNormMonitor, LossSpikeGuard, MFUMonitor, RankWatchdog,
+)
+from lightning_llm.cli import LLMCLI, main
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.strategies import LLMParallelStrategy
+
+NAN, INF = float("nan"), float("inf")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+# (factory, keyword arguments, the text naming the bad value)
+CONSTRUCTOR_CASES = [
+    (LLMParallelStrategy, {"pipeline_parallel_size": "2"}, "pipeline_parallel_size='2'"),
+    (LLMParallelStrategy, {"pipeline_parallel_size": 0}, "pipeline_parallel_size=0"),
+    (LLMParallelStrategy, {"pipeline_parallel_size": -1}, "pipeline_parallel_size=-1"),
+    (LLMParallelStrategy, {"pipeline_parallel_size": 2.0}, "pipeline_parallel_size=2.0"),
+    (LLMParallelStrategy, {"tensor_parallel_size": "2"}, "tensor_parallel_size='2'"),
+    (LLMParallelStrategy, {"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
+    (LLMParallelStrategy, {"tensor_parallel_size": True}, "tensor_parallel_size=True"),
+    (LLMParallelStrategy, {"data_parallel_size": "4"}, "data_parallel_size='4'"),
+    (LLMParallelStrategy, {"data_parallel_size": 0}, "data_parallel_size=0"),
+    (LLMParallelStrategy, {"data_parallel_replicate_size": 1.5}, "data_parallel_replicate_size=1.5"),
+    (LLMParallelStrategy, {"zero_stage": "3"}, "zero_stage='3'"),
+    (LLMParallelStrategy, {"zero_stage": 4}, "zero_stage=4"),
+    (LLMParallelStrategy, {"zero_stage": True}, "zero_stage=True"),
+    (LLMParallelStrategy, {"sequence_parallel": "yes", "tensor_parallel_size": 2}, "sequence_parallel='yes'"),
+    (LLMParallelStrategy, {"num_microbatches": 0, "pipeline_parallel_size": 2}, "num_microbatches=0"),
+    (LLMParallelStrategy, {"num_microbatches": "4", "pipeline_parallel_size": 2}, "num_microbatches='4'"),
+    (LLMParallelStrategy, {"virtual_stages": 0, "pipeline_parallel_size": 2}, "virtual_stages=0"),
+    (LLMParallelStrategy, {"device_memory": -5, "zero_stage": "auto"}, "device_memory=-5"),
+    (LLMParallelStrategy, {"device_memory": "-80GB", "zero_stage": "auto"}, "device_memory='-80GB'"),
+    (LLMParallelStrategy, {"device_memory": "eighty", "zero_stage": "auto"}, "'eighty'"),
+    (LLMParallelStrategy, {"timeout": -1}, "timeout=-1"),
+    (LLMParallelStrategy, {"timeout": timedelta(seconds=-3)}, "timeout=datetime.timedelta(days=-1, seconds=86397)"),
+    (LLMParallelStrategy, {"timeout": "10m"}, "timeout='10m'"),
+    (LossSpikeGuard, {"threshold": NAN}, "threshold=nan"),
+    (LossSpikeGuard, {"threshold": INF}, "threshold=inf"),
+    (LossSpikeGuard, {"threshold": "6"}, "threshold='6'"),
+    (LossSpikeGuard, {"threshold": -2.0}, "threshold=-2.0"),
+    (LossSpikeGuard, {"window": "100"}, "window='100'"),
+    (LossSpikeGuard, {"window": 1}, "window=1"),
+    (LossSpikeGuard, {"warmup_steps": True}, "warmup_steps=True"),
+    (LossSpikeGuard, {"warmup_steps": -1}, "warmup_steps=-1"),
+    (LossSpikeGuard, {"action": "pause"}, "action='pause'"),
+    (RankWatchdog, {"timeout": -1}, "timeout=-1"),
+    (RankWatchdog, {"timeout": NAN}, "timeout=nan"),
+    (CheckpointRotation, {"every_n_train_steps": "5"}, "every_n_train_steps='5'"),
+    (CheckpointRotation, {"every_n_train_steps": 0}, "every_n_train_steps=0"),
+    (CheckpointRotation, {"keep_last": 2.5}, "keep_last=2.5"),
+    (CheckpointRotation, {"every_n_minutes": "10"}, "every_n_minutes='10'"),
+    (GradNormMonitor, {"log_every_n_steps": "5"}, "log_every_n_steps='5'"),
+    (GradNormMonitor, {"norm_type": NAN}, "norm_type=nan"),
+    (MFUMonitor, {"log_every_n_steps": 0}, "log_every_n_steps=0"),
+    (MFUMonitor, {"peak_flops": "989e12"}, "peak_flops='989e12'"),
+    (LLMDataModule, {"source": "parquet", "path": "train.parquet"}, "source='parquet'"),
+    (LLMDataModule, {"seq_len": 0}, "seq_len=0"),
+    (LLMDataModule, {"seq_len": -128}, "seq_len=-128"),
+    (LLMDataModule, {"seq_len": "128"}, "seq_len='128'"),
+    (LLMDataModule, {"batch_size": 0}, "batch_size=0"),
+    (LLMDataModule, {"batch_size": 8.0}, "batch_size=8.0"),
+    (LLMDataModule, {"val_fraction": 1.0}, "val_fraction=1.0"),
+    (LLMDataModule, {"val_fraction": NAN}, "val_fraction=nan"),
+    (LLMDataModule, {"num_tokens": 1}, "num_tokens=1"),
+    (LLMDataModule, {"branching": 300, "vocab_size": 256}, "branching=300"),
+    (LLMDataModule, {"num_workers": -1}, "num_workers=-1"),
+    (LLMDataModule, {"token_dtype": "int8", "source": "tokens", "path": "x.bin"}, "token_dtype='int8'"),
+    (LLMDataModule, {"source": "text"}, "path=None"),
+    (LLMDataModule, {"shuffle": "false"}, "shuffle='false'"),
+    (LlamaConfig, {"dim": 60, "n_heads": 4, "n_kv_heads": 2}, "head_dim=15"),
+    (LlamaConfig, {"dim": 96, "n_heads": 32, "n_kv_heads": 8}, "head_dim=3"),
+]
+
+
+@pytest.mark.parametrize("factory, kwargs, named", CONSTRUCTOR_CASES,
+                         ids=[f"{f.__name__}-{named}" for f, _, named in CONSTRUCTOR_CASES])
+def test_constructor_refuses(factory, kwargs, named):
+    with pytest.raises((TypeError, ValueError)) as error:
+        factory(**kwargs)
+    assert named in str(error.value), str(error.value)
+
+
+class _CountSteps(L.Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args) -> None:
+        self.steps += 1
+
+
+def _write(path: Path, content: bytes) -> str:
+    path.write_bytes(content)
+    return str(path)
+
+
+def _fake_sharded_checkpoint(root: Path) -> str:
+    (root / "dcp.ckpt").mkdir()
+    (root / "dcp.ckpt" / ".metadata").write_bytes(b"")
+    return str(root / "dcp.ckpt")
+
+
+def _garbage_directory(root: Path) -> str:
+    (root / "garbage.ckpt").mkdir()
+    (root / "garbage.ckpt" / "junk.bin").write_bytes(b"\x00" * 64)
+    return str(root / "garbage.ckpt")
+
+
+def _token_file(root: Path) -> str:
+    tokens = np.arange(4_000, dtype=np.uint16) % 300  # ids up to 299 for a model with 256
+    tokens.tofile(root / "ids.bin")
+    return str(root / "ids.bin")
+
+
+# (data arguments given the tmp dir, unused, the text naming the bad value)
+FIT_CASES = {
+    "token id >= vocab (synthetic)": (lambda d: {"vocab_size": 512}, None, "token id 511"),
+    "token id >= vocab (file)": (lambda d: {"source": "tokens", "path": _token_file(d)}, None, "token id 299"),
+    "seq_len > max_seq_len": (lambda d: {"seq_len": 300}, None, "seq_len=300"),
+    "empty text file": (lambda d: {"source": "text", "path": _write(d / "empty.txt", b"")}, None, "empty.txt"),
+    "non-UTF-8 text file": (lambda d: {"source": "text", "path": _write(d / "latin1.txt", "café".encode("latin-1") * 99)},
+                            None, "latin1.txt"),
+    "missing text file": (lambda d: {"source": "text", "path": str(d / "nowhere.txt")}, None, "nowhere.txt"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIT_CASES))
+def test_fit_refuses_before_the_first_step(case, tmp_path):
+    data_kwargs, ckpt, named = FIT_CASES[case]
+    steps = _CountSteps()
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[steps],
+                        default_root_dir=tmp_path)
+    data = LLMDataModule(**{"num_tokens": 2_000, "seq_len": 32, "batch_size": 2, **data_kwargs(tmp_path)})
+    with pytest.raises((TypeError, ValueError, FileNotFoundError)) as error:
+        trainer.fit(CausalLM("tiny"), data)
+    assert named in str(error.value), str(error.value)
+    assert steps.steps == 0
+
+
+def _config(tmp_path: Path, **strategy) -> str:
+    config = yaml.safe_load((CONFIGS / "tiny_tp2_zero3.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"].update(strategy)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+# (arguments after `lightning-llm plan` given the tmp dir, the text naming the bad value, exit code)
+PLAN_CASES = {
+    "devices 0": (lambda d: ["--config", _config(d), "--devices", "0"], "--devices=0", 2),
+    "devices -8": (lambda d: ["--config", _config(d), "--devices=-8"], "--devices=-8", 2),
+    "num_nodes 0": (lambda d: ["--config", _config(d), "--num_nodes", "0"], "--num_nodes=0", 2),
+    "margin -1": (lambda d: ["--config", _config(d), "--margin=-1"], "--margin=-1.0", 2),
+    "margin 1": (lambda d: ["--config", _config(d), "--margin", "1"], "--margin=1.0", 2),
+    "margin nan": (lambda d: ["--config", _config(d), "--margin", "nan"], "--margin=nan", 2),
+    "device_memory -80GB": (lambda d: ["--config", _config(d), "--device_memory=-80GB"], "-80GB", 2),
+    "3 devices with tp 2": (lambda d: ["--config", _config(d), "--devices", "3"], "3 devices", 2),
+    "tp 3 for 4 heads": (lambda d: ["--config", _config(d, tensor_parallel_size=3), "--devices", "3"],
+                         "tensor_parallel_size=3", 2),
+    "tp 64": (lambda d: ["--config", _config(d, tensor_parallel_size=64), "--devices", "64"],
+              "tensor_parallel_size=64", 2),
+    "pp 100 on 2 blocks": (lambda d: ["--config", _config(d, tensor_parallel_size=1, sequence_parallel=False,
+                                                         pipeline_parallel_size=100),
+                                      "--devices", "100"], "pipeline_parallel_size=100", 2),
+    "nothing fits": (lambda d: ["--config", _config(d), "--devices", "2", "--device_memory", "1MB"],
+                     "1MB", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_plan_refuses(case, tmp_path, capsys):
+    args, named, code = PLAN_CASES[case]
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *args(tmp_path)])
+    assert exit_.value.code == code
+    captured = capsys.readouterr()
+    assert named in captured.out + captured.err, captured.out + captured.err
+
+
+FIT_CLI_CASES = {
+    "data.seq_len 0": (["--data.seq_len", "0"], "seq_len=0"),
+    "data.source parquet": (["--data.source", "parquet"], "parquet"),
+    "data.batch_size -4": (["--data.batch_size", "-4"], "batch_size=-4"),
+    "model.config unknown": (["--model.config", "huge"], "huge"),
+}
+
+
+CKPT_CASES = {"garbage directory": (_garbage_directory, "garbage.ckpt"),
+              "sharded checkpoint, single device": (_fake_sharded_checkpoint, "dcp.ckpt")}
+
+
+@pytest.mark.parametrize("case", list(CKPT_CASES))
+def test_cli_fit_refuses_a_checkpoint_directory_it_cannot_read(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make, named = CKPT_CASES[case]
+    steps = _CountSteps()
+    with pytest.raises(ValueError, match=named):
+        LLMCLI(args=["fit", "--trainer.logger", "false", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
+                     "--data.num_tokens", "2000", "--data.seq_len", "32", "--ckpt_path", make(tmp_path)],
+               trainer_defaults={"callbacks": [steps]})
+    assert steps.steps == 0
+
+
+@pytest.mark.parametrize("case", list(FIT_CLI_CASES))
+def test_cli_fit_refuses_before_training(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args, named = FIT_CLI_CASES[case]
+    with pytest.raises((SystemExit, TypeError, ValueError, KeyError)) as error:
+        LLMCLI(args=["--trainer.logger", "false", *args], run=False)
+    captured = capsys.readouterr()
+    assert named in str(error.value) + captured.err, str(error.value) + captured.err
+
+
+def test_there_are_at_least_60_cases():
+    assert len(CONSTRUCTOR_CASES) + len(FIT_CASES) + len(PLAN_CASES) + len(FIT_CLI_CASES) + len(CKPT_CASES) >= 60
