@@ -18,7 +18,13 @@ from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_prec
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
 from lightning_llm.parallel.pipeline_split import balanced_split, explicit_split, stage_to_rank, validate_schedule
-from lightning_llm.parallel.tensor_parallel import apply_tensor_parallel, resolve_plan, validate_plan
+from lightning_llm.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    check_head_counts,
+    resolve_plan,
+    validate_plan,
+    with_region_parameters,
+)
 
 
 @dataclass
@@ -57,9 +63,11 @@ def plan_tensor_parallel(
 ) -> tuple[dict[str, str], str]:
     """Resolve and validate the TP plan before anything is changed, so bad input fails early."""
     hook = getattr(module, "tensor_parallel_plan", None)
-    module_plan = hook() if callable(hook) else None
+    module_plan = hook() if callable(hook) and not user_plan else None
     plan, source = resolve_plan(module, blocks_name=blocks_name, blocks=blocks, user_plan=user_plan, module_plan=module_plan)
+    plan = with_region_parameters(plan, blocks_name, blocks[0])
     validate_plan(module, plan, tp)
+    check_head_counts(module, blocks, tp)
     return plan, source
 
 
@@ -143,7 +151,8 @@ def parallelize(
         roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
     if dims.tp > 1:
         apply_tensor_parallel(
-            module, report.tp_plan, tp_mesh=dims.mesh["tp"], blocks=owned_blocks, sequence_parallel=sequence_parallel
+            module, report.tp_plan, tp_mesh=dims.mesh["tp"], blocks=owned_blocks, sequence_parallel=sequence_parallel,
+            blocks_name=blocks_name,
         )
     if activation_checkpointing is not None:
         activation_checkpointing(owned_blocks)

@@ -122,7 +122,7 @@ def test_head_counts_are_divided_and_checked():
 def test_hf_plan_with_unknown_style_is_refused():
     module = nn.Module()
     module._tp_plan = {"layers.*.experts": "ep_router"}
-    with pytest.raises(ValueError, match="styles we cannot apply.*ep_router"):
+    with pytest.raises(ValueError, match=r"'layers\.\*\.experts': 'ep_router' \(expert parallelism.*tensor_parallel_plan=\{\}"):
         hf_plan(module)
 
 
@@ -137,3 +137,98 @@ def test_block_discovery_and_override():
         find_blocks(model, "output")
     with pytest.raises(ValueError, match="No nn.ModuleList"):
         find_blocks(nn.Linear(2, 2))
+
+
+def test_user_plan_wins_over_an_hf_plan_we_refuse():
+    module = nn.Module()
+    module.inner = nn.Module()
+    module.inner._tp_plan = {"experts": "moe_tp_experts"}
+    module.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2))
+    user = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+    assert _plan(module, user_plan=user) == (user, "strategy")
+    with pytest.raises(ValueError, match=r"'inner\.experts': 'moe_tp_experts'"):
+        _plan(module)
+
+
+def test_every_hf_style_transformers_registers_is_mapped_or_refused():
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # noqa: F401 (registers the styles)
+
+    from lightning_llm.parallel.tp_hf_styles import HF_REFUSED, HF_STYLES
+
+    registered = set(ALL_PARALLEL_STYLES.valid_keys()) if hasattr(ALL_PARALLEL_STYLES, "valid_keys") else set(ALL_PARALLEL_STYLES)
+    assert registered, "transformers registers no TP style"
+    assert registered <= set(HF_STYLES) | set(HF_REFUSED), sorted(registered - set(HF_STYLES) - set(HF_REFUSED))
+
+
+def test_refused_hf_entry_names_a_plan_without_its_module():
+    module = nn.Module()
+    module._tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    with pytest.raises(ValueError) as info:
+        hf_plan(module)
+    message = str(info.value)
+    assert "'layers.*.mlp.experts.gate_up_proj': 'packed_colwise'" in message
+    suggested = eval(message.split("tensor_parallel_plan=", 1)[1].rstrip("."))  # noqa: S307 - our own repr
+    assert suggested == {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+
+def test_qwen3_per_head_norms_get_their_gradients_summed():
+    from tests.parallel._tp_models import TinyHF
+
+    plan, source = _plan(TinyHF("qwen3"))
+    assert source == "hugging face"
+    assert plan["model.model.layers.*.self_attn.q_norm"] == plan["model.model.layers.*.self_attn.k_norm"] == "replicate_grad_sum"
+    assert "model.model.layers.*.input_layernorm" not in plan  # sees whole activations: nothing to sum
+
+
+def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
+    from lightning_llm.parallel.tensor_parallel import with_region_parameters
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.RMSNorm(4)
+
+    block = nn.ModuleDict({"norm": nn.LayerNorm(16), "attn": Attn()})
+    plan = with_region_parameters({"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}, "blocks", block)
+    assert plan["blocks.*.attn.q_norm"] == "replicate_grad_sum" and "blocks.*.norm" not in plan
+
+
+def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
+    from lightning_llm.parallel.tp_replicated_grads import verify_on_first_forward
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o, self.scale = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.o(self.scale(self.q(x)))
+
+    attn = Attn()
+    verify_on_first_forward(attn, {"q": "colwise", "o": "rowwise"}, label="layers.*.attn")
+    with pytest.raises(RuntimeError, match=r"layers\.\*\.attn\.scale keeps whole parameters but runs on head-sharded.*'replicate_grad_sum'"):
+        attn(torch.randn(2, 8))
+    pre_norm = Attn()
+    pre_norm.forward = lambda x: pre_norm.o(pre_norm.q(pre_norm.scale(x)))
+    verify_on_first_forward(pre_norm, {"q": "colwise", "o": "rowwise", "scale": "replicate_grad_sum"}, label="b")
+    with pytest.raises(RuntimeError, match=r"b\.scale keeps whole parameters but runs on activations that are whole"):
+        pre_norm(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize(
+    "make, tp, match",
+    [
+        (lambda: HFCausalLM("llama", heads=4, kv_heads=2), 4, r"num_key_value_heads=2 is not divisible by tensor_parallel_size=4"),
+        (lambda: HFCausalLM("llama", hidden=48, heads=3, kv_heads=3), 2, r"num_attention_heads=3 is not divisible by tensor_parallel_size=2"),
+        (lambda: UserLM(width=48, num_heads=3), 2, r"blocks\.0\.attn\.num_heads=3|attn\.num_heads=3 is not divisible by tensor_parallel_size=2"),
+        (lambda: Llama(LlamaConfig.from_name("tiny")), 4, r"config\.n_kv_heads=2 is not divisible by tensor_parallel_size=4"),
+    ],
+    ids=["hf-kv2-tp4", "hf-heads3-tp2", "user-heads3-tp2", "reference-kv2-tp4"],
+)
+def test_head_counts_are_checked_before_anything_changes(make, tp, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(make(), tp=tp)
