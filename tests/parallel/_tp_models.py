@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -35,6 +37,9 @@ class TinyHF(_NextTokenModule):
         elif arch == "gpt_neox":
             config = T.GPTNeoXConfig(**common, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
             self.model = T.GPTNeoXForCausalLM(config)
+        elif arch == "mixtral":
+            config = T.MixtralConfig(**common, num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2)
+            self.model = T.MixtralForCausalLM(config)
         elif arch == "llama":
             config = T.LlamaConfig(**common, num_key_value_heads=kv_heads)
             self.model = T.LlamaForCausalLM(config)
@@ -78,6 +83,19 @@ def train_tiny_layouts(cases: list[tuple[str, dict, int]], world_size: int) -> l
 
     results = []
     for arch, layout, steps in cases:
+        if layout.get("tensor_parallel_plan") == "suggested":
+            layout = {**layout, "tensor_parallel_plan": suggested_plan(TinyHF(arch))}
         losses, params, copies = train_tiny(arch, LLMParallelStrategy(**layout), devices=world_size, steps=steps)
         results.append((losses, params if dist.get_rank() == 0 else None, copies))
     return results
+
+
+def suggested_plan(model) -> dict[str, str]:
+    """The plan the refusal of an HF plan we cannot apply (MoE ``packed_colwise`` experts) tells the user to pass."""
+    from lightning_llm.parallel.tp_hf_styles import hf_plan
+
+    try:
+        hf_plan(model)
+    except ValueError as refusal:
+        return ast.literal_eval(str(refusal).split("tensor_parallel_plan=", 1)[1].rstrip("."))
+    raise AssertionError("expected the HF plan to be refused")

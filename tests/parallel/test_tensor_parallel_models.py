@@ -24,7 +24,11 @@ TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 CASES = [
     ("qwen3", TP2, 50),  # per-head q_norm/k_norm: gradients summed over tp
     ("qwen3", TP2_SP, 10),
+    ("gemma3", TP2, 5),  # per-head norms, (1 + w) RMSNorm, tied embeddings
     ("gpt_neox", TP2_SP, 10),  # HF plan without the embedding: SP boundaries added
+    # HF's packed_colwise/moe_tp_experts entries are refused; the plan the refusal prints (attention split,
+    # each MoE block whole on every rank, router included) must train exactly.
+    ("mixtral", {**TP2, "tensor_parallel_plan": "suggested"}, 10),
 ]
 
 
@@ -40,5 +44,7 @@ def test_tp2_matches_single_process_and_replicas_agree():
         assert copies.keys() == other.keys() and copies, label
         for name in copies:
             assert torch.equal(copies[name], other[name]), f"{label}: {name} differs between tp ranks"
+        if arch == "mixtral":
+            assert any(".mlp.gate." in name for name in copies), "the router should stay whole on each rank"
         if arch == "qwen3":
             assert any(name.endswith("q_norm.weight") for name in copies), "q_norm should stay whole on each rank"
