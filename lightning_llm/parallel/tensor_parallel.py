@@ -26,7 +26,10 @@ from lightning_llm.parallel.tp_plan import (
     resolve_plan,
     validate_plan,
 )
-from lightning_llm.parallel.tp_replicated_grads import sharded_region_modules, verify_on_first_forward
+from lightning_llm.parallel.tp_replicated_grads import (
+    sharded_region_modules,
+    verify_on_first_forward,
+)
 from lightning_llm.parallel.tp_styles import parallel_style
 
 __all__ = [

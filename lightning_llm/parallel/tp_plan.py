@@ -146,7 +146,10 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     """
     plan = dict(plan)
     prefix = blocks_name + "."
-    covered = lambda name: any(_matches(name, p) for p in plan)  # noqa: E731
+
+    def covered(name: str) -> bool:
+        return any(_matches(name, p) for p in plan)
+
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and not name.startswith(prefix) and not covered(name):
             plan[name] = "embedding"

@@ -8,10 +8,16 @@ but applied to each rank's own heads.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 class ReplicateGradSum(ParallelStyle):
@@ -51,8 +57,6 @@ class ReplicateGradSum(ParallelStyle):
 
 
 def _plain_tensor(x) -> bool:
-    import torch
-
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 

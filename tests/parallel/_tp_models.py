@@ -22,8 +22,10 @@ class TinyHF(_NextTokenModule):
         super().__init__(learning_rate=0.5)
         import transformers as T
 
-        common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=heads, max_position_embeddings=128)
+        common = {
+            "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": heads, "max_position_embeddings": 128,
+        }
         if arch == "qwen3":
             config = T.Qwen3Config(**common, num_key_value_heads=kv_heads, head_dim=8)
             self.model = T.Qwen3ForCausalLM(config)

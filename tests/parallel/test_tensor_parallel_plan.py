@@ -1,13 +1,20 @@
 """The automatic tensor-parallel plan, and the errors for models it cannot split. No processes needed."""
 
+import ast
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.parallel.parallelize import plan_tensor_parallel
-from lightning_llm.parallel.tensor_parallel import divide_head_counts, hf_plan, infer_plan, validate_plan
+from lightning_llm.parallel.tensor_parallel import (
+    divide_head_counts,
+    hf_plan,
+    infer_plan,
+    validate_plan,
+)
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
 
@@ -151,7 +158,7 @@ def test_user_plan_wins_over_an_hf_plan_we_refuse():
 
 
 def test_every_hf_style_transformers_registers_is_mapped_or_refused():
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # noqa: F401 (registers the styles)
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
     from lightning_llm.parallel.tp_hf_styles import HF_REFUSED, HF_STYLES
 
@@ -171,7 +178,7 @@ def test_refused_hf_entry_names_a_plan_without_its_module():
         hf_plan(module)
     message = str(info.value)
     assert "'layers.*.mlp.experts.gate_up_proj': 'packed_colwise'" in message
-    suggested = eval(message.split("tensor_parallel_plan=", 1)[1].rstrip("."))  # noqa: S307 - our own repr
+    suggested = ast.literal_eval(message.split("tensor_parallel_plan=", 1)[1].rstrip("."))
     assert suggested == {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
 
 
