@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
 from typing import Literal
@@ -35,8 +34,8 @@ class LossSpikeGuard(L.Callback):
 
     Actions: ``"warn"``; ``"skip"``: the optimizer step is skipped on every rank and the gradients
     dropped, so parameters and optimizer state (moments, step counts) stay as they were (the LR
-    schedule still advances; the skip works by wrapping each optimizer's ``step`` at fit start,
-    since Lightning calls the hooks inside it); ``"stop"``: raise :class:`LossSpikeError` naming the step and batches.
+    schedule still advances; the gradients are set to ``None`` in ``on_before_optimizer_step``, so callbacks
+    after this one and the module's own hook see none on a skipped step); ``"stop"``: raise :class:`LossSpikeError` naming the step and batches.
     Logged: ``loss_guard/nonfinite``, ``loss_guard/spikes`` and ``loss_guard/skipped`` (running counts).
 
     Arguments:
@@ -72,7 +71,6 @@ class LossSpikeGuard(L.Callback):
         self.counts = {"nonfinite": 0, "spikes": 0, "skipped": 0}
         self._loss_sum: torch.Tensor | None = None
         self._batches: list[int] = []
-        self._skip_next_update = False
         self._scaler_owns_overflow = False
         self._steps_seen = 0
 
@@ -102,29 +100,9 @@ class LossSpikeGuard(L.Callback):
                         "LossSpikeGuard(action='skip') runs the closure once before deciding, but LBFGS re-evaluates "
                         "it inside its step; use action='warn' or 'stop' with LBFGS."
                     )
-                self._guard(optimizer)
         # Under fp16 mixed precision the GradScaler owns overflowing gradients: it skips those steps and
         # lowers the scale, which is routine, not a fault.
         self._scaler_owns_overflow = str(trainer.precision) == "16-mixed"
-
-    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
-        # Lightning runs forward and backward inside optimizer.step(closure), and this callback decides
-        # within that closure (on_before_optimizer_step). Wrapping the step is the one place where the
-        # update itself can be left out after the closure has run.
-        # functools.wraps keeps the marker torch's LR scheduler put on the step it wrapped, so the
-        # scheduler does not warn that optimizer.step was replaced behind its back.
-        update = optimizer.step
-
-        @functools.wraps(update)
-        def step(closure=None, **kwargs):
-            loss = closure() if closure is not None else None
-            if self._skip_next_update:
-                self._skip_next_update = False
-                optimizer.zero_grad(set_to_none=True)
-                return loss
-            return update(closure=(lambda: loss) if closure is not None else None, **kwargs)
-
-        optimizer.step = step
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -139,7 +117,6 @@ class LossSpikeGuard(L.Callback):
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         step, batches = trainer.global_step, self._batches
-        self._skip_next_update = False  # decided afresh: a step the GradScaler skipped never consumed the flag
         loss, bad_grads = self._global_loss_and_grad_flag(trainer, pl_module)
         self._loss_sum, self._batches = None, []
         self._steps_seen += 1
@@ -154,17 +131,21 @@ class LossSpikeGuard(L.Callback):
         else:
             self.history.append(loss)
         if problem is not None:
-            self._act(problem, step, batches)
+            self._act(problem, step, batches, optimizer)
         if problem is not None or (step + 1) % trainer.log_every_n_steps == 0:
             for name, count in self.counts.items():
                 pl_module.log(f"loss_guard/{name}", float(count), on_step=True, on_epoch=False)
 
-    def _act(self, problem: str, step: int, batches: list[int]) -> None:
+    def _act(self, problem: str, step: int, batches: list[int], optimizer) -> None:
         report = f"LossSpikeGuard: {problem} at step {step} (batch indices {batches})"
         if self.action == "stop":
             raise LossSpikeError(report + "; stopping as configured (action='stop').")
         if self.action == "skip":
-            self._skip_next_update = True
+            # Torch optimizers leave a parameter without a gradient alone (no update, no moment or step
+            # count change), so dropping every gradient makes the coming step a no-op on every rank.
+            # Under "16-mixed" the GradScaler has already recorded its inf checks (Lightning unscales
+            # before this hook), so its step runs the optimizer, which finds nothing to update.
+            optimizer.zero_grad(set_to_none=True)
             self.counts["skipped"] += 1
             report += "; the optimizer step is skipped"
         rank_zero_warn(report)

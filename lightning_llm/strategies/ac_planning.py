@@ -18,7 +18,7 @@ from torch import nn
 from lightning_llm.modeling.activations import measure_block_activations, silenced_logging
 from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, block_policies
 from lightning_llm.parallel.devices import device_memory
-from lightning_llm.parallel.pipeline import split_microbatches
+from lightning_llm.parallel.pipeline_stages import split_microbatches
 from lightning_llm.planning.activation_budget import plan_for_budget, resolve_budget
 from lightning_llm.strategies.zero_auto import example_batch
 

@@ -10,40 +10,39 @@ checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
-from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.parallel_contract import AsyncSave, ParallelContract
 from lightning_llm.strategies.parallel_options import PRESETS, TRAINING_TIMEOUT, validate_arguments
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
+from lightning_llm.strategies.precision import check_clipping, global_norm_precision
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_timeout
 
 log = logging.getLogger(__name__)
 
 
-class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
+class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy):
     """Train an ordinary LightningModule LLM with ZeRO data parallelism and tensor (+ sequence) parallelism.
 
     Unlike Lightning's ``ModelParallelStrategy`` the user writes no ``configure_model``
@@ -202,10 +201,7 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # Lightning's precision plugins clip with torch.nn.utils.clip_grad_norm_, which cannot mix the
-        # plain and DTensor gradients of a tensor-parallel model; the plugin itself is chosen by the
-        # Trainer's `precision` flag, so its one clipping method is replaced here.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._log_layout()
@@ -240,74 +236,19 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         self.zero_stage, self.cpu_offload = decision.stage, decision.offload != "none"
 
     @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return ModelParallelStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's connector hands over the plugin chosen from precision=; take its global-norm twin.
+        self._precision_plugin = global_norm_precision(plugin, self.clip_by_global_norm)
+
+    @property
     def tensor_parallel_size(self) -> int:
         """Ranks that split each layer's matrices."""
         return self._tensor_parallel_size
-
-    # The StrategyContract (lightning_llm.contract): what callbacks and the CLI read.
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The parallel layout of this run (valid from ``setup_environment`` on)."""
-        dims = self.parallel_dims
-        return ParallelLayout(
-            strategy=type(self).__name__, world_size=dims.world_size, num_nodes=self.num_nodes, tp=dims.tp, pp=dims.pp,
-            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, dp_rank=dims.dp_rank(),
-            zero_stage=None if self.zero_stage == "auto" else self.zero_stage,
-        )
-
-    @property
-    def model_shape(self) -> ModelShape | None:
-        """The whole model's shape, read before it was sharded and cut into stages."""
-        return self._model_shape
-
-    @property
-    def activation_checkpointing_policies(self) -> list[str]:
-        """"none", "full" or "op" per transformer block."""
-        return list(self._ac_policies)
-
-    @property
-    def blocks_name(self) -> str | None:
-        """The dotted name of the transformer-block list (found, or given as ``blocks``)."""
-        return self.report.blocks_name if self.report is not None else self.blocks
-
-    @property
-    def pipeline_group(self):
-        """The process group of this rank's pipeline stages (``None`` without pipeline parallelism)."""
-        return self.parallel_dims.mesh["pp"].get_group() if self.pipeline_parallel_size > 1 else None
-
-    @property
-    def supports_async_save(self) -> bool:
-        return self._save_distributed_checkpoint
-
-    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of these parameters' gradients (default: all) across every shard and stage, as clipping sees it.
-
-        Identical on all ranks; a weight tied across the first and last stage counts once.
-        """
-        skip = {id(p) for p in self._tied_copies()}
-        params = self.lightning_module.parameters() if parameters is None else parameters
-        return total_grad_norm([p for p in params if id(p) not in skip], norm_type, pipeline_group=self.pipeline_group)
-
-    def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
-        """Save the trainer's checkpoint with DCP's ``async_save``: returns once the state is copied to host memory.
-
-        The future completes when this rank's files are written. Without sharded checkpoints
-        (``save_distributed_checkpoint=False``) the save is synchronous and the future already done.
-        """
-        request = _AsyncSave()  # reaches save_checkpoint below through Lightning's storage_options argument
-        self.lightning_module.trainer.save_checkpoint(filepath, weights_only=weights_only, storage_options=request)
-        return request.future
-
-    def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, clip_val, pipeline_group=self.pipeline_group, counted_elsewhere=self._tied_copies())
-
-    def _tied_copies(self) -> list:
-        # A weight tied across the first and last stages enters the norm once, from the first stage.
-        if self._pipelined is None or self.parallel_dims.mesh["pp"].get_local_rank() != self.report.stage_ranks[-1]:
-            return []
-        return [param for param, _ in self._pipelined.tied_peers]
 
     @override
     def model_to_device(self) -> None:
@@ -322,7 +263,7 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if isinstance(storage_options, _AsyncSave):
+        if isinstance(storage_options, AsyncSave):
             if self._save_distributed_checkpoint:
                 storage_options.future = self._saver.save(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank)
                 return
@@ -361,10 +302,3 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         for name, kwargs, description in PRESETS:
             strategy_registry.register(name, cls, description=description, **kwargs)
-
-
-
-class _AsyncSave:
-    """Asks :meth:`LLMParallelStrategy.save_checkpoint` to write in the background; it leaves the future here."""
-
-    future: Future = completed()

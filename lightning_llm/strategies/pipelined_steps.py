@@ -18,7 +18,8 @@ from torch.distributed.tensor import Shard
 
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport
-from lightning_llm.parallel.pipeline import PipelineState, build_stages, make_schedule, split_microbatches
+from lightning_llm.parallel.pipeline import PipelineState
+from lightning_llm.parallel.pipeline_stages import build_stages, make_schedule, split_microbatches
 
 
 class PipelinedSteps:

@@ -60,7 +60,7 @@ def test_nan_step_is_skipped_and_training_goes_on(recwarn):
     model = Faulty(bad_step=4, factor=float("nan"))
     guard = LossSpikeGuard(action="skip", warmup_steps=2)
     trainer = _fit(guard, model)
-    # The wrapped step keeps the LR scheduler's marker: no "optimizer.step() has been overridden" warning.
+    # optimizer.step is left as it is: no "optimizer.step() has been overridden" warning from the LR scheduler.
     assert not [w for w in recwarn if "overridden" in str(w.message)]
     _assert_step_left_nothing(model, 4)
     assert all(torch.isfinite(torch.tensor(model.losses[5:])))
@@ -133,6 +133,7 @@ def test_statistics_survive_a_checkpoint(tmp_path):
     trainer = _fit(guard, Faulty(bad_step=4, factor=float("nan")), steps=6)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     restored = LossSpikeGuard(action="skip", warmup_steps=2)
+    # max_steps as saved: the resumed fit restores the state and stops, so what it holds is what it loaded.
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[restored], limit_val_batches=0)
     trainer.fit(Faulty(bad_step=-1, factor=1.0), LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4),
@@ -185,3 +186,42 @@ def test_spike_three_steps_after_resume_is_skipped_as_in_the_straight_run(tmp_pa
 def test_bad_statistics_arguments_are_refused(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         LossSpikeGuard(**kwargs)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_a_step_without_gradients_changes_no_adamw_state(impl):
+    # The skip drops every gradient; torch's AdamW (both fast paths) must then leave parameters, moments
+    # and step counts exactly as they were.
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **{impl: True})
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"])
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+    for index, values in state.items():
+        for key, value in values.items():
+            assert torch.equal(value, optimizer.state_dict()["state"][index][key]), key
+
+
+class _Fp16Scaled(Faulty):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_skip_under_fp16_grad_scaler():
+    # Lightning unscales before on_before_optimizer_step, so the GradScaler has its inf checks when the
+    # guard drops the gradients; its step then runs an optimizer step that changes nothing.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    model = _Fp16Scaled(bad_step=6, factor=50.0)  # a finite spike: the scaler itself would not skip
+    guard = LossSpikeGuard(action="skip", warmup_steps=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard], limit_val_batches=0,
+                        plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
+    assert guard.counts == {"nonfinite": 0, "spikes": 1, "skipped": 1} and trainer.global_step == 8
+    _assert_step_left_nothing(model, 6)
