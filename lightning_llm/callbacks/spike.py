@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
+from lightning_llm.parallel.dtensor import local_tensor
 
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
@@ -174,7 +174,7 @@ class LossSpikeGuard(L.Callback):
 
 
 def _local_grads_finite(module, device: torch.device) -> torch.Tensor:
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(True, device=device)
     # One fused pass: the sum of per-tensor norms is finite exactly when every gradient is.

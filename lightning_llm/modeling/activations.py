@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
+from lightning_llm.modeling.log_redirect import redirected_log
 
 
 @dataclass
@@ -195,17 +196,6 @@ def measure_block_activations(
     return tally.result(saves_output is not None)
 
 
-@contextmanager
-def silenced_logging(module):
-    """``self.log`` does nothing inside (a measuring forward must not log fake values)."""
-    original = module.log
-    module.log = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        module.log = original
-
-
 def activation_bytes(
     module: nn.Module, *, micro_batch_size: int, seq_len: int, activation_checkpointing: str = "none",
     batch_fn=None, precision: str = "32-true",
@@ -221,7 +211,7 @@ def activation_bytes(
     device = next(module.parameters()).device
     batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
     _, blocks = find_blocks(module)
-    with silenced_logging(module):
+    with redirected_log(module):
         sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
     if activation_checkpointing == "full":

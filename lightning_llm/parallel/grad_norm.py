@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from lightning_llm.parallel.dtensor import local_tensor
 
 
 def _grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
@@ -72,6 +73,6 @@ def clip_grad_norm_(
     total = total_grad_norm([p for p in parameters if id(p) not in skip], norm_type, pipeline_group)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads in _grouped_grads(parameters).values():
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        local = [local_tensor(g) for g in grads]
         torch._foreach_mul_(local, coef.to(local[0].device))
     return total

@@ -23,6 +23,7 @@ from lightning_llm.parallel.pipeline import (
     install_gates,
 )
 from lightning_llm.parallel.pipeline_split import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from lightning_llm.parallel.dtensor import local_tensor
 
 
 class StageRunner(nn.Module):
@@ -53,7 +54,7 @@ class StageRunner(nn.Module):
                 out = state.step_fn(state.microbatches[mb], state.batch_idx, mb)
             except StageOutput as boundary:
                 hidden = boundary.hidden
-                return (hidden.to_local() if isinstance(hidden, DTensor) else hidden), index
+                return local_tensor(hidden), index
         loss = out.get("loss") if isinstance(out, dict) else out
         if loss is None:  # validation steps return nothing: send a placeholder through the schedule
             return torch.zeros((), device=index.device)
@@ -66,12 +67,6 @@ def build_stages(
 ) -> list[PipelineStage]:
     """Install the gated block list and embeddings (:func:`install_gates`), and make one ``PipelineStage`` per chunk."""
     install_gates(module, blocks_name, blocks, owned_outer, state)
-    hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in blocks]
-    blocks.__class__ = _GatedBlocks
-    blocks.__dict__.update(_pipeline_state=state, _hidden_names=hidden_names, _blocks_name=blocks_name)
-    for name in owned_outer["before"]:
-        embedding = module.get_submodule(name)
-        embedding.__class__ = _gated_embedding_class(type(embedding), state)
     stages = []
     for chunk in chunks:
         owned = {f"{blocks_name}.{i}": blocks._modules[str(i)] for i in chunk.blocks}

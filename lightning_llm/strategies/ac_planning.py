@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_llm.modeling.activations import measure_block_activations, silenced_logging
+from lightning_llm.modeling.activations import measure_block_activations
+from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, block_policies
 from lightning_llm.parallel.devices import device_memory
 from lightning_llm.parallel.pipeline_stages import split_microbatches
@@ -52,7 +53,7 @@ def _auto_policies(trainer, module, blocks, *, options, tp, sequence_parallel, n
     batch = example_batch(trainer, device)
     if num_microbatches:
         batch = split_microbatches(batch, num_microbatches)[0]
-    with silenced_logging(module):
+    with redirected_log(module):
         sizes = measure_block_activations(module, blocks, lambda: module.training_step(batch, 0))
     # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
     saved = [s.saved // tp for s in sizes]

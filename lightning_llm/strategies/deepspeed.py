@@ -18,6 +18,7 @@ from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
 from lightning_llm.planning.zero import parse_size
+from lightning_llm.strategies.lightning_fallback import WholeModelContract
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int
 
@@ -34,7 +35,7 @@ def _require_deepspeed() -> None:
         ) from err
 
 
-class LLMDeepSpeedStrategy(DeepSpeedStrategy):
+class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     """DeepSpeed ZeRO 1/2/3 with CPU/NVMe offload and LLM defaults; runs on CUDA, and on CPU with gloo for tests.
 
     The DeepSpeed config is :func:`default_config` for the chosen stage and offload, with the user's
@@ -175,17 +176,6 @@ class LLMDeepSpeedStrategy(DeepSpeedStrategy):
         """The model's shape, read in ``setup`` before DeepSpeed partitions the parameters."""
         return self._model_shape
 
-    @property
-    def activation_checkpointing_policies(self) -> list[str]:
-        return []
-
-    @property
-    def blocks_name(self) -> str | None:
-        return None
-
-    @property
-    def pipeline_group(self) -> None:
-        return None
 
     @property
     def supports_async_save(self) -> bool:

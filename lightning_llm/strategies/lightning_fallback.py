@@ -20,7 +20,26 @@ if TYPE_CHECKING:
     from lightning_llm.modeling.shape import ModelShape
 
 
-class LightningContract:
+class WholeModelContract:
+    """Contract properties of a strategy that neither pipelines nor checkpoints activations by block.
+
+    Shared by :class:`LightningContract` and ``LLMDeepSpeedStrategy``.
+    """
+
+    @property
+    def activation_checkpointing_policies(self) -> list[str]:
+        return []
+
+    @property
+    def blocks_name(self) -> str | None:
+        return None
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        return None
+
+
+class LightningContract(WholeModelContract):
     """The contract for Lightning's own strategies: data parallel only, one model replica per rank.
 
     The gradient norm is torch's over the local gradients (after DDP's all-reduce they are the same on
@@ -52,17 +71,6 @@ class LightningContract:
         except ValueError:  # not a decoder whose blocks can be found
             return None
 
-    @property
-    def activation_checkpointing_policies(self) -> list[str]:
-        return []
-
-    @property
-    def blocks_name(self) -> str | None:
-        return None
-
-    @property
-    def pipeline_group(self) -> dist.ProcessGroup | None:
-        return None
 
     @property
     def supports_async_save(self) -> bool:

@@ -8,14 +8,17 @@ so every rank logs the same keys and ``sync_dist`` reductions line up.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from torch.distributed.tensor import Shard
 
+from lightning_llm.modeling.log_redirect import redirected_log
+from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport
 from lightning_llm.parallel.pipeline import PipelineState
@@ -38,7 +41,10 @@ class PipelinedSteps:
         self._fresh: list = []
 
     def check_batch(self, batch: Any) -> None:
-        size = _batch_size(batch)
+        try:
+            size = extract_batch_size(batch)  # Lightning's walker: the first tensor's dim 0 in any collection
+        except MisconfigurationException as err:
+            raise TypeError(f"Cannot find the batch size of a {type(batch).__name__} batch for pipeline micro-batching.") from err
         if size % self.state.num_microbatches:
             raise ValueError(
                 f"The batch size per data-parallel rank is {size}, not divisible by num_microbatches="
@@ -96,22 +102,12 @@ class PipelinedSteps:
     def evaluation_step(self, module, step_fn, batch, batch_idx: int) -> None:
         self._run(module, step_fn, batch, batch_idx, 1.0, train=False)
 
-    @contextmanager
-    def _recording(self, module, mb_index: int):
-        original = module.log
-
+    def _call_recording_logs(self, module, step_fn, mb, batch_idx: int, mb_index: int):
         def record(name, value, *args, **kwargs):
             value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             self.state.logs.setdefault(mb_index, {})[name] = (value, kwargs)
 
-        module.log = record
-        try:
-            yield
-        finally:
-            module.log = original
-
-    def _call_recording_logs(self, module, step_fn, mb, batch_idx: int, mb_index: int):
-        with self._recording(module, mb_index):
+        with redirected_log(module, record):
             return step_fn(mb, batch_idx)
 
     def _publish(self, module, losses: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
@@ -135,7 +131,7 @@ class PipelinedSteps:
         # A weight shared by the first and last stages (tied embeddings) is a separate copy on each
         # stage's rank; each copy got the gradient of its own use, so the two ranks exchange and add.
         for param, peer in self.tied_peers:
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            grad = local_tensor(param.grad)
             incoming = torch.empty_like(grad)
             peer_global = dist.get_global_rank(self.pp_group, peer)
             ops = [dist.P2POp(dist.isend, grad.contiguous(), peer_global, self.pp_group),
@@ -147,16 +143,6 @@ class PipelinedSteps:
 
 def _mean(values: list[torch.Tensor]) -> float:
     return float(torch.stack([v.float().cpu() for v in values]).mean())
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return _batch_size(batch[0])
-    raise TypeError(f"Cannot find the batch size of a {type(batch).__name__} batch for pipeline micro-batching.")
 
 
 def _device(module) -> torch.device:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.parallel.dtensor import local_tensor
 
 
 def _local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = local_tensor(t)
         total += t.numel() * t.element_size()
     return total
 

@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_llm.callbacks import GradNormMonitor
+from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.parallel.grad_norm import total_grad_norm
 from lightning_llm.testing import run_distributed
@@ -26,6 +27,30 @@ def _first_norms(strategy="auto", devices=1, dp=1, arch="hf_gpt2", clip=None):
     return {k: metrics[k].item() for k in metrics if k.startswith("grad_norm/")}
 
 
+class _TorchNorms(L.Callback):
+    """The oracle: torch's get_total_norm over the plain gradients of one process's first backward."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step:
+            return
+
+        def norm(params):
+            return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item()
+
+        self.norms = {"grad_norm/total": norm(pl_module.parameters())}
+        _, blocks = find_blocks(pl_module)  # which parameters make up block i; the norm is torch's
+        self.norms |= {f"grad_norm/block_{i}": norm(b.parameters()) for i, b in enumerate(blocks)}
+        self.norms |= {f"grad_norm/group_{i}": norm(g["params"]) for i, g in enumerate(optimizer.param_groups)}
+
+
+def _torch_norms(arch):
+    oracle = _TorchNorms()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[oracle], limit_val_batches=0)
+    trainer.fit(make_model(arch, layers=4), data(8))
+    return oracle.norms
+
+
 def _layouts(world_size):
     from lightning_llm.strategies import LLMParallelStrategy
 
@@ -42,7 +67,7 @@ def test_norm_equals_single_process_under_every_layout():
     results = run_distributed(_layouts, 2, 2, timeout=300)[0]
     for label, norms in results.items():
         arch = "hf_llama" if label == "tp2" else "hf_gpt2"
-        want = _first_norms(arch=arch)
+        want = _torch_norms(arch)
         assert norms.keys() == want.keys(), label
         for key, value in want.items():
             assert norms[key] == pytest.approx(value, rel=1e-5), f"{label} {key}"
