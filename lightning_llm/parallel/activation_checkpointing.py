@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_llm.modeling.activations import BlockActivations, measure_blocks
-from lightning_llm.parallel.devices import device_memory
+from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.planning.activation_budget import plan_for_budget, predicted_peak, resolve_budget, validate_budget
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def apply_activation_checkpointing(
 def _plan_auto(blocks, report: ACReport, budget, memory: int | None, measure_fn) -> list[str]:
     """Measure every block once and plan the cheapest policies under the budget (fills ``report``)."""
     if isinstance(budget, float) and memory is None:
-        memory = device_memory(next(p for b in blocks for p in b.parameters()).device)
+        memory = total_device_memory(next(p for b in blocks for p in b.parameters()).device)
     report.budget_bytes = resolve_budget(budget, memory)
     report.measured = measure_blocks(blocks, measure_fn, saves_output=saves_output)
     saved = [m.saved for m in report.measured]

@@ -36,7 +36,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 log = logging.getLogger(__name__)
 
-ZERO_STAGES = (0, 1, 2, 3)
+# The stages the native (FSDP2) path implements; "auto" is resolved to one of them before this point.
+FSDP2_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -67,8 +68,8 @@ def apply_data_parallel(
     (embeddings, final norm, head). ``dp_mesh`` is 1-D for pure sharding/replication or 2-D
     ``(dp_replicate, dp_shard)`` for HSDP.
     """
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage={zero_stage!r} is not one of {ZERO_STAGES}.")
+    if zero_stage not in FSDP2_ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} is not one of {FSDP2_ZERO_STAGES}.")
     kwargs = dict(
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),

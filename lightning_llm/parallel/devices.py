@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def device_memory(device: torch.device) -> int:
+def total_device_memory(device: torch.device) -> int:
     """Total memory of the accelerator, or of the host for CPU training."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
@@ -100,14 +101,6 @@ def assign_stages(module: nn.Module, blocks_name: str, blocks: nn.ModuleList, di
         for s in range(num_stages) if ranks[s] == pp_rank
     ]
     return chunks, ranks
-
-
-def tied_parameter_names(module: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share one tensor (e.g. tied input and output embeddings)."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def parallelize(

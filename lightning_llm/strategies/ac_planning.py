@@ -18,7 +18,7 @@ from torch import nn
 from lightning_llm.modeling.activations import measure_block_activations
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, block_policies
-from lightning_llm.parallel.devices import device_memory
+from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.parallel.pipeline_stages import split_microbatches
 from lightning_llm.planning.activation_budget import plan_for_budget, resolve_budget
 from lightning_llm.strategies.zero_auto import example_batch
@@ -58,7 +58,7 @@ def _auto_policies(trainer, module, blocks, *, options, tp, sequence_parallel, n
     # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
     saved = [s.saved // tp for s in sizes]
     inputs = [s.input // (tp if sequence_parallel else 1) for s in sizes]
-    budget = resolve_budget(options.budget, options.device_memory or device_memory(device))
+    budget = resolve_budget(options.budget, options.device_memory or total_device_memory(device))
     policies, predicted = plan_for_budget(saved, inputs, budget)
     rank_zero_info(
         f"Activation checkpointing 'auto': budget {budget / 2**20:.1f} MiB, measured {sum(saved) / 2**20:.1f} MiB "

@@ -19,6 +19,7 @@ from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
 from lightning_llm.planning.zero import parse_size
 from lightning_llm.strategies.lightning_fallback import WholeModelContract
+from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int
 
@@ -228,17 +229,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        presets = {
-            "llm_deepspeed_zero1": dict(zero_stage=1),
-            "llm_deepspeed_zero2": dict(zero_stage=2),
-            "llm_deepspeed_zero2_offload": dict(zero_stage=2, offload="optimizer"),
-            "llm_deepspeed_zero3": dict(zero_stage=3),
-            "llm_deepspeed_zero3_offload": dict(zero_stage=3, offload="optimizer+params"),
-            "llm_deepspeed_auto": dict(zero_stage="auto", offload="auto"),
-        }
-        for name, init_args in presets.items():
-            description = "LLMDeepSpeedStrategy " + ", ".join(f"{k}={v}" for k, v in init_args.items())
-            strategy_registry.register(name, cls, description=description, override=True, **init_args)
+        register_presets(strategy_registry, cls, DEEPSPEED_PRESETS)
 
 
 def _require_deepspeed_cpu_accelerator() -> None:

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-ZERO_STAGES = (1, 2, 3, "auto")
+# What LLMDeepSpeedStrategy(zero_stage=...) accepts: DeepSpeed stages 1-3 (stage 0 is plain data
+# parallelism) or "auto".
+DEEPSPEED_ZERO_STAGE_CHOICES = (1, 2, 3, "auto")
 OFFLOADS = ("none", "optimizer", "optimizer+params", "auto")
 
 
@@ -85,7 +87,7 @@ def check_precision(config: dict[str, Any], precision: str) -> None:
 
 def validate_args(zero_stage, offload, offload_device, nvme_path, user_config: dict) -> None:
     """Refuse contradictory or unknown DeepSpeed strategy arguments, naming the value and the fix."""
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+    if zero_stage not in DEEPSPEED_ZERO_STAGE_CHOICES or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage={zero_stage!r} is not supported: choose 1, 2, 3 or 'auto' (DeepSpeed's "
                          "stage 0 is plain data parallelism: use strategy='ddp').")
     if offload not in OFFLOADS:

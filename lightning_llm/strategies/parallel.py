@@ -32,9 +32,10 @@ from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, 
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_contract import AsyncSave, ParallelContract
-from lightning_llm.strategies.parallel_options import PRESETS, TRAINING_TIMEOUT, validate_arguments
+from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, validate_arguments
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
+from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_timeout
@@ -300,5 +301,4 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        for name, kwargs, description in PRESETS:
-            strategy_registry.register(name, cls, description=description, **kwargs)
+        register_presets(strategy_registry, cls, PARALLEL_PRESETS)

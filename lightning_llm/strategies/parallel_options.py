@@ -1,27 +1,15 @@
-"""LLMParallelStrategy's registered presets and the checks of its arguments."""
+"""LLMParallelStrategy's default collective timeout and the checks of its arguments."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from lightning_llm.parallel.data_parallel import ZERO_STAGES
+from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
 from lightning_llm.planning.zero import parse_size
 from lightning_llm.validation import check_bool, check_choice, check_int
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
 TRAINING_TIMEOUT = timedelta(minutes=10)
-
-# (name, init arguments, description): registered in Lightning's StrategyRegistry, so Trainer(strategy="llm_tp2").
-PRESETS = [
-    ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
-    ("llm_zero2", {"zero_stage": 2}, "LLMParallelStrategy: gradients and optimizer state sharded (ZeRO 2)"),
-    ("llm_zero3", {"zero_stage": 3}, "LLMParallelStrategy: fully sharded (ZeRO 3 / FSDP2)"),
-    ("llm_zero_auto", {"zero_stage": "auto"}, "LLMParallelStrategy: ZeRO stage and offload chosen by the memory planner"),
-    ("llm_tp2", {"tensor_parallel_size": 2}, "LLMParallelStrategy: tp=2, ZeRO 3 over the rest"),
-    ("llm_tp2_sp", {"tensor_parallel_size": 2, "sequence_parallel": True}, "LLMParallelStrategy: tp=2 + sequence parallel"),
-    ("llm_tp4_sp", {"tensor_parallel_size": 4, "sequence_parallel": True}, "LLMParallelStrategy: tp=4 + sequence parallel"),
-    ("llm_tp8_sp", {"tensor_parallel_size": 8, "sequence_parallel": True}, "LLMParallelStrategy: tp=8 + sequence parallel"),
-]
 
 
 def validate_arguments(tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches=None,
@@ -39,7 +27,7 @@ def validate_arguments(tp, pp, dp, replicate, zero_stage, sequence_parallel, num
         check_int("device_memory", device_memory, minimum=1, hint="bytes per device, or a size such as '80GB'")
     elif device_memory is not None and parse_size(device_memory) <= 0:
         raise ValueError(f"device_memory={device_memory!r} must be a positive size such as '80GB'.")
-    check_choice("zero_stage", zero_stage, (*ZERO_STAGES, "auto"))
+    check_choice("zero_stage", zero_stage, (*FSDP2_ZERO_STAGES, "auto"))
     if zero_stage == 0 and replicate > 1:
         raise ValueError(
             "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."

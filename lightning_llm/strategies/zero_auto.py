@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_llm.modeling.activations import activation_bytes, parameter_counts
-from lightning_llm.parallel.devices import device_memory as accelerator_memory
+from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import ZeroDecision, parse_size, plan_zero_stage
 
@@ -59,7 +59,7 @@ def planning_inputs(trainer: L.Trainer, device: torch.device, device_memory: int
             "Automatic ZeRO selection needs the micro-batch shape: pass micro_batch_size and seq_len to the strategy "
             "(they are read from the datamodule's batch_size and seq_len when it has them)."
         )
-    memory = parse_size(device_memory) if device_memory is not None else accelerator_memory(device)
+    memory = parse_size(device_memory) if device_memory is not None else total_device_memory(device)
     return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
 
 
