@@ -1,10 +1,11 @@
 """Activation checkpointing of transformer blocks: full, selective (op or layer policy) and budget-driven.
 
-Every mode wraps the block's ``forward`` in place with non-reentrant ``torch.utils.checkpoint``, so
-parameter names, state dicts and tensor-parallel plans are unchanged (torch's
-``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every name). Hooks that
-others put on the block (FSDP2's all-gather, applied afterwards) stay outside the checkpointed
-region, as they would around ``checkpoint_wrapper``.
+Every mode applies torch's composable ``checkpoint(block, context_fn=...)``
+(``torch.distributed._composable``: non-reentrant checkpointing through forward hooks), so the
+block's ``forward`` is untouched and parameter names, state dicts and tensor-parallel plans are
+unchanged (torch's ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every
+name). FSDP2's hooks, applied afterwards, run inside the checkpointed region and again in the
+recompute, which FSDP2 supports (torch tests ``fully_shard`` with this ``checkpoint``).
 
 * ``"full"``: every block keeps only its input and recomputes everything in backward.
 * ``"selective"``, ``selective="op"``: keep the outputs of matmuls, attention and tensor-parallel
@@ -19,13 +20,13 @@ region, as they would around ``checkpoint_wrapper``.
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_llm.modeling.activations import BlockActivations, measure_blocks
 from lightning_llm.parallel.devices import total_device_memory
@@ -79,27 +80,26 @@ def _selective_context(recompute_every_other_matmul: bool) -> Callable:
 
 
 def checkpoint_block(block: nn.Module, context_fn: Callable | None = None) -> None:
-    """Wrap ``block.forward`` in non-reentrant checkpointing (selective when ``context_fn`` is given).
+    """Checkpoint ``block`` with torch's composable ``checkpoint`` (selective when ``context_fn`` is given).
 
     Example::
 
         checkpoint_block(model.layers[0])   # full recomputation of block 0 in backward
     """
-    if getattr(block, "_activation_checkpointed", False):
-        raise RuntimeError(f"{type(block).__name__} is already activation-checkpointed; apply checkpointing once per block.")
     options = {"use_reentrant": False, "preserve_rng_state": True}
     if context_fn is not None:
         options["context_fn"] = context_fn
-    # The class's forward, bound at call time, so a deep copy of the block runs its own weights;
-    # a forward already set on the instance (another wrapper) is kept as it is.
-    own, class_forward = vars(block).get("forward"), type(block).forward
+    try:
+        composable_checkpoint(block, **options)
+    except AssertionError as err:  # torch's composable APIs refuse a second application this way
+        raise RuntimeError(
+            f"{type(block).__name__} is already activation-checkpointed; apply checkpointing once per block."
+        ) from err
 
-    def forward(self, *args, **kwargs):
-        inner = own if own is not None else class_forward.__get__(self)
-        return checkpoint(inner, *args, **options, **kwargs)
 
-    block.forward = types.MethodType(forward, block)
-    block._activation_checkpointed = True
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`checkpoint_block` (torch's composable ``checkpoint``) was applied to ``block``."""
+    return composable_checkpoint.state(block) is not None
 
 
 @dataclass
@@ -270,6 +270,6 @@ class ACOptions:
 
 
 __all__ = [
-    "ACOptions", "ACReport", "MODES", "SELECTIVE_POLICIES", "apply_activation_checkpointing", "block_policies", "checkpoint_block",
+    "ACOptions", "ACReport", "MODES", "SELECTIVE_POLICIES", "apply_activation_checkpointing", "block_policies", "checkpoint_block", "is_checkpointed",
     "plan_for_budget", "predicted_peak", "resolve_budget", "saves_output", "validate_budget", "validate_options",
 ]

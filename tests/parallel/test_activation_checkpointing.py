@@ -20,7 +20,9 @@ from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.models.llama import rotary_tables
 from lightning_llm.modeling.activations import measure_block_activations, measure_blocks
 from lightning_llm.modeling.blocks import find_blocks
-from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, saves_output
+from lightning_llm.parallel.activation_checkpointing import (
+    ACOptions, apply_activation_checkpointing, is_checkpointed, saves_output,
+)
 from lightning_llm.planning.activation_budget import plan_for_budget, predicted_peak, resolve_budget
 from lightning_llm.testing import run_distributed
 from lightning_llm.testing.models import HFCausalLM, UserLM
@@ -105,7 +107,7 @@ def test_a_pipeline_stage_counts_layers_from_its_first_block():
     stage = list(_blocks(module))[1:]  # a stage holding blocks 1-3 of the model
     report = apply_activation_checkpointing(stage, mode="selective", selective="layer", every_n_layers=2, block_indices=[1, 2, 3])
     assert report.policies == ["none", "full", "none"]
-    assert [getattr(b, "_activation_checkpointed", False) for b in _blocks(module)] == [False, False, True, False]
+    assert [is_checkpointed(b) for b in _blocks(module)] == [False, False, True, False]
     _assert_same(_loss_and_grads(module), _reference("reference"), "stage")
 
 
