@@ -14,17 +14,17 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from lightning_llm.parallel.dtensor import local_tensor
 
 
-def _grouped_grads(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+def _grouped(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Parameters with a gradient, grouped so each group is all plain tensors or all DTensors of one layout."""
     groups: dict[object, list[torch.Tensor]] = {}
     for param in parameters:
         grad = param.grad
         if grad is None:
             continue
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
-        groups.setdefault(key, []).append(grad)
+        groups.setdefault(key, []).append(param)
     return groups
 
 
@@ -43,8 +43,8 @@ def total_grad_norm(
     """
     norm_type = float(norm_type)
     parts = []
-    for grads in _grouped_grads(parameters).values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+    for params in _grouped(parameters).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not parts:
         total = torch.zeros((), dtype=torch.float32)
@@ -71,8 +71,7 @@ def clip_grad_norm_(
     parameters = list(parameters)
     skip = {id(p) for p in counted_elsewhere}
     total = total_grad_norm([p for p in parameters if id(p) not in skip], norm_type, pipeline_group)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grads in _grouped_grads(parameters).values():
-        local = [local_tensor(g) for g in grads]
-        torch._foreach_mul_(local, coef.to(local[0].device))
+    # torch's scaling step, once per group: it cannot mix plain and DTensor gradients in one call.
+    for group in _grouped(parameters).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
