@@ -92,6 +92,17 @@ def check_timeout(name: str, value: Any, optional: bool = False) -> timedelta | 
     return timedelta(seconds=seconds)
 
 
+def check_memory_size(name: str, value: Any) -> None:
+    """``None``, a positive number of bytes, or a positive size string such as ``"80GB"``."""
+    if value is not None and not isinstance(value, str):
+        check_int(name, value, minimum=1, hint="bytes per device, or a size such as '80GB'")
+    elif value is not None:
+        from lightning_llm.planning.zero import parse_size
+
+        if parse_size(value) <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive size such as '80GB'.")
+
+
 def _bounds(minimum, maximum, inclusive: bool = True) -> str:
     low, high = (">=", "<=") if inclusive else (">", "<")
     parts = ([f"{low} {minimum}"] if minimum is not None else []) + ([f"{high} {maximum}"] if maximum is not None else [])

@@ -17,11 +17,10 @@ from typing_extensions import override
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
-from lightning_llm.planning.zero import parse_size
 from lightning_llm.strategies.lightning_fallback import WholeModelContract
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
-from lightning_llm.validation import check_int
+from lightning_llm.validation import check_int, check_memory_size
 
 INSTALL_HINT = "pip install 'lightning_llm[deepspeed]'"
 
@@ -82,10 +81,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         validate_args(zero_stage, offload, offload_device, nvme_path, user_config)
         check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
         check_int("seq_len", seq_len, minimum=1, optional=True)
-        if device_memory is not None and not isinstance(device_memory, str):
-            check_int("device_memory", device_memory, minimum=1, hint="bytes per device, or a size such as '80GB'")
-        elif device_memory is not None and parse_size(device_memory) <= 0:
-            raise ValueError(f"device_memory={device_memory!r} must be a positive size such as '80GB'.")
+        check_memory_size("device_memory", device_memory)
         self.requested_stage, self.requested_offload = zero_stage, offload
         self.offload_device, self.nvme_path = offload_device, nvme_path
         self.user_config = user_config

@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
-from lightning_llm.planning.zero import parse_size
-from lightning_llm.validation import check_bool, check_choice, check_int
+from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
 TRAINING_TIMEOUT = timedelta(minutes=10)
@@ -23,10 +22,7 @@ def validate_arguments(tp, pp, dp, replicate, zero_stage, sequence_parallel, num
     check_bool("sequence_parallel", sequence_parallel)
     check_int("num_microbatches", num_microbatches, minimum=1, optional=True)
     check_int("virtual_stages", virtual_stages, minimum=1, optional=True)
-    if device_memory is not None and not isinstance(device_memory, str):
-        check_int("device_memory", device_memory, minimum=1, hint="bytes per device, or a size such as '80GB'")
-    elif device_memory is not None and parse_size(device_memory) <= 0:
-        raise ValueError(f"device_memory={device_memory!r} must be a positive size such as '80GB'.")
+    check_memory_size("device_memory", device_memory)
     check_choice("zero_stage", zero_stage, (*FSDP2_ZERO_STAGES, "auto"))
     if zero_stage == 0 and replicate > 1:
         raise ValueError(
