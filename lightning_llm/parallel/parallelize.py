@@ -2,7 +2,7 @@
 
 The order matters and is the one torchtitan uses: the pipeline split first (each rank keeps its
 stages), then TP (it replaces Linear weights by
-DTensors on the ``tp`` axis), activation checkpointing next (it wraps block forwards, which TP
+DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
 gather the TP-sharded DTensors along the ``dp`` axes).
 """

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.tp_heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp_hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp_plan import (
@@ -66,7 +67,7 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     if sequence_parallel:
         plan = add_sequence_parallel_norms(model, add_sequence_parallel_boundaries(model, plan, blocks_name))
-    tied = _tied_parameters(model)
+    tied = tied_parameter_names(model)
     styles = {p: s for p, s in ((p, parallel_style(s, sequence_parallel)) for p, s in plan.items()) if s is not None}
     # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
     names = [n for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)]
@@ -83,13 +84,6 @@ def apply_tensor_parallel(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
         tp, ", sequence parallel" if sequence_parallel else "", len(explicit), heads,
     )
-
-
-def _tied_parameters(model: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:
