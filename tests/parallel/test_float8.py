@@ -11,12 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is part of the dev install")
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # the fp8 extra is part of the dev install
 
-from lightning_llm.parallel.float8 import apply_fp8, validate_fp8  # noqa: E402
-from lightning_llm.strategies import LLMParallelStrategy  # noqa: E402
-from tests.strategies._parity import make_model  # noqa: E402
+from lightning_llm.parallel.float8 import apply_fp8, validate_fp8
+from lightning_llm.strategies import LLMParallelStrategy
+from tests.strategies._parity import make_model
 
 
 class _OddBlock(nn.Module):

@@ -86,7 +86,6 @@ def _fp8_single_process():
 
 
 def test_bf16_and_fp8_layouts_match_single_process():
-    pytest.importorskip("torchao.float8")
     ranks = run_distributed(_mixed_precision_layouts, 2, timeout=540)
     bf16_single = train(ARCH, steps=STEPS, precision="bf16-mixed")
     for label in BF16_LAYOUTS:
