@@ -15,7 +15,8 @@ import argparse
 import torch
 
 from lightning_llm.models import CausalLM, LlamaConfig
-from lightning_llm.planning.memory import activation_bytes, model_state_bytes, parameter_counts
+from lightning_llm.modeling.activations import activation_bytes, parameter_counts
+from lightning_llm.planning.memory import model_state_bytes
 
 
 def main() -> None:

@@ -134,7 +134,7 @@ class _Window(L.Callback):
 
 
 def test_mfu_monitor_agrees_with_the_benchmark_arithmetic():
-    from lightning_llm.planning.flops import ModelShape
+    from lightning_llm.modeling.shape import ModelShape
 
     peak, window = 100e12, _Window()
     torch.manual_seed(0)
