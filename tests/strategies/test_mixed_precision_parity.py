@@ -22,8 +22,8 @@ sharded fp8 path itself (weight scales, fp8 all-gather, reduce-scatter). The fp8
 the scales do; what is left is summation order, which occasionally moves an element to the
 neighbouring e4m3 value (2^-4 relative), hence 1e-3 rather than fp32's 1e-5.
 
-gloo all-reduces, reduce-scatters and all-gathers bf16 tensors on CPU in torch 2.13 (checked in
-:func:`test_gloo_reduces_bf16`); FSDP2 reduces in fp32 anyway (``reduce_dtype``).
+gloo all-reduces, reduce-scatters and all-gathers bf16 tensors on CPU in torch 2.13 (checked first,
+in the same processes); FSDP2 reduces in fp32 anyway (``reduce_dtype``).
 """
 
 import pytest
@@ -70,7 +70,7 @@ def _train_keep_local(strategy, precision, datamodule=None):
 
 
 def _mixed_precision_layouts():
-    runs = {}
+    runs = {"gloo bf16": _gloo_bf16()}  # first: it opens the process group the Trainers then join
     for label, layout in BF16_LAYOUTS.items():
         runs[f"bf16 {label}"] = _train_keep_local(LLMParallelStrategy(**layout), "bf16-mixed")
     runs["fp8 zero3"] = _train_keep_local(LLMParallelStrategy(zero_stage=3, fp8=True), "32-true", _same_data())
@@ -87,6 +87,7 @@ def _fp8_single_process():
 
 def test_bf16_and_fp8_layouts_match_single_process():
     ranks = run_distributed(_mixed_precision_layouts, 2, timeout=540)
+    _check_gloo_bf16(ranks)
     bf16_single = train(ARCH, steps=STEPS, precision="bf16-mixed")
     for label in BF16_LAYOUTS:
         result, _ = ranks[0][f"bf16 {label}"]
@@ -98,7 +99,7 @@ def test_bf16_and_fp8_layouts_match_single_process():
 
 
 def _gloo_bf16():
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # from run_distributed's environment; Lightning reuses it
     rank = dist.get_rank()
     summed = torch.tensor([1.0 + rank, 0.5], dtype=torch.bfloat16)
     dist.all_reduce(summed)
@@ -109,8 +110,8 @@ def _gloo_bf16():
     return summed.tolist(), scattered.tolist(), gathered.tolist()
 
 
-def test_gloo_reduces_bf16():
-    (summed, scattered0, gathered), (_, scattered1, _) = run_distributed(_gloo_bf16, 2, timeout=120)
+def _check_gloo_bf16(ranks):
+    (summed, scattered0, gathered), (_, scattered1, _) = (rank["gloo bf16"] for rank in ranks)
     assert summed == [3.0, 1.0]  # 1 + 2, 0.5 + 0.5
     assert scattered0 == [1.0, 3.0] and scattered1 == [5.0, 7.0]  # (0+1, 1+2) and (2+3, 3+4)
     assert gathered == [0.0, 0.0, 1.0, 1.0]
