@@ -52,11 +52,13 @@ run() {  # run NAME CMD...: keep the log, note a failure, go on
     echo "FAILED (exit $?), see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
 }
 
-# 1. MFU: four bf16 configurations, then fp8 with the same four.
+# 1. MFU: four bf16 configurations, then fp8 with the same four (--quick: four that use every flag,
+#    since inductor takes minutes per compile on CPU).
 for fp8 in "" "--fp8"; do
   for ac in none selective; do
     for compile in "" "--compile"; do
       name="mfu-$SIZE-ac_$ac${compile:+-compile}${fp8:+-fp8}"
+      case "$QUICK:$name" in 1:*-ac_none-compile*|1:*-ac_selective-fp8|1:*-ac_selective-compile-fp8) continue ;; esac
       run "$name" "$PY" benchmarks/mfu.py --size "$SIZE" --device "$DEVICE" --precision "$PRECISION" --ac "$ac" \
         $compile $fp8 --batch "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" \
         "${PEAK[@]}" --markdown "$MFU_TABLE"
