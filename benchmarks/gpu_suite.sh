@@ -85,7 +85,7 @@ fi
   echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
   echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
-       "torch $("$PY" -c 'import torch; print(torch.__version__)'), $(nproc) CPU cores."
+       "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
   echo "Command: \`bash benchmarks/gpu_suite.sh $*\`"
   echo
   echo "## Throughput and MFU ($SIZE, $PRECISION, batch $BATCH x $SEQ; MFU against the bf16 peak, also for fp8)"
