@@ -6,7 +6,12 @@ torch.compile settings, in one process, alternating rounds. Prints tokens/s, MFU
 the throughput ratio (raw / Lightning; 1.00 means no overhead).
 
     python benchmarks/mfu.py --size 1B --device cuda --precision bf16-mixed --ac selective --compile
+    python benchmarks/mfu.py --size 1B --device cuda --precision bf16-mixed --fp8 --markdown results.md
     python benchmarks/mfu.py --size tiny --device cpu --steps 6 --rounds 1     # CPU smoke test, same code path
+
+``--fp8`` trains the blocks' Linear layers in fp8 (torchao float8, tensorwise) in both loops; MFU is
+then still reported against the bf16 peak, so fp8's speed-up shows as a higher MFU. ``--markdown FILE``
+appends one table row per run (see ``benchmarks/gpu_suite.sh``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from lightning_llm.callbacks import MFUMonitor
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.planning.flops import device_peak_flops
 from lightning_llm.strategies import LLMParallelStrategy
@@ -59,7 +65,7 @@ class Timer(L.Callback):
 def lightning_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
     timer = Timer(device)
     module = CausalLM(config, learning_rate=3e-4, warmup_steps=10)
-    strategy = LLMParallelStrategy(activation_checkpointing=args.ac, compile_blocks=args.compile)
+    strategy = LLMParallelStrategy(activation_checkpointing=args.ac, compile_blocks=args.compile, fp8=args.fp8)
     trainer = L.Trainer(
         accelerator=device.type, devices=1, strategy=strategy, precision=args.precision, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -73,6 +79,8 @@ def lightning_run(args, config: LlamaConfig, device: torch.device) -> list[float
 
 def raw_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
     model = Llama(config).to(device)
+    if args.fp8:
+        apply_fp8(model, blocks_name="layers")
     if args.ac != "none":
         apply_activation_checkpointing(list(model.layers), mode=args.ac)
     if args.compile:
@@ -111,20 +119,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peak-flops", type=float, default=None, help="per device; default: the peak table")
+    parser.add_argument("--fp8", action="store_true", help="fp8 Linear layers in the blocks (torchao float8)")
+    parser.add_argument("--markdown", default=None, help="append a result row to this markdown file")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = LlamaConfig.from_name(SIZES[args.size], max_seq_len=args.seq_len)
-    times = {"lightning": [], "raw": []}
+    times, memory = {"lightning": [], "raw": []}, {"lightning": 0.0, "raw": 0.0}
     for _ in range(args.rounds):
         for name, run in (("lightning", lightning_run), ("raw", raw_run)):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             times[name] += run(args, config, device)
             if device.type == "cuda":
+                memory[name] = max(memory[name], torch.cuda.max_memory_allocated() / 2**30)
                 print(f"{name}: peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     with torch.device("meta"):
         flops_per_token = ModelShape.of(Llama(config)).flops_per_token(args.seq_len)
-    peak = args.peak_flops or device_peak_flops(device, args.precision)
+    peak = args.peak_flops or device_peak_flops(device, args.precision)  # bf16 peak also for --fp8 (see above)
     tokens = args.batch * args.seq_len
     print(f"size={args.size} ({config.n_layers} layers, dim {config.dim}), {args.device}, {args.precision}, ac={args.ac}, "
           f"compile={args.compile}, batch {args.batch} x {args.seq_len}")
@@ -134,6 +145,30 @@ def main() -> None:
         print(f"{name:>9}: {step * 1e3:9.1f} ms/step  {tokens / step:10.0f} tokens/s  MFU {mfu}")
     ratio = statistics.median(times["lightning"]) / statistics.median(times["raw"])
     print(f"ratio (Lightning step time / raw step time): {ratio:.3f}")
+    if args.markdown:
+        write_row(args, device, {n: tokens / statistics.median(v) for n, v in times.items()}, flops_per_token, peak,
+                  memory, ratio)
+
+
+def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) -> None:
+    """Append this run as a row of the GPU suite's markdown table (header written when the file is new)."""
+    import os
+    import subprocess
+
+    header = ("| device | commit | size | precision | fp8 | AC | compile | batch x seq | tokens/s | MFU | raw tokens/s "
+              "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    def mfu(n):
+        return f"{tokens_per_s[n] * flops_per_token / peak:.1%}" if peak else "n/a"
+
+    row = (f"| {name} | {commit or '?'} | {args.size} | {args.precision} | {args.fp8} | {args.ac} | {args.compile} | "
+           f"{args.batch} x {args.seq_len} | {tokens_per_s['lightning']:.0f} | {mfu('lightning')} | "
+           f"{tokens_per_s['raw']:.0f} | {mfu('raw')} | {ratio:.3f} | {memory['lightning']:.1f} | {memory['raw']:.1f} |\n")
+    new = not os.path.exists(args.markdown)
+    with open(args.markdown, "a") as f:
+        f.write((header if new else "") + row)
 
 
 if __name__ == "__main__":

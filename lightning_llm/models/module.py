@@ -101,6 +101,8 @@ class CausalLM(L.LightningModule):
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate,
             betas=tuple(self.hparams.betas),
+            # One fused kernel per step on GPUs instead of a dozen foreach launches (torchtitan's default too).
+            fused=all(p.device.type == "cuda" for p in self.parameters()) or None,
         )
         total = self.hparams.max_steps or self.trainer.estimated_stepping_batches
         schedule = warmup_cosine(self.hparams.warmup_steps, int(total), self.hparams.min_lr_ratio)

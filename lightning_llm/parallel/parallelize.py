@@ -1,7 +1,8 @@
 """The parallelization recipe: pipeline split, tensor parallel, activation checkpointing, compile, data parallel.
 
 The order matters and is the one torchtitan uses: the pipeline split first (each rank keeps its
-stages), then TP (it replaces Linear weights by
+stages), the fp8 swap of Linear layers (torchao's ``Float8Linear`` must exist before FSDP2 wraps the
+weights, so that FSDP2 can all-gather them in fp8), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
 gather the TP-sharded DTensors along the ``dp`` axes).
@@ -15,6 +16,7 @@ from torch import nn
 
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
@@ -41,6 +43,7 @@ class ParallelizeReport:
     stage_ranks: list[int] = field(default_factory=list)
     outer: dict = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
+    fp8_layers: list[str] = field(default_factory=list)
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
@@ -116,12 +119,15 @@ def parallelize(
     compile_blocks: bool = False,
     activation_checkpointing=None,
     pipeline: PipelineSpec | None = None,
+    fp8: str | None = None,
+    fp8_exclude: list[str] | None = None,
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
     or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
-    pipeline runtime is built from the report afterwards.
+    pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
+    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`).
 
     Example::
 
@@ -142,6 +148,12 @@ def parallelize(
         report.outer = prune_to_stages(module, blocks_name, block_list, report.chunks)
         owned_blocks = [block_list[i] for c in report.chunks for i in c.blocks]
         roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
+    if fp8 is not None:
+        shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
+        report.fp8_layers = apply_fp8(
+            module, blocks_name=blocks_name, recipe=fp8, exclude=fp8_exclude or (),
+            fsdp_float8_all_gather=shards and fp8 == "tensorwise",
+        )
     if dims.tp > 1:
         apply_tensor_parallel(
             module, report.tp_plan, tp_mesh=dims.mesh["tp"], blocks=owned_blocks, sequence_parallel=sequence_parallel,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class StageOutput(Exception):
@@ -205,6 +206,10 @@ def _gated_embedding_class(base: type, state: PipelineState) -> type:
     def forward(self, ids, *args, **kwargs):
         if state.active is not None and state.active.is_first:
             return base.forward(self, ids, *args, **kwargs)
+        if isinstance(self.weight, DTensor):
+            # A tensor-parallel embedding's output hook expects the DTensor (placements included) that
+            # its lookup returns; zero times that lookup is it, and adds nothing to the weight's gradient.
+            return base.forward(self, ids, *args, **kwargs) * 0
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype, device=ids.device)
 
     return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward})

@@ -20,6 +20,11 @@ _BYTES = {
     "bf16-mixed": (4, 4, 8, 0),  # native FSDP2: fp32 parameters, bf16 compute copies made on the fly
     "16-mixed": (4, 4, 8, 0),
     "bf16-true": (2, 2, 4, 0),
+    # Lightning's fp8 precisions (TransformerEngine) keep 16-bit weights and optimizer state, as bf16-true; the fp8
+    # copies are made per matmul. LLMParallelStrategy(fp8=True) runs under "bf16-mixed" and plans as such: its fp8
+    # weights exist only while gathered, in place of the bf16 copies.
+    "transformer-engine": (2, 2, 4, 0),
+    "transformer-engine-float16": (2, 2, 4, 0),
 }
 _DEEPSPEED_BYTES = {  # DeepSpeed keeps 16-bit parameters and gradients plus fp32 master weights: K = 12
     "32-true": (4, 4, 8, 4),  # its fp32 master partition exists even when the model is fp32

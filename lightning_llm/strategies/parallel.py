@@ -27,6 +27,7 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
+from lightning_llm.parallel.float8 import check_fp8_device, precompute_fp8_scales, validate_fp8
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
@@ -67,6 +68,11 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         blocks: dotted name of the ``nn.ModuleList`` of transformer blocks, if discovery picks the wrong one.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
         compile_blocks: ``torch.compile`` each block.
+        fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):
+            ``True``/"tensorwise" or "rowwise" scaling. Use it with ``precision="bf16-mixed"``: everything
+            but those matmuls stays in bf16. The output head, layers with dims not divisible by 16 and
+            ``fp8_exclude`` patterns are skipped. Needs compute capability >= 8.9 on CUDA (H100, L40S, ...).
+        fp8_exclude: module-name patterns (fnmatch, as in ``named_modules()``) kept out of fp8.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: "nccl", "gloo", ...; the default follows the device.
         timeout: how long a collective may wait for the other ranks (a ``timedelta`` or seconds; NCCL and gloo),
@@ -96,6 +102,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         blocks: str | None = None,
         cpu_offload: bool = False,
         compile_blocks: bool = False,
+        fp8: bool | str = False,
+        fp8_exclude: list[str] | None = None,
         pipeline_schedule: str = "1F1B",
         num_microbatches: int | None = None,
         virtual_stages: int | None = None,
@@ -123,6 +131,13 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         self.blocks = blocks
         self.cpu_offload = cpu_offload
         self.compile_blocks = compile_blocks
+        self.fp8 = validate_fp8(fp8)
+        if self.fp8 is not None and tensor_parallel_size > 1:
+            raise ValueError(
+                f"fp8={fp8!r} with tensor_parallel_size={tensor_parallel_size} is not supported yet (torchao's float8 "
+                "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
+            )
+        self.fp8_exclude = list(fp8_exclude or [])
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline = PipelineSpec(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
@@ -186,6 +201,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
             blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
             pipeline=self.pipeline if pipelined else None, activation_checkpointing=checkpointing,
+            fp8=check_fp8_device(self.fp8, self.root_device), fp8_exclude=self.fp8_exclude,
         )
         if on_meta:
             _materialize_distributed_module(module, self.root_device)
@@ -218,12 +234,21 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
                 "num_microbatches that divides it."
             )
 
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.fp8 is not None and self.report is not None and self.report.fp8_layers:
+            # With fp8 all-gather, every weight's scale in one all-reduce (a no-op without sharding).
+            precompute_fp8_scales(self.lightning_module)
+        return output
+
     def _log_layout(self) -> None:
         dims = self.parallel_dims
         rank_zero_info(
             f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
             f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
+            + (f"; fp8 ({self.fp8}) in {len(self.report.fp8_layers)} Linear layers" if self.fp8 else "")
         )
 
     def _choose_zero_stage(self, trainer, module) -> None:

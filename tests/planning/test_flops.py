@@ -52,3 +52,16 @@ def test_peak_table_lookup():
     assert peak_flops("Some CPU", "bf16") is None
     assert precision_dtype("bf16-mixed") == "bf16" and precision_dtype("32-true") == "fp32"
     assert precision_dtype("16-mixed") == "fp16"
+
+
+def test_fp8_peaks_are_twice_bf16_where_the_card_has_fp8_units():
+    from lightning_llm.planning.flops import PEAK_FLOPS, peak_flops, precision_dtype
+
+    # Hopper, Ada, Blackwell and CDNA3 datasheets: dense fp8 = 2x dense bf16 (L40S: 733 vs 362.05, the datasheet's
+    # own rounding, hence 2%). A100 and A10G have no fp8 units.
+    for device, name in [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H200", "H200"), ("NVIDIA L40S", "L40S"),
+                         ("AMD Instinct MI300X", "MI300X"), ("NVIDIA B200", "B200")]:
+        assert peak_flops(device, "fp8") == pytest.approx(2 * PEAK_FLOPS[name]["bf16"], rel=0.02), device
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None
+    assert peak_flops("NVIDIA A10G", "fp8") is None
+    assert precision_dtype("transformer-engine") == precision_dtype("transformer-engine-float16") == "fp8"

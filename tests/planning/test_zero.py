@@ -92,3 +92,10 @@ def test_sizes_parse():
     assert parse_size("80GB") == 80 * 10**9 and parse_size("80GiB") == 80 * 2**30 and parse_size("24G") == 24 * 2**30
     with pytest.raises(ValueError, match="Cannot read the size 'lots'"):
         parse_size("lots")
+
+
+def test_fp8_precisions_plan_like_16_bit_weights():
+    # Lightning's TransformerEngine precisions: bf16 weights (2 B), gradients (2 B), Adam moments (2 x 2 B).
+    psi = 1_000_000
+    assert model_state_bytes(psi, zero_stage=0, dp=1, precision="transformer-engine") == (2 * psi, 2 * psi, 4 * psi)
+    assert model_state_bytes(psi, zero_stage=2, dp=4, precision="transformer-engine-float16") == (2 * psi, psi / 2, psi)

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Every GPU measurement of issue 15 in one run; writes a markdown report.
+#
+#   bash benchmarks/gpu_suite.sh [REPORT.md]            # on a GPU machine, from the repository root
+#   bash benchmarks/gpu_suite.sh --quick [REPORT.md]    # CPU smoke test: tiny model, few steps, same commands
+#   bash benchmarks/gpu_suite.sh --install [REPORT.md]  # first `pip install -e '.[dev,fp8]'` (PyPI only)
+#
+# Measures, in order (each step's failure is recorded in the report and the suite goes on):
+#   1. benchmarks/mfu.py, 1B preset, bf16-mixed, seq 2048: AC none/selective x compile off/on, then fp8
+#      (tokens/s, MFU vs the peak table = 989 TFLOP/s bf16 on H100 SXM/H200, peak memory, ratio vs raw loop)
+#   2. the memory planner's estimate for the same runs (compare with the measured peak: >10% off = fix the tables)
+#   3. benchmarks/fp8_loss_curve.py: fp8 vs bf16 over 200 steps, loss difference and tokens/s
+#   4. pytest -m gpu (bf16 parity, compile equality, fused AdamW, CUDA checkpoint resume, MFUMonitor)
+#   5. the 8-rank 3D parity tests (gloo on CPU cores; need >= 8 cores)
+set -uo pipefail
+
+QUICK=0
+INSTALL=0
+REPORT=gpu_results.md
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    --install) INSTALL=1 ;;
+    -*) echo "unknown option $arg" >&2; exit 2 ;;
+    *) REPORT=$arg ;;
+  esac
+done
+PY=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -f pyproject.toml ] && [ -d lightning_llm ] || { echo "run from the repository root" >&2; exit 2; }
+if [ "$INSTALL" = 1 ]; then
+  "$PY" -m pip install -e '.[dev,fp8]' || exit 1
+fi
+"$PY" -c "import torch, lightning, torchao.float8" || {
+  echo "missing packages: run with --install (pip install -e '.[dev,fp8]')" >&2; exit 1; }
+
+if [ "$QUICK" = 1 ]; then
+  SIZE=tiny; SEQ=64; BATCH=4; STEPS=6; WARMUP=2; ROUNDS=1; CURVE_STEPS=6; DEVICE=cpu; PRECISION=bf16-mixed
+  PEAK=(--peak-flops 1e12)
+else
+  SIZE=1B; SEQ=2048; BATCH=4; STEPS=30; WARMUP=5; ROUNDS=2; CURVE_STEPS=200; DEVICE=cuda; PRECISION=bf16-mixed
+  PEAK=()
+fi
+LOG=$(mktemp -d)
+MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"
+FAILED=()
+
+run() {  # run NAME CMD...: keep the log, note a failure, go on
+  local name=$1; shift
+  echo ">>> $name: $*"
+  if "$@" >"$LOG/$name.log" 2>&1; then tail -n 4 "$LOG/$name.log"; else
+    echo "FAILED (exit $?), see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
+}
+
+# 1. MFU: four bf16 configurations, then fp8 with the same four (--quick: four that use every flag,
+#    since inductor takes minutes per compile on CPU).
+for fp8 in "" "--fp8"; do
+  for ac in none selective; do
+    for compile in "" "--compile"; do
+      name="mfu-$SIZE-ac_$ac${compile:+-compile}${fp8:+-fp8}"
+      case "$QUICK:$name" in 1:*-ac_none-compile*|1:*-ac_selective-fp8|1:*-ac_selective-compile-fp8) continue ;; esac
+      run "$name" "$PY" benchmarks/mfu.py --size "$SIZE" --device "$DEVICE" --precision "$PRECISION" --ac "$ac" \
+        $compile $fp8 --batch "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" \
+        "${PEAK[@]}" --markdown "$MFU_TABLE"
+    done
+  done
+done
+# 2. What the planner predicts for those runs (activation checkpointing "selective" is planned at "none").
+for ac in none selective; do
+  run "plan-$SIZE-ac_$ac" "$PY" benchmarks/planned_memory.py --size "$SIZE" --precision "$PRECISION" --ac "$ac" \
+    --batch "$BATCH" --seq-len "$SEQ"
+done
+# 3. fp8 vs bf16 loss curves.
+run "fp8-loss-curve" "$PY" benchmarks/fp8_loss_curve.py --size "$SIZE" --device "$DEVICE" --steps "$CURVE_STEPS" \
+  --batch "$BATCH" --seq-len "$SEQ" --markdown "$CURVE_TABLE"
+# 4. and 5. Tests: gpu-marked, then the 8-rank layouts (collected only in --quick: 8 ranks are slow on few cores).
+run "pytest-gpu" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider
+if [ "$QUICK" = 1 ]; then
+  run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py --collect-only -q -p no:cacheprovider
+else
+  run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py -q -rs --durations=0 -p no:cacheprovider
+fi
+
+{
+  echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
+       "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
+  echo "Command: \`bash benchmarks/gpu_suite.sh $*\`"
+  echo
+  echo "## Throughput and MFU ($SIZE, $PRECISION, batch $BATCH x $SEQ; MFU against the bf16 peak, also for fp8)"
+  echo
+  cat "$MFU_TABLE" 2>/dev/null || echo "(no MFU results)"
+  echo
+  echo "## Planned memory (compare with the peak memory column)"
+  echo
+  for ac in none selective; do echo "- AC $ac: $(grep '^planned' "$LOG/plan-$SIZE-ac_$ac.log" || echo 'failed')"; done
+  echo
+  echo "## fp8 vs bf16 loss curves ($CURVE_STEPS steps)"
+  echo
+  cat "$CURVE_TABLE" 2>/dev/null || echo "(no loss-curve results)"
+  echo
+  echo "## Tests"
+  echo
+  for name in pytest-gpu pytest-8-ranks; do echo "- $name: $(tail -n 1 "$LOG/$name.log")"; done
+  echo
+  echo "Failed steps: ${FAILED[*]:-none}. Logs: $LOG"
+} >"$REPORT"
+echo "Report written to $REPORT"
+[ ${#FAILED[@]} -eq 0 ]

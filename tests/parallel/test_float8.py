@@ -1,0 +1,142 @@
+"""fp8 conversion: exactly the blocks' 16-aligned Linear layers become torchao Float8Linear, nothing else.
+
+The oracle is a brute-force list over ``named_modules()`` (every ``nn.Linear``, kept when it sits in
+the blocks, both dims divide by 16 and no exclude pattern matches) against what torchao actually
+swapped (``isinstance(m, Float8Linear)`` after conversion).
+"""
+
+import fnmatch
+
+import pytest
+import torch
+from torch import nn
+
+from torchao.float8.float8_linear import Float8Linear  # the fp8 extra is part of the dev install
+
+from lightning_llm.parallel.float8 import apply_fp8, validate_fp8
+from lightning_llm.strategies import LLMParallelStrategy
+from tests.strategies._parity import make_model
+
+
+class _OddBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.odd_out = nn.Linear(64, 24)   # 24 % 16 != 0
+        self.odd_in = nn.Linear(24, 32)    # 24 % 16 != 0
+        self.gate = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.gate(self.odd_in(self.odd_out(self.up(x))))
+
+
+class OddModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_OddBlock() for _ in range(3))
+        self.proj_in_head = nn.Linear(32, 32)  # 16-aligned but outside the blocks
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.proj_in_head(x))
+
+
+def _brute_force(model: nn.Module, blocks_prefix: str, exclude=()) -> list[str]:
+    wanted = []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        out_dim, in_dim = m.weight.shape
+        inside = name.split(".")[: len(blocks_prefix.split("."))] == blocks_prefix.split(".") and name != blocks_prefix
+        if inside and in_dim % 16 == 0 and out_dim % 16 == 0 and not any(fnmatch.fnmatch(name, p) for p in exclude):
+            wanted.append(name)
+    return wanted
+
+
+def _converted(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+CASES = [
+    ("reference", "model.layers", ()),
+    ("reference", "model.layers", ("*.feed_forward.down_proj", "model.layers.1.attention.*")),
+    ("hf_llama", "model.model.layers", ()),
+    ("user", "blocks", ("*.attn.proj",)),
+    ("odd", "layers", ("layers.2.*",)),
+]
+
+
+@pytest.mark.parametrize("arch, blocks, exclude", CASES, ids=[f"{a}-{len(e)}excluded" for a, _, e in CASES])
+def test_exactly_the_eligible_block_linears_are_converted(arch, blocks, exclude):
+    model = OddModel() if arch == "odd" else make_model(arch)
+    expected = _brute_force(model, blocks, exclude)
+    linears_before = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = apply_fp8(model, blocks_name=blocks, exclude=exclude)
+    assert _converted(model) == expected == names
+    skipped = [n for n in linears_before if n not in expected]
+    assert skipped, "every case keeps some Linear layer (at least the head) out of fp8"
+    for name in skipped:
+        assert type(model.get_submodule(name)) is nn.Linear, name
+
+
+def test_head_and_odd_dims_are_the_ones_skipped():
+    model = OddModel()
+    apply_fp8(model, blocks_name="layers")
+    assert {n for n, m in model.named_modules() if type(m) is nn.Linear} == {
+        "lm_head", "proj_in_head", *(f"layers.{i}.{k}" for i in range(3) for k in ("odd_out", "odd_in"))
+    }
+
+
+def test_converted_model_trains_close_to_high_precision():
+    torch.manual_seed(0)
+    reference = OddModel()
+    fp8 = OddModel()
+    fp8.load_state_dict(reference.state_dict())
+    apply_fp8(fp8, blocks_name="layers")
+    tokens = torch.randint(0, 50, (4, 16))
+    out, want = fp8(tokens), reference(tokens)
+    # e4m3 keeps 3 mantissa bits: each cast rounds by <= 2^-4 relative; the outputs stay close, not equal.
+    assert not torch.equal(out, want)
+    assert (out - want).norm() / want.norm() < 0.1
+    out.square().mean().backward()
+    reference(tokens).square().mean().backward()
+    for (name, p), q in zip(fp8.named_parameters(), reference.parameters()):
+        assert p.grad is not None and (p.grad - q.grad).norm() <= 0.2 * q.grad.norm() + 1e-6, name
+
+
+def test_nothing_to_convert_and_bad_recipes_are_refused():
+    with pytest.raises(ValueError, match="fp8 found no Linear layer to convert under 'layers'"):
+        apply_fp8(OddModel(), blocks_name="layers", exclude=["layers.*"])
+    with pytest.raises(ValueError, match="fp8='e5m2' is not supported; use True, False or one of"):
+        validate_fp8("e5m2")
+    with pytest.raises(ValueError, match="cannot all-gather fp8 weights under FSDP2"):
+        apply_fp8(OddModel(), blocks_name="layers", recipe="rowwise", fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="fp8=True with tensor_parallel_size=2 is not supported yet"):
+        LLMParallelStrategy(tensor_parallel_size=2, fp8=True)
+    assert validate_fp8(True) == "tensorwise" and validate_fp8(False) is None
+
+
+def test_rowwise_recipe_converts_the_same_layers():
+    model = OddModel()
+    names = apply_fp8(model, blocks_name="layers", recipe="rowwise")
+    assert names == _converted(model) == _brute_force(OddModel(), "layers")
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import raise ImportError
+    with pytest.raises(RuntimeError, match=r"pip install 'lightning_llm\[fp8\]'"):
+        apply_fp8(OddModel(), blocks_name="layers")
+
+
+def test_lightning_refuses_an_fp8_precision_string():
+    # Why fp8 is a strategy flag: Lightning validates `precision` itself and has no "fp8-mixed".
+    import lightning as L
+
+    with pytest.raises(ValueError, match="fp8-mixed"):
+        L.Trainer(accelerator="cpu", precision="fp8-mixed", logger=False)
