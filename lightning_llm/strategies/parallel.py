@@ -10,6 +10,7 @@ checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`
 from __future__ import annotations
 
 import logging
+import sys
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,7 +33,7 @@ from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
-from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
+from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.ac_planning import plan_checkpointing
@@ -367,8 +368,17 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._saver.wait()
-        super().teardown()
+        # Lightning also tears down while an error propagates; a failed background save was already
+        # reported then (CheckpointRotation raised it), and must not replace that error.
+        handling = sys.exc_info()[1] is not None
+        try:
+            self._saver.wait()
+        except SAVE_ERRORS as err:
+            if not handling:
+                raise SaveFailed("(asynchronous save)", describe(err, Path("."))) from err
+            log.warning("An asynchronous checkpoint write failed (already reported): %s", err)
+        finally:
+            super().teardown()
 
     @contextmanager
     @override
