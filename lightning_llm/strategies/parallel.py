@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
@@ -33,10 +34,9 @@ from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
-from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
 from lightning_llm.strategies import dcp_checkpoint
-from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.parallel_options import PRESETS, TRAINING_TIMEOUT, validate_arguments
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
