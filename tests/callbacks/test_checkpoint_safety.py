@@ -8,6 +8,7 @@ The 2-rank cases (ZeRO-3 sharded checkpoints, DDP) share one spawn: ``tests/stra
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -93,26 +94,31 @@ def test_every_checkpoint_corrupt_is_an_error_not_a_fresh_start(tmp_path):
 
 
 class FullDisk(TorchCheckpointIO):
-    """Writes part of the file, then fails as a full disk does (the write of a checkpoint after the first)."""
+    """Writes part of the file, then fails as a full disk does (the write of a checkpoint after the first);
+    with ``code=errno.EACCES``, as a directory that became read-only does."""
 
-    def __init__(self) -> None:
-        self.saves = 0
+    def __init__(self, code: int = errno.ENOSPC) -> None:
+        self.saves, self.code = 0, code
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         self.saves += 1
         if self.saves == 1:
             return super().save_checkpoint(checkpoint, path, storage_options)
         Path(path).write_bytes(b"\0" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        raise OSError(self.code, os.strerror(self.code), str(path))
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_injected_disk_full_is_one_clear_error_and_the_older_checkpoint_loads(tmp_path, async_save):
+@pytest.mark.parametrize(("async_save", "code", "cause"), [
+    (False, errno.ENOSPC, "no space left on the device (ENOSPC"),
+    (True, errno.ENOSPC, "no space left on the device (ENOSPC"),
+    (False, errno.EACCES, "permission denied (EACCES"),
+], ids=["sync-full", "async-full", "sync-permission"])
+def test_injected_save_failure_is_one_clear_error_and_the_older_checkpoint_loads(tmp_path, async_save, code, cause):
     rotation = CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=1, async_save=async_save)
     with pytest.raises(RuntimeError) as raised:
-        fit(tmp_path, 6, rotation, plugins=[FullDisk()])
+        fit(tmp_path, 6, rotation, plugins=[FullDisk(code)])
     message = str(raised.value)
-    assert f"could not save checkpoint step=00000004.ckpt in {tmp_path}: no space left on the device (ENOSPC" in message
+    assert f"could not save checkpoint step=00000004.ckpt in {tmp_path}: {cause}" in message
     assert f"the newest complete checkpoint, {tmp_path / 'step=00000002.ckpt'}, is kept" in message
     assert steps_in(tmp_path) == [2] and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     trainer = fit(tmp_path, 3, CheckpointRotation(dirpath=str(tmp_path)), ckpt_path="last")
