@@ -15,10 +15,15 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_llm.callbacks import checkpoint_checksums as checksums
+from lightning_llm.callbacks import checkpoint_errors as errors
 from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.callbacks.checkpoint_errors import GuardedWrite
+from lightning_llm.callbacks.checkpoint_load import VerifiedLoad
 from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
@@ -38,6 +43,7 @@ class _Pending:
     meta: dict[str, Any]
     resumed_from: str | None
     future: Future | None = None  # an asynchronous save's files on this rank
+    error: str | None = None  # why writing failed on this rank
 
 
 class CheckpointRotation(ModelCheckpoint):
@@ -75,6 +81,9 @@ class CheckpointRotation(ModelCheckpoint):
         async_save: write in the background; see above.
         verify: "files" (structure: archive complete, every shard present) or "load" (also load it)
             before older checkpoints are deleted.
+        require_monitor: raise at a save where ``monitor`` was never logged (as Lightning's ModelCheckpoint
+            does), naming the metrics that were; before the first validation of a run that validates, only
+            warn. ``False``: save such checkpoints without a score.
 
     Example::
 
@@ -94,6 +103,7 @@ class CheckpointRotation(ModelCheckpoint):
         save_on_train_end: bool = True,
         async_save: bool = False,
         verify: Literal["files", "load"] = "files",
+        require_monitor: bool = True,
     ) -> None:
         _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
         super().__init__(
@@ -110,6 +120,8 @@ class CheckpointRotation(ModelCheckpoint):
         self._last_saved_step = self._last_step_seen = -1
         self._pending: _Pending | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self.require_monitor, self._validated = require_monitor, False
+        self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
 
     @property
     def directory(self) -> Path:
@@ -130,6 +142,10 @@ class CheckpointRotation(ModelCheckpoint):
         if stage != "fit":
             return
         self._async = self._can_save_async(trainer)
+        strategy = trainer.strategy
+        single_file = type(strategy).load_checkpoint is Strategy.load_checkpoint  # loads through checkpoint_io
+        if single_file and not isinstance(strategy.checkpoint_io, VerifiedLoad):
+            strategy.checkpoint_io = VerifiedLoad(strategy.checkpoint_io, strategy, lambda: self._resolved_last)
         if trainer.is_global_zero:
             _check_writable(self.directory)
             for leftover in files.clean_incomplete(self.directory):
@@ -153,9 +169,24 @@ class CheckpointRotation(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
+        # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
         directory = Path(self.dirpath or _default_dirpath(trainer))
         complete = files.complete_checkpoints(directory) if directory.is_dir() else []
-        return {str(complete[-1])} if complete else set()
+        skipped = []
+        for checkpoint in reversed(complete):
+            try:
+                checksums.verify_committed(checkpoint)
+            except RuntimeError as err:
+                rank_zero_warn(f"CheckpointRotation: ckpt_path='last' skips {checkpoint}, the newest complete "
+                               f"checkpoint that fails verification ({err}); falling back to an older one.")
+                skipped.append(checkpoint.name)
+                continue
+            self._resolved_last = str(checkpoint)
+            return {str(checkpoint)}
+        if skipped:
+            raise RuntimeError(f"ckpt_path='last': every checkpoint in {directory} fails verification ({skipped}). "
+                               "Restore them from a backup, or start without ckpt_path.")
+        return set()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -204,7 +235,7 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer, pl_module) -> None:
-        pass
+        self._validated = True  # from now on a missing validation metric is an error, not "not yet"
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -214,50 +245,92 @@ class CheckpointRotation(ModelCheckpoint):
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._finish_pending(trainer)
+        self._check_monitor(trainer)
         final = self.directory / f"step={trainer.global_step:08d}.ckpt"
         tmp = final.with_name(files.TMP_PREFIX + final.name)
         ckpt_path = trainer.ckpt_path
         pending = _Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
-        if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
-            pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
-        else:
-            trainer.save_checkpoint(tmp)
+        strategy = trainer.strategy
+        # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
+        # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
+        try:
+            if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
+                pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
+            elif type(strategy).save_checkpoint is Strategy.save_checkpoint:
+                strategy.checkpoint_io = guard = GuardedWrite(strategy.checkpoint_io)
+                try:
+                    trainer.save_checkpoint(tmp)
+                finally:
+                    strategy.checkpoint_io = guard.inner
+                if guard.error is not None:
+                    pending.error = errors.describe(guard.error, self.directory)
+            else:
+                trainer.save_checkpoint(tmp)
+        except errors.SAVE_ERRORS as err:
+            pending.error = errors.describe(err, self.directory)
         self._pending = pending
         self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
-        if not self._async:
+        if not self._async or pending.error is not None:
             self._finish_pending(trainer)
 
+    def _check_monitor(self, trainer: L.Trainer) -> None:
+        """Refuse to save without the ranking metric: best-k would silently keep nothing."""
+        if self.monitor is None or not self.require_monitor:
+            return
+        logged = sorted(trainer.callback_metrics)
+        if not trainer.strategy.broadcast(self.monitor not in logged):  # rank 0 decides for all
+            return
+        message = (f"CheckpointRotation(monitor={self.monitor!r}): no metric {self.monitor!r} was logged by step "
+                   f"{trainer.global_step}; the logged metrics are {logged}. Log it with "
+                   f"self.log({self.monitor!r}, value) in the LightningModule, or correct the name (or pass "
+                   "require_monitor=False to save checkpoints without a score).")
+        if trainer.enable_validation and not self._validated:
+            rank_zero_warn(message + " Validation has not run yet: this checkpoint is saved without a score.")
+            return
+        raise ValueError(message)
+
     def _finish_pending(self, trainer: L.Trainer) -> None:
-        """Wait for the pending save on every rank; rank 0 commits it and rotates."""
+        """Wait for the pending save on every rank; rank 0 commits it and rotates.
+
+        A failure on any rank (the write, the background writer, verification, the commit) is shared with
+        every rank, and all raise the same error, naming the directory, the cause and the checkpoint kept.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        error = None
+        error = pending.error
         try:
             if pending.future is not None:
                 pending.future.result()
-        except Exception as err:  # noqa: BLE001 - reported on every rank below
-            error = f"{type(err).__name__}: {err}"
-        trainer.strategy.barrier("CheckpointRotation.written")
-        if trainer.is_global_zero and error is None:
+        except errors.SAVE_ERRORS as err:
+            error = error or errors.describe(err, self.directory)
+        error = errors.summary(errors.gather(error))
+        if trainer.is_global_zero:
             try:
-                self._commit(pending)
-                self._rotate(pending.resumed_from)
-            except Exception as err:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(err).__name__}: {err}"
+                if error is None:
+                    self._commit(pending)
+                    self._rotate(pending.resumed_from)
+                else:
+                    files.remove(pending.tmp)  # a partial write only takes space
+            except errors.SAVE_ERRORS as err:
+                error = error or errors.describe(err, self.directory)
         # A broadcast, not a bare raise on rank 0: every rank stops, none waits forever in a collective.
         error = trainer.strategy.broadcast(error)
         if error is not None:
+            complete = files.complete_checkpoints(self.directory) if self.directory.is_dir() else []
+            kept = (f"the newest complete checkpoint, {complete[-1]}, is kept" if complete
+                    else "no earlier checkpoint exists")
             raise RuntimeError(
-                f"CheckpointRotation could not complete checkpoint {pending.final} ({error}). Checkpoints already "
-                f"complete were kept: check the storage under {self.dirpath} (space, permissions), then resume "
-                "with ckpt_path='last'."
+                f"CheckpointRotation could not save checkpoint {pending.final.name} in {self.dirpath}: {error}. "
+                f"Nothing was committed and {kept}. Free space or fix the permissions under {self.dirpath}, then "
+                "resume with ckpt_path='last'."
             )
 
     def _commit(self, pending: _Pending) -> None:
         """Verify the written data, rename it into place and write its marker (rank 0)."""
         world_size = pending.meta["layout"]["world_size"]
         files.verify(pending.tmp, trial_load=self.verify_mode == "load", world_size=world_size)
+        pending.meta["checksums"] = checksums.compute(pending.tmp)  # of the bytes verified above
         files.fsync_tree(pending.tmp)  # the data must be durable before a marker says it is complete
         if pending.final.exists():  # a run resumed from an older checkpoint reached this step again
             files.remove(pending.final)

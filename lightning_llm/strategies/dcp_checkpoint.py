@@ -1,4 +1,5 @@
-"""Sharded checkpoints of LLMParallelStrategy with ``torch.distributed.checkpoint`` (DCP): save, async save, load.
+"""Sharded checkpoints of LLMParallelStrategy with ``torch.distributed.checkpoint`` (DCP): save, async save, and
+load (verified against the commit marker's checksums, strict both ways).
 
 Optimizer state is saved in torch's "flattened" form, keyed by parameter name: Lightning's form keys
 parameter groups by index, and pipeline stages have different groups under the same index, so a
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,7 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_llm.callbacks.checkpoint_checksums import refusal
+from lightning_llm.strategies.checkpoint_keys import matching_keys
+
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+MODEL_PREFIX = "state_dict."  # DCP flattens {"state_dict": {name: tensor}} to "state_dict.<name>"
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -66,19 +72,60 @@ class AsyncSaver:
             future.result()
 
 
+def refuse_unverified(strategy, path: Path) -> None:
+    """Raise ``ValueError`` on every rank if a committed checkpoint's content fails its checksums (rank 0 reads it)."""
+    error = strategy.broadcast(refusal(path) if strategy.global_rank == 0 else None)
+    if error is not None:
+        raise ValueError(error)
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    """Name -> global shape of the model's state on every rank together (pipeline stages hold different parts)."""
+    local = {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in get_model_state_dict(model).items()}
+    if not dist.is_initialized():
+        return local
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {name: shape for part in parts for name, shape in part.items()}
+
+
+def sharded_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Name -> global shape of the model tensors in a sharded checkpoint, read from its ``.metadata``."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {
+        key[len(MODEL_PREFIX):]: tuple(entry.size) if hasattr(entry, "size") else None
+        for key, entry in metadata.state_dict_metadata.items() if key.startswith(MODEL_PREFIX)
+    }
+
+
+def file_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped, nothing copied)."""
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()}
+
+
 def load(model: nn.Module, optimizers: list, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-    """Load a sharded checkpoint into ``model`` and ``optimizers`` (whatever layout saved it); returns the rest."""
+    """Load a sharded checkpoint into ``model`` and ``optimizers`` (whatever layout saved it); returns the rest.
+
+    The names and global shapes of the model's tensors on every rank (all pipeline stages together) are
+    compared with the checkpoint's both ways first (:func:`lightning_llm.strategies.checkpoint_keys.matching_keys`);
+    with ``strict=False`` only the tensors both have with equal shapes are loaded, and their optimizer state.
+    """
     if not (path / ".metadata").is_file():
         raise ValueError(
-            f"{path} is not a sharded checkpoint directory (no .metadata inside). LLMParallelStrategy resumes "
-            "from checkpoints it saved; load a single-file checkpoint into the model before fitting instead."
+            f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside). "
+            "Pass a checkpoint saved by LLMParallelStrategy, or load other weights into the model before fitting."
         )
-    model_state = {"state_dict": get_model_state_dict(model)}
+    keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))
+    model_state = {"state_dict": {k: v for k, v in get_model_state_dict(model).items() if k in keep}}
     dcp.load(model_state, checkpoint_id=path)
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
-        state = {key: optimizer_state(model, optimizer)}
-        dcp.load(state, checkpoint_id=path)
-        set_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), state[key], options=FLAT_OPTIMIZER)
+        full = optimizer_state(model, optimizer)
+        # Flattened keys are "state.<param>.<field>" and "param_groups.<param>.<field>".
+        request = {key: {k: v for k, v in full.items() if strict or k.split(".", 1)[1].rsplit(".", 1)[0] in keep}}
+        dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        set_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), {**full, **request[key]},
+                                 options=FLAT_OPTIMIZER)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -14,9 +15,14 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from typing_extensions import override
 
+from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
+from lightning_llm.planning.zero import parse_size
+from lightning_llm.strategies.checkpoint_keys import matching_keys
+from lightning_llm.strategies.dcp_checkpoint import refuse_unverified
+from lightning_llm.strategies.deepspeed_checkpoint import KeepWriteErrors, saved_param_shapes
 from lightning_llm.strategies.lightning_fallback import WholeModelContract
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
@@ -190,6 +196,35 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         """DeepSpeed writes its checkpoints synchronously: saves, then returns a completed future."""
         self.lightning_module.trainer.save_checkpoint(filepath, weights_only=weights_only)
         return completed()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """DeepSpeed's save; a write that fails on any rank raises the same ``SaveFailed`` on every rank
+        (see :class:`lightning_llm.strategies.deepspeed_checkpoint.KeepWriteErrors`)."""
+        engine = self.deepspeed_engine
+        guard = engine.checkpoint_engine = KeepWriteErrors(engine.checkpoint_engine)
+
+        def save() -> None:
+            super(LLMDeepSpeedStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
+            if guard.error is not None:
+                raise guard.error
+
+        try:
+            save_on_every_rank(save, filepath)
+        finally:
+            engine.checkpoint_engine = guard.inner
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """DeepSpeed's load, after the content check of a committed checkpoint and a strict two-way comparison of
+        parameter names and shapes (DeepSpeed itself compares only the names the model has)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        refuse_unverified(self, path)
+        saved = saved_param_shapes(path)
+        if saved is not None:
+            model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.module.named_parameters()}
+            matching_keys(model, saved, self.lightning_module.strict_loading, str(path))
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

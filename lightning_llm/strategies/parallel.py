@@ -10,6 +10,7 @@ checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
@@ -32,6 +34,7 @@ from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.parallel_contract import AsyncSave, ParallelContract
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, validate_arguments
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
@@ -141,6 +144,12 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline = PipelineSpec(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
+        if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
+            raise ValueError(
+                f"save_distributed_checkpoint=False with pipeline_parallel_size={pipeline_parallel_size}: rank 0 holds "
+                "only the first stage, so a full checkpoint written by it would lack the others. Keep "
+                "save_distributed_checkpoint=True (consolidate with `python -m lightning_llm.checkpoint`)."
+            )
         if pipeline_parallel_size > 1:
             stages = pipeline_parallel_size * self.pipeline.stages_per_rank()
             self.pipeline.num_microbatches = num_microbatches or stages
@@ -289,6 +298,10 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # A failed write raises the same SaveFailed on every rank, so no rank is left waiting in a collective.
+        save_on_every_rank(lambda: self._save_checkpoint(checkpoint, filepath, storage_options), filepath)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
         if isinstance(storage_options, AsyncSave):
             if self._save_distributed_checkpoint:
                 storage_options.future = self._saver.save(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank)
@@ -299,10 +312,22 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint into this layout, whatever layout saved it (DCP reshards by name)."""
+        """Load a checkpoint this strategy saved into this layout, whatever layout saved it (DCP reshards by name).
+
+        A full single file (``save_distributed_checkpoint=False``) goes through Lightning's loader. Both are
+        strict both ways unless ``strict_loading=False``, and a checkpoint committed by CheckpointRotation is
+        first checked against its checksums (:mod:`lightning_llm.strategies.dcp_checkpoint`).
+        """
         self._saver.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
-        return dcp_checkpoint.load(self.model, self.optimizers, path, self.lightning_module.strict_loading, weights_only)
+        dcp_checkpoint.refuse_unverified(self, path)
+        strict = self.lightning_module.strict_loading
+        if path.is_file():
+            if strict:
+                matching_keys(dcp_checkpoint.model_shapes(self.model), dcp_checkpoint.file_shapes(path), strict,
+                              str(path))
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return dcp_checkpoint.load(self.model, self.optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:
         """Block until the last asynchronous checkpoint is fully written on this rank."""
@@ -310,8 +335,17 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
 
     @override
     def teardown(self) -> None:
-        self._saver.wait()
-        super().teardown()
+        # Lightning also tears down while an error propagates; a failed background save was already
+        # reported then (CheckpointRotation raised it), and must not replace that error.
+        handling = sys.exc_info()[1] is not None
+        try:
+            self._saver.wait()
+        except SAVE_ERRORS as err:
+            if not handling:
+                raise SaveFailed("(asynchronous save)", describe(err, Path("."))) from err
+            log.warning("An asynchronous checkpoint write failed (already reported): %s", err)
+        finally:
+            super().teardown()
 
     @contextmanager
     @override

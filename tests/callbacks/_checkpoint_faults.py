@@ -11,6 +11,7 @@ resume from "last" and finish. Prints a JSON report. Run by tests/callbacks/test
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -54,11 +55,37 @@ def _wait_for_save(directory: Path, since: float, timeout: float) -> None:
         time.sleep(0.002)
 
 
+def _save_duration(directory: Path) -> float:
+    """Seconds from a save's first written byte to its commit marker, measured on one uninterrupted run.
+
+    The kills are spread over this span, so they land in every phase of a save (write, verification,
+    checksums, rename, marker, rotation) however fast or loaded the machine is.
+    """
+    started = time.time()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            train(directory, steps=2, async_save=False)
+        finally:
+            os._exit(0)
+    _wait_for_save(directory, since=started, timeout=60)
+    begun = time.monotonic()
+    while not any(p.name.endswith(".meta.json") for p in directory.iterdir()) and time.monotonic() < begun + 60:
+        time.sleep(0.002)
+    duration = time.monotonic() - begun
+    os.waitpid(pid, 0)
+    for entry in directory.iterdir():  # start the rounds from an empty directory
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return duration
+
+
 def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    window = 1.2 * _save_duration(directory)
     rng = random.Random(seed)
     report = {"kills": 0, "async_kills": 0, "killed_mid_save": 0, "violations": [], "max_complete": 0,
-              "resumed_to_step": None}
+              "resumed_to_step": None, "kill_window_s": round(window, 3)}
     had_complete = False
     deadline = time.monotonic() + budget_s
     while report["kills"] < kills and time.monotonic() < deadline:
@@ -71,9 +98,9 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
             finally:
                 os._exit(0)
         # Wait for a save to start (its temporary entry appears), then kill at a random point of it:
-        # inside the write, the rename, the verification, the marker or the rotation.
+        # inside the write, the verification, the checksums, the rename, the marker or the rotation.
         _wait_for_save(directory, since=started, timeout=20)
-        time.sleep(rng.uniform(0.0, 0.15))
+        time.sleep(rng.uniform(0.0, window))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         report["kills"] += 1

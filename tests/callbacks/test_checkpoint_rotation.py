@@ -173,7 +173,8 @@ def test_failed_verification_keeps_older_checkpoints_and_stops(tmp_path, monkeyp
         verify(path, **kwargs)
 
     monkeypatch.setattr(files, "verify", broken_at_step_4)
-    with pytest.raises(RuntimeError, match=r"could not complete checkpoint .*step=00000004.ckpt \(RuntimeError: shard"):
+    with pytest.raises(RuntimeError, match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard missing\. "
+                                         r"Nothing was committed and the newest complete checkpoint, .*step=00000002.ckpt, is kept"):
         _fit(CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=1), 6, tmp_path)
     assert _steps(tmp_path) == [2], "the older checkpoint survives a new one that failed verification"
 
