@@ -19,7 +19,6 @@ from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
-from lightning_llm.planning.zero import parse_size
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.dcp_checkpoint import refuse_unverified
 from lightning_llm.strategies.deepspeed_checkpoint import KeepWriteErrors, saved_param_shapes

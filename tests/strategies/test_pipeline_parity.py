@@ -7,7 +7,6 @@ spans both stages; GPT-2's tied embedding lives on the first and last stage and 
 
 import lightning as L
 import pytest
-import torch
 
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
