@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -30,6 +29,7 @@ from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
+from lightning_llm.parallel.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
@@ -156,6 +156,18 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
             dp_replicate=self.data_parallel_replicate_size, replicate_all=self.zero_stage == 0,
         )
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """Models created in ``configure_model`` (or ``trainer.init_module()``) go on the meta device by default.
+
+        Nothing is allocated until :meth:`setup` has split and sharded the model; each rank then
+        allocates its own shards and runs the model's own init on them (see
+        :mod:`lightning_llm.parallel.materialize`). ``trainer.init_module(empty_init=False)`` keeps eager init.
+        """
+        with super().tensor_init_context(empty_init=True if empty_init is None else empty_init):
+            yield
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -181,14 +193,15 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
             options=self.ac_options, tp=self._tensor_parallel_size, sequence_parallel=self.sequence_parallel,
             num_microbatches=self.pipeline.num_microbatches if pipelined else None, device=self.root_device,
         )
+        init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
             blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
             pipeline=self.pipeline if pipelined else None, activation_checkpointing=checkpointing,
         )
-        if on_meta:
-            _materialize_distributed_module(module, self.root_device)
+        if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
+            materialize(module, self.root_device, init_fills)
         self.model = self.precision_plugin.convert_module(module)
         if not self.cpu_offload:
             self.model_to_device()
