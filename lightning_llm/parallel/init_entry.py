@@ -16,17 +16,16 @@ root ``reset_parameters()`` is called once and the leaves' defaults never overwr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from torch import nn
 
 
 def _entry_point(module: nn.Module) -> Callable[[], None] | None:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # transformers is optional
-        PreTrainedModel = ()  # noqa: N806
-    if PreTrainedModel and isinstance(module, PreTrainedModel):
+    # A Hugging Face model can only exist if transformers is imported; importing it otherwise costs memory and time.
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(module, transformers.PreTrainedModel):
         return _hf_init(module)
     for name in ("init_weights", "reset_parameters"):
         method = getattr(module, name, None)

@@ -97,30 +97,56 @@ def record_init(module: nn.Module) -> list[RandomFill]:
     return recorder.fills
 
 
-def _draw(fill: RandomFill, keep_rows: tuple[int, int] | None = None) -> torch.Tensor | None:
-    """Draw ``fill``'s full tensor from the global generator; return it whole, only rows ``keep_rows``, or nothing."""
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` in one buffer reused by every draw of a materialization.
+
+    Allocating a fresh buffer per parameter or chunk leaves the C allocator's heap fragmented and
+    resident: measured on the 1B preset, ~36 MiB more RSS per block than the shard itself.
+    """
+    numel = math.prod(shape)
+    buffer = _scratch.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch[dtype] = torch.empty(max(numel, _CHUNK_ELEMENTS), dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+def _draw(fill: RandomFill, keep_rows: tuple[int, int] | None = None, out: torch.Tensor | None = None):
+    """Draw ``fill``'s full tensor from the global generator.
+
+    Returns it whole (``keep_rows=None``), or copies rows ``keep_rows`` into ``out`` chunk by chunk
+    (``out=None``: the numbers are only drawn, to keep the generator in step).
+    """
     shape, numel = fill.shape, math.prod(fill.shape)
     if fill.op not in _CHUNKABLE or numel <= _CHUNK_ELEMENTS or not shape:
-        full = torch.empty(shape, dtype=fill.dtype)
+        full = _scratch_tensor(shape, fill.dtype)
         fill.op(full, *fill.args, **fill.kwargs)
         if keep_rows is None:
             return full
-        return full[keep_rows[0]:keep_rows[1]]
+        if out is not None:
+            out.copy_(full[keep_rows[0]:keep_rows[1]])
+        return None
     keep_rows = (0, shape[0]) if keep_rows is None else keep_rows
+    if out is None and keep_rows[1] > keep_rows[0]:
+        out = torch.empty((keep_rows[1] - keep_rows[0], *shape[1:]), dtype=fill.dtype)
     row = numel // shape[0]
     step = 16 // math.gcd(16, row)  # rows per 16-element boundary
     rows_per_chunk = max(step, (_CHUNK_ELEMENTS // row) // step * step)
-    kept, start = [], 0
+    buffer = _scratch_tensor((rows_per_chunk + step, *shape[1:]), fill.dtype)
+    start = 0
     while start < shape[0]:
         end = min(shape[0], start + rows_per_chunk)
         if (shape[0] - end) * row < 16:  # normal_ refills its last 16 values: the tail chunk must hold them
             end = shape[0]
-        chunk = torch.empty((end - start, *shape[1:]), dtype=fill.dtype)
+        chunk = buffer[:end - start]
         fill.op(chunk, *fill.args, **fill.kwargs)
-        if start < keep_rows[1] and end > keep_rows[0]:
-            kept.append(chunk[max(start, keep_rows[0]) - start:min(end, keep_rows[1]) - start])
+        low, high = max(start, keep_rows[0]), min(end, keep_rows[1])
+        if low < high:
+            out[low - keep_rows[0]:high - keep_rows[0]].copy_(chunk[low - start:high - start])
         start = end
-    return torch.cat(kept) if kept else None
+    return out
 
 
 def _row_range(tensor: DTensor) -> tuple[int, int] | None:
@@ -133,15 +159,14 @@ def _row_range(tensor: DTensor) -> tuple[int, int] | None:
 
 
 def _fill_local(target: torch.Tensor, fill: RandomFill) -> None:
+    """Fill this rank's part of ``target`` (the draw lives in the scratch buffer until the next draw)."""
     if not isinstance(target, DTensor):
         target.copy_(_draw(fill))
         return
     local = target.to_local()
     rows = _row_range(target)
     if rows is not None:
-        part = _draw(fill, keep_rows=rows)
-        if local.numel():
-            local.copy_(part)
+        _draw(fill, keep_rows=rows, out=local if local.numel() else None)
         return
     full = _draw(fill)
     if all(isinstance(p, Replicate) for p in target.placements):
@@ -239,6 +264,7 @@ def materialize(module: nn.Module, device: torch.device, fills: list[RandomFill]
             for _, init in entries:
                 init()
         replayer.skip_to(len(fills))
+    _scratch.clear()
     _check_ties(module, tied)
     return [name for name, _ in entries]
 
