@@ -28,6 +28,7 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
+from lightning_llm.hf.load import load_pretrained
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_llm.parallel.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
@@ -73,6 +74,9 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
             10 minutes by default rather than torch's 30: long enough for a checkpoint save or the first step's
             compilation, short enough that a rank that stopped responding does not hold the job for half an hour.
             Add :class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.
+        load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
+            index) loaded into the sharded model before training; its tensor names must match the module's
+            parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).
 
     Example::
 
@@ -106,6 +110,7 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
+        load_pretrained: str | None = None,
     ) -> None:
         validate_arguments(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                            data_parallel_replicate_size, zero_stage, sequence_parallel, num_microbatches,
@@ -142,6 +147,7 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         self._model_shape: ModelShape | None = None
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
+        self.load_pretrained = load_pretrained
 
     @override
     def setup_environment(self) -> None:
@@ -202,6 +208,8 @@ class LLMParallelStrategy(PipelineHooks, ModelParallelStrategy):
         )
         if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
             materialize(module, self.root_device, init_fills)
+        if self.load_pretrained is not None:
+            load_pretrained(module, self.load_pretrained)  # each rank reads only the slices it holds
         self.model = self.precision_plugin.convert_module(module)
         if not self.cpu_offload:
             self.model_to_device()
