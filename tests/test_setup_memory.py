@@ -16,8 +16,8 @@ def test_zero3_setup_allocates_only_the_rank_shard():
     rows = run_distributed(measure_setup_memory, 4, config, timeout=600)
     for rank, row in enumerate(rows):
         assert row["shard"] * 4 == pytest.approx(row["model"], rel=0.01), "ZeRO 3 should split the weights in 4"
-        # Measured: shard + 38..134 MiB (one 16 MiB draw buffer, allocator slack); the whole model is 1466 MiB.
-        assert row["peak"] <= row["shard"] + row["block"], (
+        # Measured: 404-406 MiB for a 367 MiB shard (bound 425 MiB); eager construction peaked at 2468 MiB.
+        assert row["peak"] <= row["shard"] + row["block"] / 4, (
             f"rank {rank}: peak RSS grew by {row['peak'] / 2**20:.0f} MiB during setup; its shard is "
             f"{row['shard'] / 2**20:.0f} MiB and one block {row['block'] / 2**20:.0f} MiB"
         )
