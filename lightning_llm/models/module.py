@@ -57,8 +57,10 @@ class CausalLM(L.LightningModule):
         self.val_loss = MeanMetric()
 
     def configure_model(self) -> None:
-        # Built here rather than in __init__ so Trainer.init_module / a strategy's init context decides
-        # the device and dtype (a 7B model is never materialised on the host first).
+        # Built here rather than in __init__ so the strategy's init context decides the device: under
+        # LLMParallelStrategy it is the meta device, and each rank later allocates only its shards and runs
+        # Llama.reset_parameters on them (lightning_llm.parallel.materialize). Under other strategies it
+        # is built eagerly on the host, unless wrapped in `trainer.init_module(empty_init=True)`.
         if self.model is None:
             self.model = Llama(self.config)
 

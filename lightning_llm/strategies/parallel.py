@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning.fabric.utilities.init import _materialize_distributed_module
+import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -29,7 +29,9 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
+from lightning_llm.hf.load import load_pretrained
 from lightning_llm.parallel.float8 import check_fp8_device, precompute_fp8_scales, validate_fp8
+from lightning_llm.parallel.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
@@ -82,6 +84,9 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             10 minutes by default rather than torch's 30: long enough for a checkpoint save or the first step's
             compilation, short enough that a rank that stopped responding does not hold the job for half an hour.
             Add :class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.
+        load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
+            index) loaded into the sharded model before training; its tensor names must match the module's
+            parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).
 
     Example::
 
@@ -117,6 +122,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
+        load_pretrained: str | None = None,
     ) -> None:
         validate_arguments(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                            data_parallel_replicate_size, zero_stage, sequence_parallel, num_microbatches,
@@ -166,6 +172,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         self._model_shape: ModelShape | None = None
         self.parallel_dims: ParallelDims | None = None
         self.report: ParallelizeReport | None = None
+        self.load_pretrained = load_pretrained
 
     @override
     def setup_environment(self) -> None:
@@ -179,6 +186,18 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             self.world_size, tp=self._tensor_parallel_size, pp=self.pipeline_parallel_size, dp=self._data_parallel_size,
             dp_replicate=self.data_parallel_replicate_size, replicate_all=self.zero_stage == 0,
         )
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """Models created in ``configure_model`` (or ``trainer.init_module()``) go on the meta device by default.
+
+        Nothing is allocated until :meth:`setup` has split and sharded the model; each rank then
+        allocates its own shards and runs the model's own init on them (see
+        :mod:`lightning_llm.parallel.materialize`). ``trainer.init_module(empty_init=False)`` keeps eager init.
+        """
+        with super().tensor_init_context(empty_init=True if empty_init is None else empty_init):
+            yield
 
     @property
     @override
@@ -205,6 +224,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             options=self.ac_options, tp=self._tensor_parallel_size, sequence_parallel=self.sequence_parallel,
             num_microbatches=self.pipeline.num_microbatches if pipelined else None, device=self.root_device,
         )
+        init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
             sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
@@ -212,8 +232,10 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             pipeline=self.pipeline if pipelined else None, activation_checkpointing=checkpointing,
             fp8=check_fp8_device(self.fp8, self.root_device), fp8_exclude=self.fp8_exclude,
         )
-        if on_meta:
-            _materialize_distributed_module(module, self.root_device)
+        if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
+            materialize(module, self.root_device, init_fills)
+        if self.load_pretrained is not None:
+            load_pretrained(module, self.load_pretrained)  # each rank reads only the slices it holds
         self.model = self.precision_plugin.convert_module(module)
         if not self.cpu_offload:
             self.model_to_device()

@@ -1,0 +1,40 @@
+"""Peak host memory of each rank while LLMParallelStrategy (ZeRO 3) builds, shards and initializes a model.
+
+The model is created in ``configure_model``: on the meta device, then each rank allocates its shard
+and initializes it (lightning_llm.parallel.materialize). ``--eager`` builds the whole model on every
+rank first (the behaviour before meta construction), for comparison.
+
+    python benchmarks/setup_memory.py --ranks 4 --preset 1B
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_llm.models import LlamaConfig
+from lightning_llm.testing import run_distributed
+from lightning_llm.testing.setup_memory import measure_setup_memory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--preset", default="1B")
+    parser.add_argument("--layers", type=int, help="override the preset's number of layers")
+    parser.add_argument("--eager", action="store_true", help="build the whole model on every rank (no meta device)")
+    args = parser.parse_args()
+    overrides = {"n_layers": args.layers} if args.layers else {}
+    config = LlamaConfig.from_name(args.preset, **overrides)
+    rows = run_distributed(measure_setup_memory, args.ranks, config, 3, False if args.eager else None, timeout=3600)
+    mib = 2**20
+    print(f"preset={args.preset} layers={config.n_layers} ranks={args.ranks} ZeRO 3 fp32, "
+          f"{'eager' if args.eager else 'meta'} construction; MiB")
+    print(f"{'rank':>4} {'peak RSS increase':>18} {'own shard':>10} {'shard + 25% block':>18} {'whole model':>12}")
+    for rank, row in enumerate(rows):
+        bound = row["shard"] + row["block"] / 4
+        print(f"{rank:>4} {row['peak'] / mib:>18.0f} {row['shard'] / mib:>10.0f} {bound / mib:>18.0f} "
+              f"{row['model'] / mib:>12.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Load a local Hugging Face checkpoint directory straight into a sharded, split or tensor-parallel model.
+
+Each rank opens the safetensors files lazily (``safe_open``) and reads only what it holds: the rows
+of its FSDP shard, or, for other placements (TP, TP x FSDP), the tensor it then slices with
+``distribute_tensor(src_data_rank=None)`` (no communication). Parameters are matched by name: a
+module whose parameter names end in the Hugging Face names (``HFCausalLM``'s ``model.`` prefix,
+any LightningModule holding a ``PreTrainedModel`` as an attribute) needs no table. Pipeline stages
+simply hold fewer parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+
+def checkpoint_files(hf_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name of a Hugging Face directory to its safetensors file (single file or sharded + index)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json; save the model with "
+            "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)."
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _match(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, dict[str, str]]:
+    """The prefix that, stripped from the module's names, gives the checkpoint's names; and the mapping."""
+    for candidate in sorted({n[: len(n) - len(c)] for n in module_names for c in checkpoint_names if n.endswith(c)}, key=len):
+        if candidate and not candidate.endswith("."):
+            continue
+        mapping = {n: n[len(candidate):] for n in module_names if n.startswith(candidate)}
+        if sum(v in checkpoint_names for v in mapping.values()) * 2 >= len(module_names):
+            return candidate, mapping
+    raise ValueError(
+        f"The checkpoint's tensor names (e.g. {sorted(checkpoint_names)[:3]}) do not match the model's parameter "
+        f"names (e.g. {module_names[:3]}) under any prefix; load into the Hugging Face model class that saved them."
+    )
+
+
+def _read(file_handle, key: str, target: torch.Tensor) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``key`` for ``target`` (a parameter, possibly a DTensor)."""
+    if isinstance(target, DTensor):
+        if target.device_mesh.ndim == 1 and target.placements == (Shard(0),):
+            rows = target.shape[0]
+            per_rank = -(-rows // target.device_mesh.size())
+            start = min(rows, per_rank * target.device_mesh.get_local_rank())
+            return file_handle.get_slice(key)[start:min(rows, start + per_rank)]
+        full = file_handle.get_tensor(key)
+        return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    return file_handle.get_tensor(key)
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
+    """Copy a Hugging Face checkpoint's tensors into ``module``'s (sharded) parameters; returns the names loaded.
+
+    Refuses, before copying anything, checkpoints that miss a parameter the model holds, hold
+    tensors the model does not have (on no rank or stage), or whose shapes differ.
+
+    Example::
+
+        model = HFCausalLM(...)                     # on meta, sharded, materialized
+        load_pretrained(model, "checkpoints/llama-hf")
+    """
+    from safetensors import safe_open
+
+    files = checkpoint_files(hf_dir)
+    params = dict(module.named_parameters())
+    all_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    prefix, mapping = _match(all_names, set(files))
+    missing = sorted(n for n in params if mapping.get(n) not in files)
+    expected = {mapping[n] for n in all_names if n in mapping}
+    if torch.distributed.is_initialized():  # pipeline stages each hold part of the names
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, expected)
+        expected = set().union(*every)
+    unexpected = sorted(set(files) - expected)
+    shapes = []
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        if name in mapping and mapping[name] in files:
+            by_file.setdefault(files[mapping[name]], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                saved = tuple(f.get_slice(mapping[name]).get_shape())
+                if saved != tuple(params[name].shape):
+                    shapes.append(f"{mapping[name]}: checkpoint {saved}, model {tuple(params[name].shape)}")
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"{hf_dir} does not fit the model (names compared after removing the prefix {prefix!r}): missing "
+            f"{missing[:10]}, unexpected {unexpected[:10]}, mis-shaped {shapes[:10]}. Load a checkpoint of the same "
+            "architecture and config (vocab size, layers, widths)."
+        )
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                param = params[name]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                part = _read(f, mapping[name], param)
+                if local.numel():
+                    local.copy_(part.to(local.dtype))
+    return sorted(params)

@@ -1,0 +1,92 @@
+"""Peak host memory (RSS) of each rank while ``LLMParallelStrategy`` builds, shards and initializes a model.
+
+Used by ``benchmarks/setup_memory.py`` and its test: the model is created in ``configure_model``
+(on the meta device under the strategy), so a rank's peak should be its own shard plus a bounded
+transient (one chunk of drawn random numbers), never the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import lightning as L
+import psutil
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.strategies import LLMParallelStrategy
+
+
+class _RSSSampler(L.Callback):
+    """Samples this process's RSS every few milliseconds from the ``setup`` hook (process group up) to ``on_fit_start``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self.baseline = interval, 0, 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        process = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.baseline = self.peak = psutil.Process().memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, psutil.Process().memory_info().rss)
+
+
+def _local_bytes(module) -> int:
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def measure_setup_memory(config: LlamaConfig, zero_stage: int = 3, empty_init: bool | None = None) -> dict[str, int]:
+    """On one rank: build ``CausalLM(config)`` through ``Trainer.fit`` (no step) and report bytes.
+
+    Returns ``peak`` (RSS increase during setup), ``shard`` (this rank's parameter bytes), ``block``
+    (one whole transformer block's bytes) and ``model`` (the whole model's bytes). ``empty_init=False``
+    restores eager construction (the whole model on every rank) for comparison.
+    """
+    torch.manual_seed(0)
+    module, sampler = _EagerCausalLM(config, empty_init), _RSSSampler()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=LLMParallelStrategy(zero_stage=zero_stage), max_steps=0,
+        num_sanity_val_steps=0, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler],
+    )
+    trainer.fit(module, LLMDataModule(num_tokens=2000, seq_len=16, batch_size=2, seed=0))
+    block = sum(p.numel() for p in module.model.layers[0].parameters())  # a DTensor's numel is its global size
+    model = sum(p.numel() for p in module.model.parameters())
+    return {"peak": sampler.peak - sampler.baseline, "shard": _local_bytes(module.model), "block": 4 * block,
+            "model": 4 * model}
+
+
+class _EagerCausalLM(CausalLM):
+    """CausalLM whose ``configure_model`` can opt out of the meta device (``empty_init=False``), for the 'before' row."""
+
+    def __init__(self, config: LlamaConfig, empty_init: bool | None) -> None:
+        super().__init__(config)
+        self.empty_init = empty_init
+
+    def configure_model(self) -> None:
+        if self.empty_init is False and self.model is None:
+            with torch.device("cpu"):
+                from lightning_llm.models.llama import Llama
+
+                self.model = Llama(self.config)
+            return
+        super().configure_model()

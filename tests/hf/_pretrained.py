@@ -1,0 +1,70 @@
+"""Fine-tuning from a saved tiny Hugging Face model: single process (from_pretrained) vs sharded layouts (load_pretrained)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_llm.data import LLMDataModule
+from lightning_llm.testing.models import _NextTokenModule
+from tests.strategies._parity import GlobalLoss
+
+STEPS = 10
+
+
+def hf_config(arch: str):
+    import transformers
+
+    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
+    return transformers.LlamaConfig(**kwargs) if arch == "llama" else transformers.Qwen2Config(**kwargs)
+
+
+class PretrainedLM(_NextTokenModule):
+    """Builds the HF model in configure_model: from the config (then weights come from the strategy) or from a directory."""
+
+    def __init__(self, arch: str, from_dir: str | None = None) -> None:
+        super().__init__(learning_rate=0.5)
+        self.arch, self.from_dir, self.model = arch, from_dir, None
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if self.model is None:
+            cls = transformers.LlamaForCausalLM if self.arch == "llama" else transformers.Qwen2ForCausalLM
+            self.model = cls.from_pretrained(self.from_dir) if self.from_dir else cls(hf_config(self.arch))
+
+    def logits(self, tokens):
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def save(arch: str, path: str) -> None:
+    import transformers
+
+    torch.manual_seed(7)
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    cls(hf_config(arch)).save_pretrained(path)
+
+
+def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, per_rank_batch: int) -> list[float]:
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    torch.manual_seed(0)
+    losses = GlobalLoss()
+    if strategy_kwargs is None:
+        module, strategy = PretrainedLM(arch, from_dir=path), "auto"
+    else:
+        module, strategy = PretrainedLM(arch), LLMParallelStrategy(load_pretrained=path, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
+    trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=per_rank_batch, seed=3))
+    return losses.losses
+
+
+def finetune_layouts(paths: dict[str, str]) -> dict:
+    out = {}
+    for arch, path in paths.items():
+        out[(arch, "zero3_dp2")] = finetune(arch, path, {"zero_stage": 3}, 2, 4)
+        out[(arch, "tp2")] = finetune(arch, path, {"tensor_parallel_size": 2}, 2, 8)
+    return out

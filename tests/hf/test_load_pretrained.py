@@ -1,0 +1,47 @@
+"""Pretrained Hugging Face weights into sharded layouts: 10 fine-tuning steps equal single-process from_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_llm.hf.load import load_pretrained
+from lightning_llm.testing import run_distributed
+from tests.hf._pretrained import finetune, finetune_layouts, hf_config, save
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    paths = {}
+    for arch in ("llama", "qwen2"):
+        paths[arch] = str(tmp_path_factory.mktemp(arch))
+        save(arch, paths[arch])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def sharded_losses(saved):
+    return run_distributed(finetune_layouts, 2, saved, timeout=600)[0]
+
+
+@pytest.mark.parametrize("layout", ["zero3_dp2", "tp2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_finetune_from_pretrained_matches_single_process(saved, sharded_losses, arch, layout):
+    expected = finetune(arch, saved[arch], None, 1, 8)
+    got = sharded_losses[(arch, layout)]
+    assert len(got) == len(expected) == 10
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_mismatched_checkpoint_is_refused(saved):
+    import transformers
+
+    config = hf_config("llama")
+    config.num_hidden_layers = 1
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.1"):
+        load_pretrained(model, saved["llama"])
+    config = hf_config("llama")
+    config.intermediate_size = 96
+    with pytest.raises(ValueError, match=r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'"):
+        load_pretrained(transformers.LlamaForCausalLM(config), saved["llama"])
