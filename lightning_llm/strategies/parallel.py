@@ -16,7 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy

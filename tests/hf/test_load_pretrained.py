@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.testing import run_distributed
