@@ -18,6 +18,7 @@ tells storages apart; fake tensors come from :mod:`lightning_llm.modeling.fake`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -212,11 +213,45 @@ def activation_bytes(
     batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
     _, blocks = find_blocks(module)
     with redirected_log(module):
-        sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
+        sizes = measure_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
     if activation_checkpointing == "full":
         return scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
     return scale * sum(s.saved for s in sizes)
+
+
+def measure_activations(module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object]) -> list[BlockActivations]:
+    """:func:`measure_block_activations` (fake tensors), or one real forward where a kernel has no fake version.
+
+    Some kernels lack a fake implementation for some dtypes (torch's grouped_mm, which Hugging Face MoE experts
+    use, demands bf16 on fake tensors). A model with real weights is then measured by :func:`measure_blocks`,
+    which holds at most one block's activations at a time; on the meta device the error stands.
+
+    Example::
+
+        sizes = measure_activations(module, list(module.model.layers), lambda: module.training_step(batch, 0))
+    """
+    on_meta = any(p.is_meta for p in module.parameters())
+    with _quiet_fake_kernel_errors(not on_meta):
+        try:
+            return measure_block_activations(module, blocks, step)
+        except RuntimeError:
+            if on_meta:
+                raise
+    return measure_blocks(blocks, step)
+
+
+@contextmanager
+def _quiet_fake_kernel_errors(quiet: bool):
+    """Silence torch's log of a failed fake kernel while a real-forward fallback is there to take over."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    if quiet:
+        fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
 
 
 def parameter_counts(module: nn.Module) -> tuple[int, int, int]:

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_llm.modeling.activations import BlockActivations, measure_blocks
 from lightning_llm.parallel.devices import total_device_memory
+from lightning_llm.parallel.kv_cache import refuse_cache_argument
 from lightning_llm.planning.activation_budget import plan_for_budget, predicted_peak, resolve_budget, validate_budget
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,12 @@ def checkpoint_block(block: nn.Module, context_fn: Callable | None = None) -> No
         raise RuntimeError(
             f"{type(block).__name__} is already activation-checkpointed; apply checkpointing once per block."
         ) from err
+    block.register_forward_pre_hook(_refuse_kv_cache, with_kwargs=True)
+
+
+def _refuse_kv_cache(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.is_grad_enabled():  # generation (no backward, nothing recomputed) keeps its cache
+        refuse_cache_argument(block, kwargs)
 
 
 def is_checkpointed(block: nn.Module) -> bool:

@@ -15,10 +15,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_llm.modeling.activations import measure_block_activations
+from lightning_llm.modeling.activations import measure_activations
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, block_policies
 from lightning_llm.parallel.devices import total_device_memory
+from lightning_llm.parallel.kv_cache import disable_kv_cache
 from lightning_llm.parallel.pipeline_stages import split_microbatches
 from lightning_llm.planning.activation_budget import plan_for_budget, resolve_budget
 from lightning_llm.strategies.zero_auto import example_batch
@@ -31,6 +32,7 @@ def plan_checkpointing(
     """(policy per block, the function that checkpoints a rank's blocks) for ``mode``; ``(["none"...], None)`` if off."""
     if mode == "none":
         return ["none"] * len(blocks), None
+    disable_kv_cache(module)  # before "auto" measures: a cache would grow in the measuring forward too
     auto = None
     if mode == "auto":
         auto = _auto_policies(trainer, module, list(blocks), options=options, tp=tp, sequence_parallel=sequence_parallel,
@@ -54,7 +56,7 @@ def _auto_policies(trainer, module, blocks, *, options, tp, sequence_parallel, n
     if num_microbatches:
         batch = split_microbatches(batch, num_microbatches)[0]
     with redirected_log(module):
-        sizes = measure_block_activations(module, blocks, lambda: module.training_step(batch, 0))
+        sizes = measure_activations(module, blocks, lambda: module.training_step(batch, 0))
     # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
     saved = [s.saved // tp for s in sizes]
     inputs = [s.input // (tp if sequence_parallel else 1) for s in sizes]

@@ -65,6 +65,9 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         zero_stage: 0 (replicated), 1 and 2 (optimizer state and gradients sharded), 3 (everything sharded), or
             "auto": the least-communication stage (then CPU offload) that the memory planner finds fits.
         device_memory: bytes (or "80GB") per device for "auto" planning; default: what the device reports.
+        micro_batch_size: samples per micro-batch for "auto" planning (default: the datamodule's ``batch_size``,
+            else the first training batch).
+        seq_len: tokens per sample for "auto" planning (default: the datamodule's ``seq_len``, else the first batch).
         sequence_parallel: shard activations between blocks along the sequence (needs tp > 1).
         tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
             LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
@@ -118,6 +121,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
         activation_checkpointing: str = "none",
         activation_checkpointing_options: dict | None = None,
         device_memory: int | str | None = None,
+        micro_batch_size: int | None = None,
+        seq_len: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
@@ -133,7 +138,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             timeout=timeout,
         )
         self.zero_stage = zero_stage
-        self.device_memory = device_memory
+        self.device_memory, self.micro_batch_size, self.seq_len = device_memory, micro_batch_size, seq_len
+        self.decision = None  # the planner's ZeroDecision once zero_stage="auto" is resolved
         self.sequence_parallel = sequence_parallel
         self.tensor_parallel_plan = tensor_parallel_plan
         self.blocks = blocks
@@ -284,10 +290,10 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
     def _choose_zero_stage(self, trainer, module) -> None:
         """Plan memory for every stage and take the least-communication one that fits (before training)."""
         dims = self.parallel_dims
-        decision = decide_and_report(
+        self.decision = decision = decide_and_report(
             trainer, module, name="LLMParallelStrategy", world_size=dims.world_size, tp=dims.tp, pp=dims.pp,
             dp_replicate=dims.dp_replicate, activation_checkpointing=self.activation_checkpointing, backend="native",
-            allow_offload=True, **planning_inputs(trainer, self.root_device, self.device_memory, None, None),
+            allow_offload=True, **planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len),
         )
         self.zero_stage, self.cpu_offload = decision.stage, decision.offload != "none"
 

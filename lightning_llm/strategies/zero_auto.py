@@ -14,6 +14,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import IterableDataset
 
 from lightning_llm.modeling.activations import activation_bytes, parameter_counts
 from lightning_llm.parallel.devices import total_device_memory
@@ -50,17 +52,37 @@ def choose_zero_stage(model: nn.Module, *, micro_batch_size: int, seq_len: int, 
 
 def planning_inputs(trainer: L.Trainer, device: torch.device, device_memory: int | str | None,
                     micro_batch_size: int | None, seq_len: int | None) -> dict[str, int]:
-    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run."""
+    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run.
+
+    The shape comes from, in order: the strategy's arguments, the datamodule's ``batch_size``/``seq_len``
+    hyperparameters, and the first training batch (its first tensor of two or more dims, read as
+    (batch, sequence)): a plain DataLoader passed to ``fit`` or a datamodule without those hparams.
+    """
     hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
     micro_batch_size = micro_batch_size or hparams.get("batch_size")
     seq_len = seq_len or hparams.get("seq_len")
     if not micro_batch_size or not seq_len:
-        raise ValueError(
-            "Automatic ZeRO selection needs the micro-batch shape: pass micro_batch_size and seq_len to the strategy "
-            "(they are read from the datamodule's batch_size and seq_len when it has them)."
-        )
+        batch_size, batch_seq_len = _first_batch_shape(trainer, device)
+        micro_batch_size, seq_len = micro_batch_size or batch_size, seq_len or batch_seq_len
     memory = parse_size(device_memory) if device_memory is not None else total_device_memory(device)
     return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
+
+
+def _first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, int]:
+    try:
+        batch = example_batch(trainer, device)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"Automatic ZeRO selection needs the micro-batch shape and could not read a training batch ({error}). "
+            "Pass micro_batch_size and seq_len to the strategy."
+        ) from error
+    tokens = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if tokens is None:
+        raise ValueError(
+            "Automatic ZeRO selection reads the micro-batch shape from the first training batch, but it holds no "
+            "tensor of shape (batch, sequence, ...). Pass micro_batch_size and seq_len to the strategy."
+        )
+    return tokens.shape[0], tokens.shape[1]
 
 
 def decide_and_report(trainer: L.Trainer, module: nn.Module, *, name: str, **planning: Any) -> ZeroDecision:
@@ -80,7 +102,7 @@ def example_batch(trainer: L.Trainer, device: torch.device) -> Any:
         # Dataloaders passed straight to fit(): Lightning keeps them in the fit loop's data source (private).
         loader = trainer.fit_loop._data_source.dataloader()
     dataset, size = loader.dataset, loader.batch_size
-    if size is None or not hasattr(dataset, "__getitem__"):
+    if size is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise ValueError(
             "activation_checkpointing='auto' measures one batch from a map-style dataset with a batch_size; "
             "this DataLoader has neither. Choose 'full' or 'selective' instead."

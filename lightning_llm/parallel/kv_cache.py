@@ -1,0 +1,53 @@
+"""A Hugging Face KV cache and activation checkpointing do not mix; turn the cache off for training.
+
+A Hugging Face decoder called the ordinary way (``model(input_ids)``, ``use_cache`` at its config's
+default ``True``) appends each block's keys and values to a cache object inside the block. A
+checkpointed block runs twice, so its recomputation appends again and sees different tensors than
+the forward did: torch then reports a "nondeterministic" region (selective) or the attention shapes
+disagree (full). Hugging Face's own ``gradient_checkpointing_enable`` sets ``config.use_cache = False``
+for the same reason; :func:`disable_kv_cache` does the same for any model holding such configs, and
+:func:`refuse_cache_argument` stops a block that is handed a cache anyway, before any backward runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Keyword arguments through which Hugging Face blocks receive the cache (the name changed across versions).
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def disable_kv_cache(module: nn.Module) -> list[str]:
+    """Set ``config.use_cache = False`` on every submodule's config that has it on; return those modules' names.
+
+    Example::
+
+        disable_kv_cache(lightning_module)   # ['model'] for a LightningModule holding LlamaForCausalLM as .model
+    """
+    changed, seen = [], set()
+    for name, submodule in module.named_modules():
+        config = getattr(submodule, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            changed.append(name or type(submodule).__name__)
+    if changed:
+        log.info(f"Activation checkpointing: set config.use_cache=False on {changed} (a KV cache cannot be recomputed)")
+    return changed
+
+
+def refuse_cache_argument(block: nn.Module, kwargs: dict) -> None:
+    """Raise if a checkpointed block is handed a KV cache (``use_cache=True`` passed explicitly)."""
+    for key in CACHE_ARGUMENTS:
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{type(block).__name__} is activation-checkpointed but received a KV cache ({key}); the recomputation "
+                "would append to it a second time. Train with use_cache=False (do not pass use_cache=True to the "
+                "model's forward), or set activation_checkpointing='none'."
+            )

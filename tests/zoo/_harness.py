@@ -1,0 +1,112 @@
+"""One zoo cell: train a model under a layout on this rank; many models share one process group.
+
+Data is a plain ``DataLoader`` over a token tensor (Lightning adds the distributed sampler), so the
+strategy learns the micro-batch shape from the batches themselves. Every rank returns its full
+parameters; rank 0 merges them and lists the parameters whose copies differ between ranks.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.strategies._parity import GlobalLoss
+from tests.zoo._models import VOCAB, ZooLM
+
+STEPS = 4
+GLOBAL_BATCH = 4
+SEQ_LEN = 16
+
+LAYOUTS = {
+    "dp2_zero3": (2, {"zero_stage": 3}),
+    "tp2": (2, {"tensor_parallel_size": 2}),
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+    "dp2xtp2": (4, {"tensor_parallel_size": 2, "zero_stage": 3}),
+    "ac_selective": (2, {"zero_stage": 3, "activation_checkpointing": "selective"}),
+    "ac_full": (2, {"zero_stage": 3, "activation_checkpointing": "full"}),
+    "zero_auto": (2, {"zero_stage": "auto"}),
+}
+
+
+# (model, layout) -> the largest relative per-step loss difference, or "x"; printed by conftest after the run.
+TABLE: dict = {}
+
+
+def table_lines() -> list[str]:
+    """The model x layout table of TABLE, for the terminal summary."""
+    from tests.zoo._models import MODELS
+
+    layouts = [layout for layout in LAYOUTS if any(key[1] == layout for key in TABLE)]
+    lines = ["model zoo: max relative per-step loss difference vs one process (x: fails)",
+             f"{'model':<15}" + "".join(f"{layout:>14}" for layout in layouts)]
+    for name in MODELS:
+        cells = [TABLE.get((name, layout), "") for layout in layouts]
+        lines.append(f"{name:<15}" + "".join(f"{c:>14.1e}" if isinstance(c, float) else f"{c:>14}" for c in cells))
+    return lines
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+
+
+def _local_state(model) -> dict[str, torch.Tensor]:
+    # Every rank gets whole tensors; a parameter replicated over TP comes back as this rank's own copy.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
+    """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs).
+
+    The last item is what ``zero_stage="auto"`` planned for: (micro_batch_size, seq_len), or ``None``.
+    """
+    model = ZooLM(name)
+    losses = GlobalLoss()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+    )
+    data = tokens()
+    # Lightning gives a distributed run's training loader a shuffling DistributedSampler (seed 0); the
+    # single process reads the same permutation, so both see the same global batches.
+    sampler = None if strategy is not None else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // dp, sampler=sampler))
+    if strategy is None:
+        return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, [], None
+    state = _local_state(model)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    merged, differing = {}, set()
+    for rank_state in states:
+        for key, value in rank_state.items():
+            if key in merged and not torch.equal(merged[key], value):
+                differing.add(key)
+            merged.setdefault(key, value)
+    planned = strategy.decision
+    return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations
+
+
+def train_zoo(layouts: list[str], models: list[str]) -> dict | None:
+    """Train every model under each layout (all of one world size) on this rank, one process group for all.
+
+    Rank 0 returns {layout: {model: result, or the error text}}; a model's failure is its cell's result.
+    """
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    results = {}
+    for layout in layouts:
+        world_size, kwargs = LAYOUTS[layout]
+        dp = world_size // kwargs.get("tensor_parallel_size", 1) // kwargs.get("pipeline_parallel_size", 1)
+        results[layout] = {}
+        for name in models:
+            try:
+                results[layout][name] = train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp)
+            except Exception as error:  # noqa: BLE001
+                results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
+    return results if dist.get_rank() == 0 else None
