@@ -14,8 +14,9 @@ def test_real_weights_fall_back_to_one_real_forward_and_meta_weights_refuse():
     with pytest.raises(RuntimeError, match="BF16"):  # why the fallback exists
         measure_block_activations(module, blocks, step)
     assert measure_activations(module, blocks, step) == measure_blocks(blocks, step)
-    # Twice the batch keeps twice the activations: the planner sees the shape it is given.
-    assert activation_bytes(module, micro_batch_size=4, seq_len=15) == 2 * activation_bytes(module, micro_batch_size=2, seq_len=15)
+    # Twice the batch keeps about twice the activations (expert buckets vary a little with routing).
+    twice, once = (activation_bytes(module, micro_batch_size=b, seq_len=15) for b in (4, 2))
+    assert twice == pytest.approx(2 * once, rel=1e-3)
     with torch.device("meta"):
         on_meta = ZooLM("mixtral")
     with pytest.raises(RuntimeError, match="BF16"):
