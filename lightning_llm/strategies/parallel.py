@@ -43,7 +43,7 @@ from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipel
 from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
-from lightning_llm.validation import check_timeout
+from lightning_llm.validation import check_int, check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
                            data_parallel_replicate_size, zero_stage, sequence_parallel, num_microbatches,
                            virtual_stages, device_memory)
         timeout = check_timeout("timeout", timeout)
+        check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
+        check_int("seq_len", seq_len, minimum=1, optional=True)
         super().__init__(
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,

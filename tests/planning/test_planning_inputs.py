@@ -40,6 +40,8 @@ def test_the_strategys_arguments_come_first():
     assert (inputs["micro_batch_size"], inputs["seq_len"]) == (5, 7)
     strategy = LLMParallelStrategy(zero_stage="auto", micro_batch_size=5, seq_len=7)
     assert (strategy.micro_batch_size, strategy.seq_len) == (5, 7)
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        LLMParallelStrategy(zero_stage="auto", micro_batch_size=0)
 
 
 def test_an_unreadable_loader_names_the_arguments_that_fix_it():
