@@ -13,8 +13,8 @@ they also prove the strategy turns the KV cache off. The ``zero_auto`` cell pass
 so the planner must read the micro-batch shape from the first batch. MoE models (Mixtral, Qwen3-MoE)
 pass the same checks, their routers' weights included.
 
-Cells marked xfail fail today for the tensor-parallel gaps of issue 12 (items 2-4 and 6) being fixed on
-another branch; strict, so the marks must be removed when those land.
+Cells marked xfail fail today for the tensor-parallel gaps issue 12 still has (fused QKV and Conv1D, Phi-3's
+fused qkv_proj, OLMo2 under SP, MoE experts refused under TP); strict, so a fix must remove its mark.
 """
 
 from __future__ import annotations
@@ -34,21 +34,19 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SLOW = {"dp2xtp2"}
 TP_LAYOUTS = ("tp2", "tp2_sp", "dp2xtp2")
 
-_HF_PLAN = "ValueError at setup: the HF _tp_plan style{} {} is not mapped"
+_MOE = ("ValueError at setup: HF _tp_plan entries 'packed_colwise'/'moe_tp_experts' (3-D expert weights) are refused "
+        "(no expert TP); the message prints a plan that keeps each MoE block whole")
 _FUSED_QKV = "ValueError at setup: fused attn.qkv ({}) is refused as a fused projection; TP for fused QKV is missing"
 TP_GAPS = {
-    "qwen3": _HF_PLAN.format("", "'replicated_with_grad_allreduce' (q_norm/k_norm)"),
-    "gemma3": _HF_PLAN.format("", "'replicated_with_grad_allreduce' (q_norm/k_norm)"),
-    "qwen3_moe": _HF_PLAN.format("s", "'replicated_with_grad_allreduce', 'packed_colwise', 'moe_tp_experts'"),
-    "phi3": _HF_PLAN.format("", "'rowwise_split_input' (o_proj, down_proj)"),
-    "olmo2": _HF_PLAN.format("", "'rowwise_split_input' (o_proj)"),
-    "mixtral": _HF_PLAN.format("s", "'packed_colwise', 'moe_tp_experts' (experts)"),
+    "phi3": ("RuntimeError in SDPA 'Number of heads in key and value must divide the number of heads in query': "
+             "the fused qkv_proj is split column-wise, not per head"),
+    "mixtral": _MOE,
+    "qwen3_moe": _MOE,
     "gpt2": "ValueError at setup: Conv1D layers are not sharded ('no nn.Linear layer to shard')",
     "litgpt_llama": _FUSED_QKV.format("32 -> 64"),
     "litgpt_pythia": _FUSED_QKV.format("32 -> 96"),
 }
-# GPT-NeoX's HF plan has no embedding entry, so under SP the first block gets the full sequence as a local shard.
-SP_GAPS = {"gpt_neox": "RuntimeError in HF rotary: size of tensor a (32) must match b (16) (SP boundary missing)"}
+SP_GAPS = {"olmo2": "RuntimeError under SP: 'aten.mul.Tensor got mixed torch.Tensor and DTensor' (OLMo2 q_norm/k_norm)"}
 
 
 def _marks(layout: str, name: str) -> list:
