@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,28 +19,23 @@ from typing_extensions import override
 from lightning_llm.callbacks import checkpoint_checksums as checksums
 from lightning_llm.callbacks import checkpoint_errors as errors
 from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.callbacks.checkpoint_commit import (
+    Pending,
+    check_writable,
+    commit,
+    default_dirpath,
+    rotate,
+    validate_options,
+)
 from lightning_llm.callbacks.checkpoint_errors import GuardedWrite
 from lightning_llm.callbacks.checkpoint_load import VerifiedLoad
 from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
-from lightning_llm.validation import check_float, check_int
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state per global rank
-
-
-@dataclass
-class _Pending:
-    """A save whose files may still be in flight: committed (rank 0) and rotated once they are written."""
-
-    tmp: Path
-    final: Path
-    meta: dict[str, Any]
-    resumed_from: str | None
-    future: Future | None = None  # an asynchronous save's files on this rank
-    error: str | None = None  # why writing failed on this rank
 
 
 class CheckpointRotation(ModelCheckpoint):
@@ -105,7 +97,7 @@ class CheckpointRotation(ModelCheckpoint):
         verify: Literal["files", "load"] = "files",
         require_monitor: bool = True,
     ) -> None:
-        _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
+        validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
         super().__init__(
             dirpath=dirpath, monitor=monitor, mode=mode, save_top_k=-1, save_last=False,
             every_n_train_steps=None, train_time_interval=None, save_on_train_epoch_end=False,
@@ -118,7 +110,7 @@ class CheckpointRotation(ModelCheckpoint):
         self._async = False
         self._last_save_time = time.monotonic()
         self._last_saved_step = self._last_step_seen = -1
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self.require_monitor, self._validated = require_monitor, False
         self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
@@ -137,7 +129,7 @@ class CheckpointRotation(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Not ModelCheckpoint.setup: its default directory moves with the logger's version and it
         # warns about a non-empty directory, which is how every resumed run starts.
-        self.dirpath = trainer.strategy.broadcast(str(self.dirpath or _default_dirpath(trainer)))
+        self.dirpath = trainer.strategy.broadcast(str(self.dirpath or default_dirpath(trainer)))
         self._fs = get_filesystem(self.dirpath)
         if stage != "fit":
             return
@@ -147,7 +139,7 @@ class CheckpointRotation(ModelCheckpoint):
         if single_file and not isinstance(strategy.checkpoint_io, VerifiedLoad):
             strategy.checkpoint_io = VerifiedLoad(strategy.checkpoint_io, strategy, lambda: self._resolved_last)
         if trainer.is_global_zero:
-            _check_writable(self.directory)
+            check_writable(self.directory)
             for leftover in files.clean_incomplete(self.directory):
                 log.warning("CheckpointRotation: removed incomplete checkpoint leftover %s", leftover)
         trainer.strategy.barrier("CheckpointRotation.setup")
@@ -170,7 +162,7 @@ class CheckpointRotation(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        directory = Path(self.dirpath or _default_dirpath(trainer))
+        directory = Path(self.dirpath or default_dirpath(trainer))
         complete = files.complete_checkpoints(directory) if directory.is_dir() else []
         skipped = []
         for checkpoint in reversed(complete):
@@ -249,7 +241,7 @@ class CheckpointRotation(ModelCheckpoint):
         final = self.directory / f"step={trainer.global_step:08d}.ckpt"
         tmp = final.with_name(files.TMP_PREFIX + final.name)
         ckpt_path = trainer.ckpt_path
-        pending = _Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
+        pending = Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
         strategy = trainer.strategy
         # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
         # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
@@ -326,35 +318,15 @@ class CheckpointRotation(ModelCheckpoint):
                 "resume with ckpt_path='last'."
             )
 
-    def _commit(self, pending: _Pending) -> None:
-        """Verify the written data, rename it into place and write its marker (rank 0)."""
-        world_size = pending.meta["layout"]["world_size"]
-        files.verify(pending.tmp, trial_load=self.verify_mode == "load", world_size=world_size)
-        pending.meta["checksums"] = checksums.compute(pending.tmp)  # of the bytes verified above
-        files.fsync_tree(pending.tmp)  # the data must be durable before a marker says it is complete
-        if pending.final.exists():  # a run resumed from an older checkpoint reached this step again
-            files.remove(pending.final)
-        os.replace(pending.tmp, pending.final)
-        files.fsync_dir(pending.final.parent)
-        files.write_json_atomically(files.marker_path(pending.final), pending.meta)
+    def _commit(self, pending: Pending) -> None:
+        commit(pending, trial_load=self.verify_mode == "load")
         self.last_model_path = str(pending.final)
 
     def _rotate(self, resumed_from: str | None) -> None:
-        """Delete complete checkpoints that are neither among the newest, the best, nor the resumed-from one."""
-        complete = files.complete_checkpoints(self.directory)
-        keep = set(complete[-self.keep_last :])
-        scores = {path: meta["score"] for path in complete
-                  if (meta := files.read_marker(path)) and meta.get("monitor") == self.monitor and "score" in meta}
-        best = sorted(scores, key=scores.get, reverse=self.mode == "max")
-        if best:
-            self.best_model_path, self.best_model_score = str(best[0]), torch.tensor(scores[best[0]])
-        keep |= set(best[: self.keep_best])
-        resumed = Path(resumed_from).resolve() if resumed_from else None
-        inside = self.directory.resolve()
-        for path in complete:
-            if path in keep or path.resolve() == resumed or path.resolve().parent != inside:
-                continue
-            files.remove(path)
+        best = rotate(self.directory, keep_last=self.keep_last, keep_best=self.keep_best, monitor=self.monitor,
+                      mode=self.mode, resumed_from=resumed_from)
+        if best is not None:
+            self.best_model_path, self.best_model_score = str(best[0]), torch.tensor(best[1])
 
     def _metadata(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         loss = trainer.callback_metrics.get("train_loss")
@@ -373,41 +345,3 @@ class CheckpointRotation(ModelCheckpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = state_dict.get("tokens_seen", 0)
-
-
-def _validate(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify) -> None:
-    check_int("keep_last", keep_last)
-    check_int("every_n_train_steps", every_n_train_steps, optional=True)
-    check_float("every_n_minutes", every_n_minutes, optional=True)
-    check_int("keep_best", keep_best)
-    if keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}: at least 1 checkpoint must be kept (the newest complete one).")
-    if every_n_train_steps is not None and every_n_train_steps < 1:
-        raise ValueError(f"every_n_train_steps={every_n_train_steps} must be a positive number of steps, or None.")
-    if every_n_minutes is not None and every_n_minutes <= 0:
-        raise ValueError(f"every_n_minutes={every_n_minutes} must be a positive number of minutes, or None.")
-    if every_n_train_steps is None and every_n_minutes is None and not save_on_train_end:
-        raise ValueError("CheckpointRotation would never save: set every_n_train_steps, every_n_minutes or "
-                         "save_on_train_end=True.")
-    if keep_best < 0:
-        raise ValueError(f"keep_best={keep_best} must be 0 or more.")
-    if keep_best and monitor is None:
-        raise ValueError(f"keep_best={keep_best} needs `monitor`, the metric that ranks checkpoints.")
-    if verify not in ("files", "load"):
-        raise ValueError(f"verify={verify!r}: choose 'files' or 'load'.")
-
-
-def _default_dirpath(trainer: L.Trainer) -> str:
-    return os.path.join(trainer.default_root_dir, "checkpoints")
-
-
-def _check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / (files.TMP_PREFIX + "write-test")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(
-            f"CheckpointRotation cannot write to {directory} ({err.strerror}); choose a writable dirpath."
-        ) from err

@@ -10,10 +10,8 @@ checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`
 from __future__ import annotations
 
 import logging
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -23,7 +21,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
@@ -35,9 +32,9 @@ from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
-from lightning_llm.strategies.checkpoint_keys import matching_keys
-from lightning_llm.strategies.parallel_contract import AsyncSave, ParallelContract
+from lightning_llm.strategies.parallel_contract import ParallelContract
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, validate_arguments
+from lightning_llm.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
 from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
@@ -48,7 +45,7 @@ from lightning_llm.validation import check_int, check_timeout
 log = logging.getLogger(__name__)
 
 
-class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy):
+class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHooks, ModelParallelStrategy):
     """Train an ordinary LightningModule LLM with ZeRO data parallelism and tensor (+ sequence) parallelism.
 
     Unlike Lightning's ``ModelParallelStrategy`` the user writes no ``configure_model``
@@ -261,17 +258,6 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
             _optimizers_to_device(self.optimizers, self.root_device)
         self._log_layout()
 
-    def _check_microbatches(self, trainer) -> None:
-        """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches."""
-        hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-        batch_size, micro = hparams.get("batch_size"), self.pipeline.num_microbatches
-        if self.pipeline_parallel_size > 1 and isinstance(batch_size, int) and batch_size % micro:
-            raise ValueError(
-                f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}, so it "
-                f"cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
-                "num_microbatches that divides it."
-            )
-
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -317,64 +303,6 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ModelParallelStrategy
     @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
-
-    @override
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.strategies.dcp_checkpoint`)."""
-        if not self._save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
-        return dcp_checkpoint.optimizer_state(self.model, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # A failed write raises the same SaveFailed on every rank, so no rank is left waiting in a collective.
-        save_on_every_rank(lambda: self._save_checkpoint(checkpoint, filepath, storage_options), filepath)
-
-    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
-        if isinstance(storage_options, AsyncSave):
-            if self._save_distributed_checkpoint:
-                storage_options.future = self._saver.save(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank)
-                return
-            storage_options = None
-        self._saver.wait()  # one save at a time: an asynchronous one still writing finishes first
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint this strategy saved into this layout, whatever layout saved it (DCP reshards by name).
-
-        A full single file (``save_distributed_checkpoint=False``) goes through Lightning's loader. Both are
-        strict both ways unless ``strict_loading=False``, and a checkpoint committed by CheckpointRotation is
-        first checked against its checksums (:mod:`lightning_llm.strategies.dcp_checkpoint`).
-        """
-        self._saver.wait()
-        path = Path(self.broadcast(str(checkpoint_path)))
-        dcp_checkpoint.refuse_unverified(self, path)
-        strict = self.lightning_module.strict_loading
-        if path.is_file():
-            if strict:
-                matching_keys(dcp_checkpoint.model_shapes(self.model), dcp_checkpoint.file_shapes(path), strict,
-                              str(path))
-            return super().load_checkpoint(path, weights_only=weights_only)
-        return dcp_checkpoint.load(self.model, self.optimizers, path, strict, weights_only)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until the last asynchronous checkpoint is fully written on this rank."""
-        self._saver.wait()
-
-    @override
-    def teardown(self) -> None:
-        # Lightning also tears down while an error propagates; a failed background save was already
-        # reported then (CheckpointRotation raised it), and must not replace that error.
-        handling = sys.exc_info()[1] is not None
-        try:
-            self._saver.wait()
-        except SAVE_ERRORS as err:
-            if not handling:
-                raise SaveFailed("(asynchronous save)", describe(err, Path("."))) from err
-            log.warning("An asynchronous checkpoint write failed (already reported): %s", err)
-        finally:
-            super().teardown()
 
     @contextmanager
     @override

@@ -50,3 +50,14 @@ class PipelineHooks:
             self.precision_plugin.post_backward(closure_loss, module)  # and on_after_backward
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _check_microbatches(self, trainer) -> None:
+        """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches."""
+        hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
+        batch_size, micro = hparams.get("batch_size"), self.pipeline.num_microbatches
+        if self.pipeline_parallel_size > 1 and isinstance(batch_size, int) and batch_size % micro:
+            raise ValueError(
+                f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}, so it "
+                f"cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
+                "num_microbatches that divides it."
+            )
