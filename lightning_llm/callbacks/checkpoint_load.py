@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,12 @@ class VerifiedLoad(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        if Path(path).is_dir():  # torch.load would fail with a bare IsADirectoryError
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint of LLMParallelStrategy or DeepSpeed), "
+                f"but {type(self.strategy).__name__} loads single-file checkpoints. Resume with the strategy that "
+                f"saved it, or consolidate it first: python -m lightning_llm.checkpoint {path} out.ckpt"
+            )
         if str(path) != self.verified() and (error := checksums.refusal(path)) is not None:
             raise ValueError(error)
         checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)

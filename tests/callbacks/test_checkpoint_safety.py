@@ -186,3 +186,14 @@ def test_single_device_loading_is_strict_both_ways_with_strict_loading_as_the_op
     reference = torch.load(saved, weights_only=True)["state_dict"]  # oracle: the file as torch reads it
     for name, tensor in lenient.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_sharded_directory_given_to_a_single_file_strategy_is_named_before_any_step(tmp_path):
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"")  # what a DCP checkpoint directory holds
+    callback = CheckpointRotation(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)
+    with pytest.raises(ValueError, match="is a directory") as error:
+        fit(tmp_path, 2, callback, ckpt_path=str(sharded))
+    assert str(sharded) in str(error.value) and "python -m lightning_llm.checkpoint" in str(error.value)
+    assert steps_in(tmp_path / "ckpt") == [], "no training step ran, so nothing was saved"
