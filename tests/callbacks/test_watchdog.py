@@ -34,6 +34,7 @@ class _Hang(L.Callback):
 
 
 def _run_with_a_hung_rank(report: str):
+    L.seed_everything(0)  # the model is initialized on each rank's shards from the same generator state
     hang = _Hang()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=0, timeout=TIMEOUT), max_steps=4,
