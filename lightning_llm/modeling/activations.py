@@ -209,15 +209,26 @@ def activation_bytes(
     runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
     every saved activation in 16 bits).
     """
+    return activation_bytes_by_mode(module, micro_batch_size=micro_batch_size, seq_len=seq_len, batch_fn=batch_fn,
+                                    precision=precision)[activation_checkpointing == "full"]
+
+
+def activation_bytes_by_mode(
+    module: nn.Module, *, micro_batch_size: int, seq_len: int, batch_fn=None, precision: str = "32-true",
+) -> tuple[float, float]:
+    """(without checkpointing, with full checkpointing) bytes of :func:`activation_bytes`, from one fake forward.
+
+    Example::
+
+        none, full = activation_bytes_by_mode(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
+    """
     device = next(module.parameters()).device
     batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
     _, blocks = find_blocks(module)
     with redirected_log(module):
         sizes = measure_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
-    if activation_checkpointing == "full":
-        return scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
-    return scale * sum(s.saved for s in sizes)
+    return scale * sum(s.saved for s in sizes), scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
 
 
 def measure_activations(module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object]) -> list[BlockActivations]:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
-from lightning_llm.modeling.activations import activation_bytes, parameter_counts
+from lightning_llm.modeling.activations import activation_bytes_by_mode, parameter_counts
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import ZeroDecision, parse_size, plan_zero_stage
@@ -33,9 +33,8 @@ def model_footprint(module: nn.Module, *, micro_batch_size: int, seq_len: int, p
         model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     num_params, largest, outside = parameter_counts(module)
-    acts = {mode: activation_bytes(module, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                   activation_checkpointing=mode, precision=precision) for mode in ("none", "full")}
-    return ModelFootprint(num_params, largest, outside, acts["none"], acts["full"])
+    none, full = activation_bytes_by_mode(module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+    return ModelFootprint(num_params, largest, outside, none, full)
 
 
 def choose_zero_stage(model: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true",
