@@ -15,3 +15,7 @@ def _fresh_seed(monkeypatch):
     monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     torch.manual_seed(0)
     yield
+    # A seed set during the test is not undone by monkeypatch (the variables were absent when it ran),
+    # and would reach the ranks a later module-scoped fixture spawns: drop it here.
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
