@@ -16,12 +16,12 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_llm.callbacks import checkpoint_checksums as checksums
 from lightning_llm.callbacks import checkpoint_errors as errors
 from lightning_llm.callbacks import checkpoint_files as files
 from lightning_llm.callbacks.checkpoint_commit import (
     Pending,
     check_writable,
+    newest_verified,
     commit,
     default_dirpath,
     rotate,
@@ -162,23 +162,11 @@ class CheckpointRotation(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        directory = Path(self.dirpath or default_dirpath(trainer))
-        complete = files.complete_checkpoints(directory) if directory.is_dir() else []
-        skipped = []
-        for checkpoint in reversed(complete):
-            try:
-                checksums.verify_committed(checkpoint)
-            except RuntimeError as err:
-                rank_zero_warn(f"CheckpointRotation: ckpt_path='last' skips {checkpoint}, the newest complete "
-                               f"checkpoint that fails verification ({err}); falling back to an older one.")
-                skipped.append(checkpoint.name)
-                continue
-            self._resolved_last = str(checkpoint)
-            return {str(checkpoint)}
-        if skipped:
-            raise RuntimeError(f"ckpt_path='last': every checkpoint in {directory} fails verification ({skipped}). "
-                               "Restore them from a backup, or start without ckpt_path.")
-        return set()
+        newest = newest_verified(Path(self.dirpath or default_dirpath(trainer)))
+        if newest is None:
+            return set()
+        self._resolved_last = str(newest)
+        return {str(newest)}
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

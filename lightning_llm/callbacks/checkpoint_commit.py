@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_llm.callbacks import checkpoint_checksums as checksums
 from lightning_llm.callbacks import checkpoint_files as files
@@ -61,6 +62,29 @@ def rotate(directory: Path, *, keep_last: int, keep_best: int, monitor: str | No
             continue
         files.remove(path)
     return (best[0], scores[best[0]]) if best else None
+
+
+def newest_verified(directory: Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` whose content matches its marker's checksums (``ckpt_path="last"``).
+
+    A newer one that fails verification is skipped with a warning naming it; if every one fails, that is an
+    error rather than a silent fresh start. ``None`` when there is no complete checkpoint at all.
+    """
+    complete = files.complete_checkpoints(directory) if directory.is_dir() else []
+    skipped = []
+    for checkpoint in reversed(complete):
+        try:
+            checksums.verify_committed(checkpoint)
+        except RuntimeError as err:
+            rank_zero_warn(f"CheckpointRotation: ckpt_path='last' skips {checkpoint}, the newest complete "
+                           f"checkpoint that fails verification ({err}); falling back to an older one.")
+            skipped.append(checkpoint.name)
+            continue
+        return checkpoint
+    if skipped:
+        raise RuntimeError(f"ckpt_path='last': every checkpoint in {directory} fails verification ({skipped}). "
+                           "Restore them from a backup, or start without ckpt_path.")
+    return None
 
 
 def validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify) -> None:
