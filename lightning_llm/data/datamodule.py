@@ -88,8 +88,8 @@ class LLMDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             train, val = self._load_tokens()
-            # One pass over the tokens (memory-mapped files in chunks), once: far cheaper than the IndexError or
-            # device assert an out-of-vocabulary id causes in the first forward.
+            # One pass over the tokens (memory-mapped files in chunks; a sample past SCAN_LIMIT), once: far
+            # cheaper than the IndexError or device assert an out-of-vocabulary id causes in the first forward.
             self.max_token_id = max(_max_token(train), _max_token(val))
             self.train_set = TokenWindows(train, self.hparams.seq_len)
             self.val_set = TokenWindows(val, self.hparams.seq_len)
@@ -164,8 +164,21 @@ class LLMDataModule(L.LightningDataModule):
             self._resume = (state_dict["epoch"], state_dict["global_samples"])
 
 
-def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)) if len(tokens) else -1
+# Tokens read in full by the vocabulary check (about 1-4 GB). A larger corpus (a 7B-70B pre-training set is
+# terabytes, read by every rank) is checked on evenly spaced chunks adding up to this many tokens instead:
+# the startup stays seconds, and an id the sample misses still fails loudly (IndexError) in training.
+SCAN_LIMIT = 1 << 30
+
+
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 24, limit: int = SCAN_LIMIT) -> int:
+    """The largest token id in ``tokens``, read in chunks; past ``limit`` tokens, from evenly spaced chunks only."""
+    if not len(tokens):
+        return -1
+    starts = range(0, len(tokens), chunk)
+    if len(tokens) > limit:
+        count = max(limit // chunk, 1)
+        starts = sorted({int(i * len(tokens) / count) // chunk * chunk for i in range(count)})
+    return max(int(tokens[i : i + chunk].max()) for i in starts)
 
 
 def _validate(source, path, seq_len, batch_size, token_dtype, val_fraction, num_tokens, vocab_size, markov_order,

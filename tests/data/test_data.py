@@ -105,3 +105,16 @@ def test_resume_skips_consumed_samples_of_that_epoch_only():
     assert list(sampler) == full, "the skip applies to one pass only"
     sampler.resume(epoch=5, samples=6)
     assert list(sampler) == full, "a resume position for another epoch is ignored"
+
+
+def test_vocabulary_scan_reads_all_small_corpora_and_evenly_spaced_chunks_of_large_ones():
+    from lightning_llm.data.datamodule import _max_token
+
+    tokens = np.zeros(64, dtype=np.uint32)
+    tokens[33] = 9
+    assert _max_token(tokens, chunk=4) == 9  # under the limit: every token is read
+    # Past the limit (8 tokens = 2 chunks of 4): chunks 0-3 and 32-35 are read, so 33 is found...
+    assert _max_token(tokens, chunk=4, limit=8) == 9
+    tokens[33], tokens[20] = 0, 7
+    # ...and an id outside the sampled chunks is not: the cost stays bounded by the limit.
+    assert _max_token(tokens, chunk=4, limit=8) == 0
