@@ -4,9 +4,10 @@ Peak activations: on CPU, torch's MemTracker (tensors autograd keeps and backwar
 peak of all tracked memory; gradients are allocated beforehand so they do not move the peak); on
 CUDA, the allocator's peak above parameters and gradients. "auto" gets a budget halfway between
 full checkpointing and none (``--budget-fraction``) and reports its plan. Step times (forward +
-backward) are medians over rounds that alternate between the modes, as ratios to "none".
+backward): rounds run every mode once in a shuffled order; the per-round ratio to "none" is quoted as
+median (min, max).
 
-    python benchmarks/activation_checkpointing.py --preset small --batch 8 --seq-len 256
+    python benchmarks/activation_checkpointing.py --preset small --batch 8 --seq-len 256 --rounds 7
     python benchmarks/activation_checkpointing.py --preset 125M --batch 8 --seq-len 1024 --device cuda
 """
 
@@ -19,6 +20,7 @@ import time
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from _timing import alternate, ratios, spread
 from lightning_llm.models import CausalLM
 from lightning_llm.modeling.activations import measure_blocks
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -104,20 +106,17 @@ def main() -> None:
             options["measure_fn"] = lambda m=module: m.training_step(batch, 0)
         reports[name] = apply_activation_checkpointing(module.model.layers, **options)
     peaks = {name: peak_activations(module, batch) for name, module in modules.items()}
-    times = {name: [] for name in modules}
     for module in modules.values():
         step_time(module, batch)  # warm-up
-    for _ in range(args.rounds):
-        for name, module in modules.items():
-            times[name].append(step_time(module, batch))
+    times = alternate(list(modules), lambda name: step_time(modules[name], batch), args.rounds)
     base_time, base_peak = statistics.median(times["none"]), peaks["none"]
     print(f"preset={args.preset}, batch {args.batch} x {args.seq_len}, {args.device} ({args.threads} CPU threads), "
           f"{args.rounds} alternating rounds")
-    print(f"{'mode':<30} {'peak activations':>17} {'vs none':>8} {'step time':>10} {'vs none':>8}")
+    print(f"{'mode':<30} {'peak activations':>17} {'vs none':>8} {'step time':>10}  step-time ratio to none")
     for name in modules:
         median = statistics.median(times[name])
         print(f"{name:<30} {peaks[name] / 2**20:13.1f} MiB {peaks[name] / base_peak:8.2f} "
-              f"{median * 1e3:7.1f} ms {median / base_time:7.2f}x")
+              f"{median * 1e3:7.1f} ms  {spread(ratios(times[name], times['none']), 2)}")
     auto = reports["auto"]
     print(f"auto: {auto.summary()}; policies {auto.policies}")
 

@@ -2,9 +2,11 @@
 
 Two measures: (1) the time spent inside the callbacks' hooks, timed directly, as a share of the
 step (precise); (2) runs alternating between both settings, the ratio of median step times
-(includes everything, but on a shared CPU its run-to-run noise is a few percent).
+(includes everything): per round, the ratio of the two runs' median step times, reported as median
+(min, max) over rounds run in a shuffled order.
 
-    python benchmarks/callbacks_overhead.py --preset small --steps 30 --rounds 3
+    python benchmarks/callbacks_overhead.py --preset small --steps 30 --rounds 7
+    python benchmarks/callbacks_overhead.py --quick     # CI smoke
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import lightning as L
 import torch
 
-from _timing import StepTimer
+from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
@@ -41,7 +43,7 @@ def timed(callback: L.Callback, spent: list[float]) -> L.Callback:
     return callback
 
 
-def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> list[float]:
+def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> float:
     torch.manual_seed(0)
     timer = StepTimer()
     callbacks = [timer]
@@ -52,24 +54,26 @@ def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> list[fl
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                         limit_val_batches=0, gradient_clip_val=1.0)
     trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=300_000, seq_len=128, batch_size=8))
-    return timer.times[3:]
+    return median_after_warmup(timer.times, 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 8 steps, 2 rounds")
     args = parser.parse_args()
-    times, spent = {False: [], True: []}, []
-    for _ in range(args.rounds):
-        for monitored in times:
-            times[monitored] += run(args.preset, args.steps, monitored, spent)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+    if args.quick:
+        args.preset, args.steps, args.rounds = "tiny", 8, 2
+    spent: list[float] = []
+    times = alternate(["off", "on"], lambda side: run(args.preset, args.steps, side == "on", spent), args.rounds)
+    off = statistics.median(times["off"])
     in_hooks = sum(spent) / args.rounds / args.steps
-    print(f"preset={args.preset}, CPU, {len(times[True])} steps each, MFUMonitor + GradNormMonitor + LossSpikeGuard:")
+    print(f"preset={args.preset}, CPU, {args.steps} steps per run, {args.rounds} rounds, "
+          "MFUMonitor + GradNormMonitor + LossSpikeGuard:")
     print(f"  time inside the callbacks: {in_hooks * 1e3:.2f} ms per step = {1 + in_hooks / off:.4f}x of a {off * 1e3:.1f} ms step")
-    print(f"  alternating runs: median step {off * 1e3:.1f} ms off, {on * 1e3:.1f} ms on, ratio {on / off:.3f}")
+    print(f"  alternating runs, step-time ratio on/off: {spread(ratios(times['on'], times['off']))}")
 
 
 if __name__ == "__main__":

@@ -6,14 +6,20 @@ marks the end of the step and its ``on_train_batch_start`` the moment training g
 without a save this gap is ~0; on save steps it is the save's blocking part (sync: dump, write,
 verify, commit, rotate; async: dump and the host copy). Also printed: the whole run's time per
 mode, since on a CPU-only machine the background writer competes with training for the same cores.
-Single process, a ~12M-parameter model (~93 MB checkpoints with AdamW state), the modes alternate.
 
-    python benchmarks/checkpoint_stall.py --saves 4 --every 3 --rounds 2
+Single process, the reference Llama at a few widths (checkpoints of ~37, ~150 and ~600 MB with AdamW
+state). Per round, sync and async runs alternate in a shuffled order; each round's figure is the ratio of
+the async run's median stall to the sync run's, over every save but the first: the first asynchronous
+save allocates the reused host buffers (its stall is printed apart).
+
+    python benchmarks/checkpoint_stall.py --sizes 37,150,600 --rounds 5
+    python benchmarks/checkpoint_stall.py --quick       # CI smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -21,6 +27,7 @@ import time
 import lightning as L
 import torch
 
+from _timing import alternate, ratios, spread
 from lightning_llm.callbacks import CheckpointRotation
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
@@ -41,45 +48,58 @@ class StallTimer(L.Callback):
             self.gaps.append(time.perf_counter() - self._step_end)
 
 
-def run(async_save: bool, saves: int, every: int) -> tuple[list[float], float, float]:
-    """(stall of each save but the last, median gap of steps without a save, seconds for the whole fit)."""
+# Checkpoint size in MB (weights + AdamW moments, fp32) -> model width; 4 blocks, 256-token vocabulary.
+WIDTHS = {37: 256, 150: 512, 600: 1024}
+
+
+def run(async_save: bool, saves: int, every: int, width: int) -> dict:
+    """Stalls of each save but the last (the last has no next step to delay), plain step gaps, checkpoint MB."""
     torch.manual_seed(0)
     timer = StallTimer()
     with tempfile.TemporaryDirectory() as directory:
         rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=every, keep_last=2, async_save=async_save)
         trainer = L.Trainer(accelerator="cpu", max_steps=saves * every, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[rotation, timer], limit_val_batches=0)
-        config = LlamaConfig.from_name("small", dim=512, n_heads=8, n_kv_heads=4)
+        config = LlamaConfig.from_name("small", dim=width, n_heads=8, n_kv_heads=4)
         start = time.perf_counter()
         trainer.fit(CausalLM(config), LLMDataModule(num_tokens=100_000, seq_len=64, batch_size=4))
         total = time.perf_counter() - start
-    # gap i follows step i + 1; the last step's save has no next step to delay
+        megabytes = sum(f.stat().st_size for f in os.scandir(directory) if f.is_file() and f.name.endswith(".ckpt")) / 1e6
+        megabytes /= max(1, sum(1 for f in os.scandir(directory) if f.name.endswith(".ckpt")))
     saved = [gap for i, gap in enumerate(timer.gaps) if (i + 1) % every == 0]
     plain = statistics.median(gap for i, gap in enumerate(timer.gaps) if (i + 1) % every)
-    return saved, plain, total
+    return {"first": saved[0], "stall": statistics.median(saved[1:]), "plain": plain, "total": total, "mb": megabytes}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="37,150,600", help=f"checkpoint sizes in MB, of {sorted(WIDTHS)}")
     parser.add_argument("--saves", type=int, default=4)
-    parser.add_argument("--every", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--every", type=int, default=6,
+                        help="steps between saves: enough for the previous background write to finish, else the "
+                             "next save waits for it and the stall includes that wait")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: 37 MB, 3 saves, 2 rounds")
     args = parser.parse_args()
-    stalls: dict[bool, list[float]] = {False: [], True: []}
-    plains: dict[bool, list[float]] = {False: [], True: []}
-    totals: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for mode in (False, True):
-            saved, plain, total = run(mode, args.saves, args.every)
-            stalls[mode] += saved
-            plains[mode].append(plain)
-            totals[mode].append(total)
-    sync, asynchronous = statistics.median(stalls[False]), statistics.median(stalls[True])
-    print(f"training stall per save (median of {len(stalls[True])} saves each): sync {sync * 1e3:.0f} ms, "
-          f"async {asynchronous * 1e3:.0f} ms, ratio async/sync {asynchronous / sync:.3f} "
-          f"(steps without a save: {max(plains[False] + plains[True]) * 1e3:.2f} ms at most)")
-    print(f"whole run ({args.saves * args.every} steps, {args.saves} saves, median of {args.rounds}): "
-          f"sync {statistics.median(totals[False]):.1f} s, async {statistics.median(totals[True]):.1f} s")
+    if args.quick:
+        args.sizes, args.saves, args.every, args.rounds = "37", 3, 4, 2
+    for size in (int(s) for s in args.sizes.split(",")):
+        results: dict[str, list[dict]] = {"sync": [], "async": []}
+
+        def launch(mode: str) -> float:
+            results[mode].append(run(mode == "async", args.saves, args.every, WIDTHS[size]))
+            return results[mode][-1]["stall"]
+
+        stalls = alternate(["sync", "async"], launch, args.rounds)
+        mb = statistics.median(r["mb"] for r in results["sync"])
+        first = statistics.median(r["first"] for r in results["async"])
+        plain = max(r["plain"] for mode in results for r in results[mode])
+        print(f"{mb:.0f} MB checkpoints, {args.rounds} rounds of {args.saves} saves: stall per save sync "
+              f"{statistics.median(stalls['sync']) * 1e3:.0f} ms, async {statistics.median(stalls['async']) * 1e3:.1f} ms "
+              f"(first async save {first * 1e3:.0f} ms: it allocates the host buffers); async/sync "
+              f"{spread(ratios(stalls['async'], stalls['sync']))}; steps without a save {plain * 1e3:.1f} ms at most; "
+              f"whole run sync {statistics.median(r['total'] for r in results['sync']):.1f} s, async "
+              f"{statistics.median(r['total'] for r in results['async']):.1f} s")
 
 
 if __name__ == "__main__":

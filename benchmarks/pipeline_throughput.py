@@ -1,31 +1,44 @@
-"""Throughput of pipeline parallelism (pp=2, 8 micro-batches) against one rank, and the measured bubble.
+"""Throughput of pipeline parallelism against one rank, and the measured bubble, per schedule.
 
-Both run in this one invocation, one thread per rank, on the same model and global batch. The
-measured bubble is 1 - T1m / (p * Tpp), with T1m one rank's time for the same m micro-batches
-(gradient accumulation): the share of each pipeline rank's step not spent on its half of the work.
-It includes point-to-point communication and stage imbalance, next to the schedule's ideal
-(p - 1) / (m + p - 1).
+Every configuration is a separate launch of CPU ranks (one thread each) on the same model and global
+batch; the launches of one round run in a shuffled order and the rounds repeat, so each figure is a
+per-round ratio quoted as median (min, max). Per pipeline configuration:
 
-    python benchmarks/pipeline_throughput.py --preset small --schedule 1F1B --microbatches 8
+- speed-up against one rank running the whole batch at once, ``T1 / Tpp``;
+- the measured bubble ``1 - T1m / (p * Tpp)``, with ``T1m`` one rank's time for the same m micro-batches
+  (gradient accumulation): the share of each pipeline rank's step not spent on its 1/p of the work. It
+  includes point-to-point communication and stage imbalance, next to the schedule's ideal
+  ``(p - 1) / (m + p - 1)`` (``(p - 1) / (v * m + p - 1)`` for v stages per rank).
+
+p ranks on fewer than p cores are oversubscribed: their figures measure CPU contention, not the schedule.
+
+    python benchmarks/pipeline_throughput.py --schedules 1F1B --pp 2 --microbatches 8 --rounds 5
+    python benchmarks/pipeline_throughput.py --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble --pp 2,4 \\
+        --microbatches 8,16 --layers 8 --rounds 3
+    python benchmarks/pipeline_throughput.py --quick     # CI smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import lightning as L
 import torch
 
-from _timing import StepTimer
+from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.data import LLMDataModule
-from lightning_llm.models import CausalLM
+from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
 
+WARMUP = 3
 
-def fit(world_size: int, preset: str, schedule: str, microbatches: int, steps: int, batch: int, seq_len: int,
-        accumulate: int = 1) -> float:
+
+def fit(world_size: int, config: LlamaConfig, schedule: str, microbatches: int, steps: int, batch: int,
+        seq_len: int, accumulate: int = 1) -> float:
+    """Median optimizer-step time of one launch (``accumulate`` > 1: one rank doing micro-batches in turn)."""
     torch.manual_seed(0)
     strategy = (
         LLMParallelStrategy(pipeline_parallel_size=world_size, pipeline_schedule=schedule, num_microbatches=microbatches)
@@ -37,33 +50,63 @@ def fit(world_size: int, preset: str, schedule: str, microbatches: int, steps: i
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
         limit_val_batches=0, accumulate_grad_batches=accumulate,
     )
-    trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=400_000, seq_len=seq_len, batch_size=batch // accumulate))
+    trainer.fit(CausalLM(config), LLMDataModule(num_tokens=400_000, seq_len=seq_len, batch_size=batch // accumulate))
     # A step is `accumulate` batches: sum each optimizer step's micro-batch times.
     per_step = [sum(timer.times[i : i + accumulate]) for i in range(0, len(timer.times), accumulate)]
-    return statistics.median(per_step[3:])
+    return median_after_warmup(per_step, WARMUP)
+
+
+def _launch(side: str, config: LlamaConfig, args) -> float:
+    """Sides: ``one`` (whole batch), ``one/m8`` (8 accumulated micro-batches), ``pp2/1F1B/m8``."""
+    parts = side.split("/")
+    common = (config, "1F1B", 1, args.steps, args.batch, args.seq_len)
+    if parts[0] == "one":
+        accumulate = int(parts[1][1:]) if len(parts) > 1 else 1
+        return run_distributed(fit, 1, 1, *common, accumulate, timeout=1200)[0]
+    pp, schedule, m = int(parts[0][2:]), parts[1], int(parts[2][1:])
+    return run_distributed(fit, pp, pp, config, schedule, m, args.steps, args.batch, args.seq_len, timeout=1200)[0]
+
+
+def _ideal_bubble(pp: int, m: int, schedule: str) -> float:
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    return (pp - 1) / (stages_per_rank * m + pp - 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--schedule", default="1F1B")
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--schedules", default="1F1B")
+    parser.add_argument("--pp", default="2")
+    parser.add_argument("--microbatches", default="8")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 6 steps, 2 rounds")
     args = parser.parse_args()
-    common = (args.preset, args.schedule, args.microbatches, args.steps, args.batch, args.seq_len)
-    t1 = run_distributed(fit, 1, 1, *common, timeout=1200)[0]
-    t1_micro = run_distributed(fit, 1, 1, *common, args.microbatches, timeout=1200)[0]
-    tpp = run_distributed(fit, 2, 2, *common, timeout=1200)[0]
-    p, m = 2, args.microbatches
+    if args.quick:
+        args.preset, args.steps, args.rounds, args.batch, args.seq_len = "tiny", 6, 2, 8, 32
+    config = LlamaConfig.from_name(args.preset, **({"n_layers": args.layers} if args.layers else {}))
+    pps, ms = [int(p) for p in args.pp.split(",")], [int(m) for m in args.microbatches.split(",")]
+    pipelines = [f"pp{p}/{s}/m{m}" for s in args.schedules.split(",") for p in pps for m in ms]
+    sides = ["one", *[f"one/m{m}" for m in ms], *pipelines]
+    times = alternate(sides, lambda side: _launch(side, config, args), args.rounds)
+
+    cores = len(os.sched_getaffinity(0))
     tokens = args.batch * args.seq_len
-    print(f"preset={args.preset}, global batch {args.batch} x {args.seq_len} tokens, one thread per rank")
-    print(f"1 rank:          {t1 * 1e3:8.1f} ms/step  {tokens / t1:9.0f} tokens/s")
-    print(f"pp=2 {args.schedule:>8} m={m}: {tpp * 1e3:8.1f} ms/step  {tokens / tpp:9.0f} tokens/s  speed-up {t1 / tpp:.2f}x")
-    print(f"1 rank, m={m} micro-batches accumulated: {t1_micro * 1e3:8.1f} ms/step (the pipeline's per-rank work is half this)")
-    print(f"bubble: measured {1 - t1_micro / (p * tpp):.3f} against micro-batched work "
-          f"({1 - t1 / (p * tpp):.3f} against the whole batch), ideal (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f}")
+    print(f"preset={args.preset} ({config.n_layers} blocks), global batch {args.batch} x {args.seq_len} tokens, "
+          f"one thread per rank, {cores} cores, {args.rounds} rounds, {args.steps} steps per launch")
+    one = statistics.median(times["one"])
+    print(f"one rank: {one * 1e3:.1f} ms/step, {tokens / one:.0f} tokens/s (median)")
+    for side in pipelines:
+        pp, schedule, m = int(side.split("/")[0][2:]), side.split("/")[1], int(side.split("/")[2][1:])
+        step = statistics.median(times[side])
+        bubble = [1 - t1m / (pp * t) for t1m, t in zip(times[f"one/m{m}"], times[side], strict=True)]
+        note = "  (oversubscribed: more ranks than cores)" if pp > cores else ""
+        print(f"{side}: {step * 1e3:.1f} ms/step, {tokens / step:.0f} tokens/s; speed-up over one rank "
+              f"{spread(ratios(times['one'], times[side]), 2)}; bubble {spread(bubble, 3)}, ideal "
+              f"{_ideal_bubble(pp, m, schedule):.3f}{note}")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """Step time of LLMParallelStrategy against Lightning's ModelParallelStrategy with a hand-written
 ``configure_model`` doing the same parallelization (fully_shard per block, then the model), in one run.
 
-Both trainers alternate round by round on the same ranks; the ratio is of median step times.
+Both trainers alternate round by round on the same ranks (shuffled order per round); each round gives
+the ratio of the two runs' median step times, reported as median (min, max) over the rounds.
 
-    python benchmarks/strategy_overhead.py --ranks 2 --preset small --steps 30 --rounds 3
+    python benchmarks/strategy_overhead.py --ranks 2 --preset small --steps 30 --rounds 7
+    python benchmarks/strategy_overhead.py --quick      # CI smoke: tiny preset, 2 rounds
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
-from _timing import StepTimer
+from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -34,7 +35,7 @@ class HandParallelCausalLM(CausalLM):
         fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
 
 
-def _fit(kind: str, world_size: int, preset: str, steps: int) -> list[float]:
+def _fit(kind: str, world_size: int, preset: str, steps: int) -> float:
     torch.manual_seed(0)
     if kind == "ours":
         model, strategy = CausalLM(preset), LLMParallelStrategy(zero_stage=3)
@@ -47,15 +48,12 @@ def _fit(kind: str, world_size: int, preset: str, steps: int) -> list[float]:
         limit_val_batches=0,
     )
     trainer.fit(model, LLMDataModule(num_tokens=200_000, seq_len=128, batch_size=4))
-    return timer.times[3:]  # the first steps include lazy initialisation
+    return median_after_warmup(timer.times, 3)  # the first steps include lazy initialisation
 
 
 def rounds(world_size: int, preset: str, steps: int, n_rounds: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"ours": [], "lightning": []}
-    for _ in range(n_rounds):
-        for kind in times:
-            times[kind] += _fit(kind, world_size, preset, steps)
-    return times
+    """Median step time of each side, per round (every rank runs the same seeded order)."""
+    return alternate(["ours", "lightning"], lambda kind: _fit(kind, world_size, preset, steps), n_rounds)
 
 
 def main() -> None:
@@ -63,13 +61,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 8 steps, 2 rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.preset, args.steps, args.rounds = "tiny", 8, 2
     times = run_distributed(rounds, args.ranks, args.ranks, args.preset, args.steps, args.rounds, timeout=1800)[0]
-    ours, theirs = statistics.median(times["ours"]), statistics.median(times["lightning"])
-    print(f"{args.ranks} CPU ranks, preset={args.preset}, ZeRO-3, {len(times['ours'])} steps each")
-    print(f"median step: LLMParallelStrategy {ours * 1e3:.2f} ms, ModelParallelStrategy + hand-written FSDP2 "
-          f"{theirs * 1e3:.2f} ms, ratio {ours / theirs:.3f}")
+    print(f"{args.ranks} CPU ranks, preset={args.preset}, ZeRO-3, {args.steps} steps per run, {args.rounds} rounds")
+    print(f"median step per round, ms: LLMParallelStrategy {[round(t * 1e3, 1) for t in times['ours']]}, "
+          f"ModelParallelStrategy + hand-written FSDP2 {[round(t * 1e3, 1) for t in times['lightning']]}")
+    print(f"ratio LLMParallelStrategy / hand-written: {spread(ratios(times['ours'], times['lightning']))}")
 
 
 if __name__ == "__main__":

@@ -23,3 +23,36 @@ def test_mfu_benchmark_cpu_smoke():
         assert step_ms > 0 and tokens_per_s > 0
         assert 0 < mfu < 1
     assert re.search(r"ratio \(Lightning step time / raw step time\): [\d.]+", out)
+
+
+def test_alternate_runs_every_side_once_per_round_in_shuffled_orders():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _timing import alternate, ratios, spread
+
+    calls: list[str] = []
+    values = alternate(["a", "b", "c"], lambda side: calls.append(side) or float(len(calls)), rounds=6, seed=1)
+    rounds = [calls[i : i + 3] for i in range(0, 18, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # the order changes between rounds
+    for side in "abc":  # each side's values are its calls' positions, in round order
+        assert values[side] == [float(3 * i + r.index(side) + 1) for i, r in enumerate(rounds)]
+    assert ratios([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
+    assert spread([3.0, 1.0, 2.0]) == "median 2.000 (min 1.000, max 3.000, 3 rounds)"
+
+
+def test_checkpoint_stall_quick_reports_the_spread_of_per_round_ratios():
+    result = subprocess.run([sys.executable, "benchmarks/checkpoint_stall.py", "--quick"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"async/sync median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)", result.stdout)
+    assert match, result.stdout
+    median, low, high = map(float, match.groups())
+    assert 0 < low <= median <= high
+
+
+def test_strategy_overhead_quick_alternates_both_strategies():
+    result = subprocess.run([sys.executable, "benchmarks/strategy_overhead.py", "--quick"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"ratio LLMParallelStrategy / hand-written: median [\d.]+ \(min [\d.]+, max [\d.]+, 2 rounds\)",
+                     result.stdout), result.stdout

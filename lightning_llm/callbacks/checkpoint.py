@@ -21,9 +21,10 @@ from lightning_llm.callbacks import checkpoint_files as files
 from lightning_llm.callbacks.checkpoint_commit import (
     Pending,
     check_writable,
-    newest_verified,
     commit,
+    committed_after,
     default_dirpath,
+    newest_verified,
     rotate,
     validate_options,
 )
@@ -236,6 +237,8 @@ class CheckpointRotation(ModelCheckpoint):
         try:
             if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
                 pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
+                if trainer.is_global_zero and self.verify_mode != "load":
+                    pending.future = committed_after(pending.future, pending, lambda: self._rotate(pending.resumed_from))
             elif type(strategy).save_checkpoint is Strategy.save_checkpoint:
                 strategy.checkpoint_io = guard = GuardedWrite(strategy.checkpoint_io)
                 try:
@@ -287,7 +290,9 @@ class CheckpointRotation(ModelCheckpoint):
         error = errors.summary(errors.gather(error))
         if trainer.is_global_zero:
             try:
-                if error is None:
+                if error is None and pending.committed:
+                    self.last_model_path = str(pending.final)
+                elif error is None:
                     self._commit(pending)
                     self._rotate(pending.resumed_from)
                 else:

@@ -8,7 +8,8 @@ the best, nor the one the run resumed from, and nothing outside the checkpoint d
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,35 @@ class Pending:
     resumed_from: str | None
     future: Future | None = None  # an asynchronous save's files on this rank
     error: str | None = None  # why writing failed on this rank
+    committed: bool = False  # by rank 0's background thread, after an asynchronous write
+
+
+def committed_after(write: Future, pending: Pending, then: Callable[[], None]) -> Future:
+    """Rank 0 of an asynchronous save: once ``write`` is done, :func:`commit` it and call ``then`` (rotation),
+    in a background thread; the returned future resolves after both.
+
+    Verifying, checksumming and fsyncing every byte would otherwise stall training when the next save
+    finds this one pending. The order of the steps, and so what a crash at any point leaves, is the
+    synchronous commit's. DCP's future on rank 0 resolves only after every rank's shards and the
+    metadata are written.
+    """
+    def run() -> None:
+        write.result()
+        commit(pending, trial_load=False)
+        pending.committed = True
+        then()
+
+    return _background().submit(run)
+
+
+_BACKGROUND: ThreadPoolExecutor | None = None
+
+
+def _background() -> ThreadPoolExecutor:
+    global _BACKGROUND
+    if _BACKGROUND is None:  # one worker: commits and rotations happen in the order of the saves
+        _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+    return _BACKGROUND
 
 
 def commit(pending: Pending, *, trial_load: bool) -> None:

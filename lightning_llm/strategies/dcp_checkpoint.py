@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_llm.callbacks.checkpoint_checksums import refusal
 from lightning_llm.strategies.checkpoint_keys import matching_keys
+from lightning_llm.strategies.host_staging import reusable_stager
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 MODEL_PREFIX = "state_dict."  # DCP flattens {"state_dict": {name: tensor}} to "state_dict.<name>"
@@ -45,12 +46,14 @@ class AsyncSaver:
 
     ``async_save`` copies the state to host memory before returning; the files are written by a
     background thread whose collectives run on a gloo group of their own, so they cannot interleave
-    with the training's collectives.
+    with the training's collectives. The host copy goes to buffers reused from save to save
+    (:mod:`.host_staging`); :meth:`save` waits for the previous write before it overwrites them.
     """
 
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
         self._future: Future | None = None
+        self._stager = reusable_stager()
 
     def save(self, checkpoint: dict[str, Any], path: Path, global_rank: int) -> Future:
         """Start writing ``checkpoint`` (Lightning's dict, with ``state_dict`` and ``optimizer_states``) to ``path``."""
@@ -60,7 +63,7 @@ class AsyncSaver:
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        self._future = dcp.async_save(state, checkpoint_id=path, process_group=self._group)
+        self._future = dcp.async_save(state, checkpoint_id=path, process_group=self._group, async_stager=self._stager)
         if global_rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)  # the rest: loops, callbacks, hyperparameters
         return self._future

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.parallel.grad_norm import total_grad_norm
+from lightning_llm.strategies.host_staging import HostCopy
 
 if TYPE_CHECKING:
     from lightning_llm.modeling.shape import ModelShape
@@ -92,16 +93,20 @@ class LightningContract(WholeModelContract):
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)
             return completed()
         strategy = self.trainer.strategy
-        staged = StagedWrite(strategy.checkpoint_io, _writer())
+        wait(_PENDING)  # the host buffers are reused: the previous write must have read them (errors are its caller's)
+        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy())
         strategy.checkpoint_io = staged  # a public, settable attribute; restored right after this one save
         try:
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)  # rank 0 hands the dict to `staged`
         finally:
             strategy.checkpoint_io = staged.inner
+        _PENDING[:] = [staged.future] if staged.future else []
         return staged.future or completed()  # ranks other than 0 write nothing
 
 
 _WRITER: ThreadPoolExecutor | None = None
+_HOST_COPY: HostCopy | None = None
+_PENDING: list[Future] = []
 
 
 def _writer() -> ThreadPoolExecutor:
@@ -110,6 +115,13 @@ def _writer() -> ThreadPoolExecutor:
     if _WRITER is None:
         _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
     return _WRITER
+
+
+def _host_copy() -> HostCopy:
+    global _HOST_COPY
+    if _HOST_COPY is None:
+        _HOST_COPY = HostCopy()
+    return _HOST_COPY
 
 
 def _lightning_zero_stage(strategy) -> int | None:
@@ -128,15 +140,17 @@ class StagedWrite(CheckpointIO):
     Arguments:
         inner: the CheckpointIO that writes (the strategy's own).
         executor: where the write runs (one worker keeps saves in order).
+        host_copy: copies the tensors to host buffers (reused across saves: the caller must not stage the
+            next save before this one's ``future`` is done).
     """
 
-    def __init__(self, inner: CheckpointIO, executor: Executor) -> None:
-        self.inner, self.executor = inner, executor
+    def __init__(self, inner: CheckpointIO, executor: Executor, host_copy: HostCopy | None = None) -> None:
+        self.inner, self.executor, self.host_copy = inner, executor, host_copy or HostCopy()
         self.future: Future | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         # The only stall: a point-in-time host copy, so training may change the live tensors meanwhile.
-        staged = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+        staged = self.host_copy(checkpoint)
 
         self.future = self.executor.submit(self.inner.save_checkpoint, staged, path, storage_options=storage_options)
 
