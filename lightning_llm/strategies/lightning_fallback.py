@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
