@@ -48,9 +48,9 @@ def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> float:
     timer = StepTimer()
     callbacks = [timer]
     if monitored:
-        callbacks += [timed(c, spent) for c in (MFUMonitor(log_every_n_steps=10, peak_flops=1e12),
-                                                GradNormMonitor(log_every_n_steps=10), LossSpikeGuard(action="skip"))]
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+        callbacks += [timed(c, spent) for c in (MFUMonitor(peak_flops=1e12), GradNormMonitor(),
+                                                LossSpikeGuard(action="skip"))]
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, log_every_n_steps=10, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                         limit_val_batches=0, gradient_clip_val=1.0)
     trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=300_000, seq_len=128, batch_size=8))

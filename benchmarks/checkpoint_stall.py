@@ -48,11 +48,12 @@ class StallTimer(L.Callback):
             self.gaps.append(time.perf_counter() - self._step_end)
 
 
-# Checkpoint size in MB (weights + AdamW moments, fp32) -> model width; 4 blocks, 256-token vocabulary.
-WIDTHS = {37: 256, 150: 512, 600: 1024}
+# Checkpoint size in MB (weights + AdamW moments, fp32: 12 bytes per parameter) -> (width, blocks); the
+# reference Llama with a 256-token vocabulary: 3.1M, 14.0M and 48.3M parameters.
+SHAPES = {37: (256, 4), 150: (768, 4), 600: (1024, 9)}
 
 
-def run(async_save: bool, saves: int, every: int, width: int) -> dict:
+def run(async_save: bool, saves: int, every: int, shape: tuple[int, int]) -> dict:
     """Stalls of each save but the last (the last has no next step to delay), plain step gaps, checkpoint MB."""
     torch.manual_seed(0)
     timer = StallTimer()
@@ -60,7 +61,7 @@ def run(async_save: bool, saves: int, every: int, width: int) -> dict:
         rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=every, keep_last=2, async_save=async_save)
         trainer = L.Trainer(accelerator="cpu", max_steps=saves * every, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[rotation, timer], limit_val_batches=0)
-        config = LlamaConfig.from_name("small", dim=width, n_heads=8, n_kv_heads=4)
+        config = LlamaConfig.from_name("small", dim=shape[0], n_layers=shape[1], n_heads=8, n_kv_heads=4)
         start = time.perf_counter()
         trainer.fit(CausalLM(config), LLMDataModule(num_tokens=100_000, seq_len=64, batch_size=4))
         total = time.perf_counter() - start
@@ -73,7 +74,7 @@ def run(async_save: bool, saves: int, every: int, width: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="37,150,600", help=f"checkpoint sizes in MB, of {sorted(WIDTHS)}")
+    parser.add_argument("--sizes", default="37,150,600", help=f"checkpoint sizes in MB, of {sorted(SHAPES)}")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--every", type=int, default=6,
                         help="steps between saves: enough for the previous background write to finish, else the "
@@ -87,7 +88,7 @@ def main() -> None:
         results: dict[str, list[dict]] = {"sync": [], "async": []}
 
         def launch(mode: str) -> float:
-            results[mode].append(run(mode == "async", args.saves, args.every, WIDTHS[size]))
+            results[mode].append(run(mode == "async", args.saves, args.every, SHAPES[size]))
             return results[mode][-1]["stall"]
 
         stalls = alternate(["sync", "async"], launch, args.rounds)

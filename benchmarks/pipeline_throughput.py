@@ -12,7 +12,7 @@ per-round ratio quoted as median (min, max). Per pipeline configuration:
 
 p ranks on fewer than p cores are oversubscribed: their figures measure CPU contention, not the schedule.
 
-    python benchmarks/pipeline_throughput.py --schedules 1F1B --pp 2 --microbatches 8 --rounds 5
+    python benchmarks/pipeline_throughput.py --schedules 1F1B --pp 2 --microbatches 8 --rounds 5 --contention
     python benchmarks/pipeline_throughput.py --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble --pp 2,4 \\
         --microbatches 8,16 --layers 8 --rounds 3
     python benchmarks/pipeline_throughput.py --quick     # CI smoke
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import lightning as L
 import torch
@@ -57,9 +58,15 @@ def fit(world_size: int, config: LlamaConfig, schedule: str, microbatches: int, 
 
 
 def _launch(side: str, config: LlamaConfig, args) -> float:
-    """Sides: ``one`` (whole batch), ``one/m8`` (8 accumulated micro-batches), ``pp2/1F1B/m8``."""
+    """Sides: ``one`` (whole batch), ``one/m8`` (8 accumulated micro-batches), ``pp2/1F1B/m8``, and
+    ``pair/m8``: two independent one-rank ``one/m8`` runs at once (the slower one's time), which measures
+    what running two busy ranks costs each of them on this machine (shared memory bandwidth and caches)."""
     parts = side.split("/")
     common = (config, "1F1B", 1, args.steps, args.batch, args.seq_len)
+    if parts[0] == "pair":
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run_distributed, fit, 1, 1, *common, int(parts[1][1:]), timeout=1200) for _ in range(2)]
+            return max(run.result()[0] for run in runs)
     if parts[0] == "one":
         accumulate = int(parts[1][1:]) if len(parts) > 1 else 1
         return run_distributed(fit, 1, 1, *common, accumulate, timeout=1200)[0]
@@ -83,6 +90,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--contention", action="store_true",
+                        help="also time two independent one-rank runs at once: the slow-down of each is the cost of "
+                             "sharing the machine, which no schedule can remove")
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 6 steps, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -90,7 +100,7 @@ def main() -> None:
     config = LlamaConfig.from_name(args.preset, **({"n_layers": args.layers} if args.layers else {}))
     pps, ms = [int(p) for p in args.pp.split(",")], [int(m) for m in args.microbatches.split(",")]
     pipelines = [f"pp{p}/{s}/m{m}" for s in args.schedules.split(",") for p in pps for m in ms]
-    sides = ["one", *[f"one/m{m}" for m in ms], *pipelines]
+    sides = ["one", *[f"one/m{m}" for m in ms], *pipelines, *([f"pair/m{m}" for m in ms] if args.contention else [])]
     times = alternate(sides, lambda side: _launch(side, config, args), args.rounds)
 
     cores = len(os.sched_getaffinity(0))
@@ -99,6 +109,11 @@ def main() -> None:
           f"one thread per rank, {cores} cores, {args.rounds} rounds, {args.steps} steps per launch")
     one = statistics.median(times["one"])
     print(f"one rank: {one * 1e3:.1f} ms/step, {tokens / one:.0f} tokens/s (median)")
+    if args.contention:
+        for m in ms:
+            slowdown = ratios(times[f"pair/m{m}"], times[f"one/m{m}"])
+            print(f"two one-rank runs at once (m={m}): each {spread(slowdown, 2)}x slower than alone, so p=2 ranks "
+                  f"can reach at most {2 / statistics.median(slowdown):.2f}x before any bubble")
     for side in pipelines:
         pp, schedule, m = int(side.split("/")[0][2:]), side.split("/")[1], int(side.split("/")[2][1:])
         step = statistics.median(times[side])

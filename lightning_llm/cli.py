@@ -1,8 +1,9 @@
 """``lightning-llm``: a LightningCLI with the reference model and data module as defaults.
 
 Any LightningModule / LightningDataModule can replace them with ``class_path`` in the config.
-W&B runs offline unless the user configured W&B (an API key or ``WANDB_MODE``), so the CLI
-works on machines with no network.
+W&B is configured the way W&B itself is (``wandb login``, ``wandb offline``, ``WANDB_MODE``,
+``WANDB_API_KEY``); only where none of them is set does the CLI log offline, and says so
+(:mod:`lightning_llm.wandb_mode`).
 
 Example::
 
@@ -13,21 +14,43 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
+import warnings
+from pathlib import Path
 
-from jsonargparse import lazy_instance
-from lightning.pytorch.cli import LightningCLI
+import yaml
+from jsonargparse import Namespace, lazy_instance
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.preflight import check_checkpoint_path
 from lightning_llm.validation import check_float, check_int
+from lightning_llm.wandb_mode import default_to_offline
 
 
+_EPILOG = ("More subcommands: `lightning-llm plan --config CONFIG [--devices N --device_memory 80GB]` prints the "
+           "memory plan and ZeRO decision for a config without training or allocating (see `lightning-llm plan --help`).")
 _DEFAULT_CLASSES = {"model": CausalLM, "data": LLMDataModule}
 _DEFAULTS = {key: lazy_instance(cls) for key, cls in _DEFAULT_CLASSES.items()}
+# W&B by default (its mode resolved as W&B resolves it: see lightning_llm.wandb_mode), and the LR in it.
+_DEFAULT_LOGGER = "lightning.pytorch.loggers.WandbLogger"
+_DEFAULT_CALLBACKS = [("lightning.pytorch.callbacks.LearningRateMonitor", {"logging_interval": "step"}),
+                      ("lightning_llm.callbacks.MemoryMonitor", {}), ("lightning_llm.callbacks.RunInfoLogger", {})]
+
+
+class ConfigToLoggers(SaveConfigCallback):
+    """Saves the resolved config to the log directory (as LightningCLI does) and into every logger's
+    hyperparameters, so a W&B run carries the exact config that produced it."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"cli_config": config})
 
 
 class LLMCLI(LightningCLI):
@@ -37,6 +60,8 @@ class LLMCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", ConfigToLoggers)
+        kwargs.setdefault("parser_kwargs", {"epilog": _EPILOG})
         super().__init__(None, None, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -60,19 +85,49 @@ class LLMCLI(LightningCLI):
             super().parse_arguments(parser, args)
 
 
+    def before_instantiate_classes(self) -> None:
+        """Defaults for what the config leaves unset: a W&B logger named after the config
+        (``llama7b-tp1-pp1-zeroauto``), and the LR, memory and layout callbacks.
+
+        Set here rather than as ``trainer_defaults``: jsonargparse would carry a default logger's init_args
+        (``name``, ``save_dir``, ...) over to another logger class the config names.
+        """
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is None:
+            return
+        if trainer.get("logger") is None:
+            trainer.logger = Namespace(class_path=_DEFAULT_LOGGER, init_args=Namespace(project="lightning-llm"))
+        if not trainer.get("callbacks"):
+            trainer.callbacks = [Namespace(class_path=path, init_args=Namespace(**args)) for path, args in _DEFAULT_CALLBACKS]
+        logger = trainer.get("logger")
+        if getattr(logger, "class_path", "").endswith("WandbLogger") and not logger.init_args.get("name"):
+            logger.init_args.name = run_name(config)
+
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
 
 
+def run_name(config) -> str:
+    """A run name from the config files' names and the strategy's layout, e.g. ``llama7b-tp2-pp1-zero3``."""
+    files = [Path(str(p)).stem for p in (config.get("config") or [])]
+    strategy = config.get("trainer", {}).get("strategy")
+    parts = files or [Path(str(getattr(config.get("model"), "class_path", "model"))).suffix.lstrip(".") or "model"]
+    if isinstance(strategy, str):
+        parts.append(strategy)
+    elif getattr(strategy, "init_args", None) is not None:
+        args = strategy.init_args
+        if "tensor_parallel_size" in args:
+            parts += [f"tp{args.get('tensor_parallel_size')}", f"pp{args.get('pipeline_parallel_size')}"]
+        if args.get("zero_stage") is not None:
+            parts.append(f"zero{args.get('zero_stage')}")
+    return "-".join(str(p) for p in parts)
+
+
 def _import(class_path: str):
     module, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module), name, None)
-
-
-def _default_wandb_offline() -> None:
-    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
 
 
 def plan(args: list[str]) -> str:
@@ -83,10 +138,8 @@ def plan(args: list[str]) -> str:
     ``--num_nodes`` and ``--device_memory`` override the machine.
     """
     import argparse
-    from pathlib import Path
 
     import torch
-    import yaml
 
     from lightning_llm.planning.zero import MemoryPlanError, parse_size
     from lightning_llm.strategies.zero_auto import choose_zero_stage
@@ -108,8 +161,8 @@ def plan(args: list[str]) -> str:
     # devices and nodes come from the config (or the flags), the model on the meta device.
     overrides = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
                  "--trainer.num_nodes", "1"]
-    with torch.device("meta"):
-        cli = LLMCLI(args=["--config", options.config, *overrides], run=False)
+    with torch.device("meta"), _quiet():
+        cli = LLMCLI(args=["--config", options.config, *overrides], run=False, save_config_callback=None)
         module = cli.model
         if hasattr(module, "configure_model"):
             module.configure_model()
@@ -145,6 +198,22 @@ def plan(args: list[str]) -> str:
         raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
     print(report)
     return report
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No Trainer banners ("GPU available: ...") and no LightningCLI warning about ``args``: ``plan`` prints its table."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_llm")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _check_plan_options(options) -> None:
@@ -194,7 +263,9 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] == ["plan"]:
         plan(argv[1:])
         return
-    _default_wandb_offline()
+    message = default_to_offline()
+    if message and int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr)
     LLMCLI(args=args)
 
 

@@ -39,7 +39,7 @@ class TorchNorm(L.Callback):
 def _fit(tmp: str, devices: int, callbacks: list) -> L.Trainer:
     model = make_model("reference")
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=4,
-                        logger=False, enable_checkpointing=any(isinstance(c, CheckpointRotation) for c in callbacks),
+                        logger=False, log_every_n_steps=1, enable_checkpointing=any(isinstance(c, CheckpointRotation) for c in callbacks),
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks, limit_val_batches=0, default_root_dir=tmp)
     trainer.fit(model, data(8 // devices))

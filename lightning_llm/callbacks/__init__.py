@@ -1,10 +1,11 @@
-"""Callbacks: throughput and MFU, gradient norms, loss-spike guarding, crash-safe checkpoint rotation, a rank watchdog."""
+"""Callbacks: throughput and MFU, gradient norms, memory, the run's layout in the loggers, loss-spike guarding, crash-safe checkpoint rotation, a rank watchdog."""
 
 from lightning_llm.callbacks.checkpoint import CheckpointRotation
 from lightning_llm.callbacks.grad_norm import GradNormMonitor
+from lightning_llm.callbacks.memory import MemoryMonitor, RunInfoLogger
 from lightning_llm.callbacks.mfu import MFUMonitor
 from lightning_llm.callbacks.spike import LossSpikeError, LossSpikeGuard
 from lightning_llm.callbacks.watchdog import RankUnresponsiveError, RankWatchdog
 
-__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor", "RankUnresponsiveError",
-           "RankWatchdog"]
+__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor", "MemoryMonitor",
+           "RankUnresponsiveError", "RankWatchdog", "RunInfoLogger"]

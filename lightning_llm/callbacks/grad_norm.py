@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
+from lightning_llm.callbacks import cadence
 from lightning_llm.contract import contract_of
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.validation import check_float, check_int
@@ -25,7 +26,7 @@ class GradNormMonitor(L.Callback):
     available there: the engine owns the gradient partitions).
 
     Arguments:
-        log_every_n_steps: optimizer steps between logs.
+        log_every_n_steps: optimizer steps between logs; default: the Trainer's.
         norm_type: the p of the p-norm (``float("inf")`` for the max norm).
         per_block: also log each transformer block's norm.
         per_param_group: also log the norm of each of the optimizer's parameter groups.
@@ -36,9 +37,9 @@ class GradNormMonitor(L.Callback):
     """
 
     def __init__(
-        self, log_every_n_steps: int = 1, norm_type: float = 2.0, per_block: bool = False, per_param_group: bool = False
+        self, log_every_n_steps: int | None = None, norm_type: float = 2.0, per_block: bool = False, per_param_group: bool = False
     ) -> None:
-        check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+        check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_float("norm_type", norm_type, allow_inf=True)
         if norm_type <= 0:
             raise ValueError(f"norm_type={norm_type} must be positive (2.0 for the L2 norm, inf for the max norm).")
@@ -51,10 +52,11 @@ class GradNormMonitor(L.Callback):
 
     def _due(self, trainer: L.Trainer) -> bool:
         # on_before_optimizer_step runs before global_step counts this step.
-        return (trainer.global_step + 1) % self.log_every_n_steps == 0
+        return cadence.due(trainer, self.log_every_n_steps, counted=False)
 
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
+        cadence.check_multiple(trainer, self.log_every_n_steps, type(self).__name__)
         self._read_at = trainer.global_step  # a resumed run has no norm of its own yet
 
     @override
@@ -75,7 +77,8 @@ class GradNormMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not isinstance(trainer.strategy, DeepSpeedStrategy) or step % self.log_every_n_steps or step == self._read_at:
+        if not isinstance(trainer.strategy, DeepSpeedStrategy) or not cadence.due(trainer, self.log_every_n_steps, counted=True) \
+                or step == self._read_at:
             return  # not DeepSpeed, not due, or a micro-batch that accumulated without a step
         self._read_at = step
         norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()

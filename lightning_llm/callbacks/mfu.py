@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_llm.callbacks import cadence
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.modeling.shape import ModelShape
@@ -34,7 +35,8 @@ class MFUMonitor(L.Callback):
     table in :data:`~lightning_llm.planning.flops.PEAK_FLOPS`, Lightning's for other cards, or ``peak_flops``.
 
     Arguments:
-        log_every_n_steps: optimizer steps between logs (the first log comes after the first window).
+        log_every_n_steps: optimizer steps between logs (the first log comes after the first window); default:
+            the Trainer's (see :mod:`~lightning_llm.callbacks.cadence`).
         peak_flops: peak FLOP/s of one device, overriding the table (e.g. 989e12).
         flops_per_token: model FLOPs per token, overriding the automatic count.
         shifted_targets: batches hold seq_len + 1 tokens per sample (inputs plus the shifted target).
@@ -47,13 +49,13 @@ class MFUMonitor(L.Callback):
 
     def __init__(
         self,
-        log_every_n_steps: int = 10,
+        log_every_n_steps: int | None = None,
         peak_flops: float | None = None,
         flops_per_token: float | None = None,
         shifted_targets: bool = True,
         prog_bar: bool = True,
     ) -> None:
-        check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+        check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_float("peak_flops", peak_flops, optional=True)
         check_float("flops_per_token", flops_per_token, minimum=0, inclusive=False, optional=True)
         if peak_flops is not None and peak_flops <= 0:
@@ -74,6 +76,7 @@ class MFUMonitor(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cadence.check_multiple(trainer, self.log_every_n_steps, type(self).__name__)
         self._last_step = trainer.global_step
         strategy, contract = trainer.strategy, contract_of(trainer)
         self._shape = contract.model_shape
@@ -101,7 +104,7 @@ class MFUMonitor(L.Callback):
         self._tokens += tokens
         self._seq_len = tokens // max(samples, 1)
         stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
-        if stepped and trainer.global_step % self.log_every_n_steps == 0:
+        if stepped and cadence.due(trainer, self.log_every_n_steps, counted=True):
             self._log(trainer, pl_module)
 
     def _now(self, trainer: L.Trainer) -> float:

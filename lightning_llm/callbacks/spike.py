@@ -12,8 +12,9 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
-from lightning_llm.parallel.dtensor import local_tensor
 
+from lightning_llm.callbacks import cadence
+from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
 ACTIONS = ("warn", "skip", "stop")
@@ -132,7 +133,7 @@ class LossSpikeGuard(L.Callback):
             self.history.append(loss)
         if problem is not None:
             self._act(problem, step, batches, optimizer)
-        if problem is not None or (step + 1) % trainer.log_every_n_steps == 0:
+        if problem is not None or cadence.due(trainer, None, counted=False):
             for name, count in self.counts.items():
                 pl_module.log(f"loss_guard/{name}", float(count), on_step=True, on_epoch=False)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -250,15 +251,16 @@ def _plan_auto(blocks, report: ACReport, budget, memory: int | None, measure_fn)
 class ACOptions:
     """The knobs of one mode as plain values a config file can set (``activation_checkpointing_options``)."""
 
-    selective: str = "op"
+    selective: Literal["op", "layer"] = "op"
     every_n_layers: int = 2
     recompute_every_other_matmul: bool = False
     budget: int | float | None = None
     device_memory: int | None = None
 
     @classmethod
-    def from_dict(cls, mode: str, options: dict | None) -> ACOptions:
-        options = dict(options or {})
+    def from_dict(cls, mode: str, options: ACOptions | dict | None) -> ACOptions:
+        """Checked options for ``mode`` from a dataclass (the CLI parses configs into one) or a dict (Python)."""
+        options = asdict(options) if isinstance(options, ACOptions) else dict(options or {})
         unknown = set(options) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, model_state_bytes
 
@@ -53,19 +58,23 @@ def estimate_options(
 
 
 def render_table(rows: list[MemoryEstimate], usable: float | None, chosen: MemoryEstimate | None = None) -> str:
-    """A terminal table of bytes per rank, in GiB (MiB for small models)."""
+    """A terminal table (rich, plain text) of bytes per rank, in GiB (MiB for small models)."""
     unit, name = (GiB, "GiB") if max(r.total for r in rows) >= GiB else (2**20, "MiB")
-    head = f"{'option (' + name + ' per rank)':<34}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total':>9}  fits"
-    lines = [head, "-" * len(head)]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column(f"option ({name} per rank)")
+    for column in ("params", "grads", "optim", "activ.", "total"):
+        table.add_column(column, justify="right")
+    table.add_column("fits")
     for row in rows:
-        mark = "yes" if row.fits else "no"
-        if row is chosen:
-            mark += "  <- chosen"
-        lines.append(f"{row.label:<34}{row.params / unit:9.2f}{row.grads / unit:9.2f}{row.optimizer / unit:9.2f}"
-                     f"{row.activations / unit:9.2f}{row.total / unit:9.2f}  {mark}")
+        mark = ("yes" if row.fits else "no") + ("  <- chosen" if row is chosen else "")
+        values = (row.params, row.grads, row.optimizer, row.activations, row.total)
+        table.add_row(row.label, *(f"{v / unit:.2f}" for v in values), mark)
+    console = Console(file=io.StringIO(), width=120, color_system=None, highlight=False)
+    console.print(table)
+    text = console.file.getvalue().rstrip()
     if usable is not None:
-        lines.append(f"usable device memory per rank: {usable / unit:.2f} {name}")
-    return "\n".join(lines)
+        text += f"\nusable device memory per rank: {usable / unit:.2f} {name}"
+    return text
 
 
 def plan_zero_stage(

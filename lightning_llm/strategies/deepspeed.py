@@ -71,7 +71,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
 
     def __init__(
         self,
-        zero_stage: int | Literal["auto"] = 2,
+        zero_stage: Literal[1, 2, 3, "auto"] = 2,
         offload: Literal["none", "optimizer", "optimizer+params", "auto"] = "none",
         offload_device: Literal["cpu", "nvme"] = "cpu",
         nvme_path: str | None = None,

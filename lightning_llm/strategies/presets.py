@@ -16,6 +16,7 @@ class Preset(NamedTuple):
 
 
 PARALLEL_PRESETS: list[Preset] = [
+    ("llm_parallel", {}, "LLMParallelStrategy with its defaults (ZeRO 3 over every rank)"),
     ("llm_ddp", {"zero_stage": 0}, "LLMParallelStrategy: replicated data parallel (ZeRO 0)"),
     ("llm_zero2", {"zero_stage": 2}, "LLMParallelStrategy: gradients and optimizer state sharded (ZeRO 2)"),
     ("llm_zero3", {"zero_stage": 3}, "LLMParallelStrategy: fully sharded (ZeRO 3 / FSDP2)"),
@@ -27,6 +28,7 @@ PARALLEL_PRESETS: list[Preset] = [
 ]
 
 DEEPSPEED_PRESETS: list[Preset] = [
+    ("llm_deepspeed", {}, "LLMDeepSpeedStrategy with its defaults (ZeRO 2)"),
     ("llm_deepspeed_zero1", {"zero_stage": 1}, "LLMDeepSpeedStrategy: ZeRO 1"),
     ("llm_deepspeed_zero2", {"zero_stage": 2}, "LLMDeepSpeedStrategy: ZeRO 2"),
     ("llm_deepspeed_zero2_offload", {"zero_stage": 2, "offload": "optimizer"}, "LLMDeepSpeedStrategy: ZeRO 2, optimizer on CPU"),

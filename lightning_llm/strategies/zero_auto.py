@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.loggers import WandbLogger
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,7 +21,7 @@ from torch.utils.data import IterableDataset
 from lightning_llm.modeling.activations import activation_bytes_by_mode, parameter_counts
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.planning.memory import ModelFootprint
-from lightning_llm.planning.zero import ZeroDecision, parse_size, plan_zero_stage
+from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
 
 
 def model_footprint(module: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true") -> ModelFootprint:
@@ -91,6 +92,13 @@ def decide_and_report(trainer: L.Trainer, module: nn.Module, *, name: str, **pla
                    f"{decision.table}")
     for logger in trainer.loggers:
         logger.log_hyperparams({"zero_stage": decision.stage, "zero_offload": decision.offload})
+        if isinstance(logger, WandbLogger) and decision.rows:  # the whole plan, as a table in the run
+            columns = ["zero_stage", "offload", "params_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                       "total_gib", "fits", "chosen"]
+            data = [[row.zero_stage, row.offload, row.params / GiB, row.grads / GiB, row.optimizer / GiB,
+                     row.activations / GiB, row.total / GiB, row.fits,
+                     (row.zero_stage, row.offload) == (decision.stage, decision.offload)] for row in decision.rows]
+            logger.log_table("plan/zero_stage", columns=columns, data=data)
     return decision
 
 

@@ -249,7 +249,7 @@ def test_cli_ckpt_path_last_resumes_from_the_default_directory(tmp_path, monkeyp
     main(["fit", "--config", "config.yaml"])
     first = {p.name: marker_path(p).read_text() for p in complete_checkpoints(tmp_path / "checkpoints")}
     main(["fit", "--config", "config.yaml", "--trainer.max_steps", "8", "--ckpt_path", "last"])
-    assert sorted(p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()) == ["version_0", "version_1"]
+    assert sorted(p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()) == ["version_0", "version_1"], sorted(map(str, tmp_path.rglob("*")))
     final = complete_checkpoints(tmp_path / "checkpoints")
     assert _steps(tmp_path / "checkpoints") == [2, 4, 6, 8]
     assert {name: marker_path(tmp_path / "checkpoints" / name).read_text() for name in first} == first, \

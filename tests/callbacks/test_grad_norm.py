@@ -20,7 +20,7 @@ def _first_norms(strategy="auto", devices=1, dp=1, arch="hf_gpt2", clip=None):
     monitor = GradNormMonitor(per_block=True, per_param_group=True)
     model = make_model(arch, layers=4)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[monitor], limit_val_batches=0, gradient_clip_val=clip)
     trainer.fit(model, data(8 // dp))
     metrics = trainer.callback_metrics

@@ -43,6 +43,9 @@ def test_presets_are_registered():
     assert isinstance(strategy, LLMParallelStrategy)
     assert strategy._tensor_parallel_size == 2 and strategy.sequence_parallel
     assert StrategyRegistry.get("llm_ddp").zero_stage == 0
+    plain = StrategyRegistry.get("llm_parallel")
+    assert type(plain) is LLMParallelStrategy and plain.zero_stage == LLMParallelStrategy().zero_stage
+    assert type(L.Trainer(strategy="llm_parallel", accelerator="cpu", devices=1, logger=False).strategy) is LLMParallelStrategy
 
 
 class _NoLinear(L.LightningModule):

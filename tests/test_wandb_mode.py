@@ -1,0 +1,54 @@
+"""The CLI never overrides a W&B configuration; with none at all it logs offline and says so."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_llm.wandb_mode import default_to_offline, wandb_configuration
+
+
+@pytest.fixture
+def bare(tmp_path, monkeypatch):
+    """A machine where W&B was never configured: empty home, no W&B variables, cwd in a fresh directory."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.setenv(name, "")  # recorded, so what the code under test sets is undone after the test
+        monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    return home
+
+
+def test_unconfigured_machine_logs_offline_and_says_how_to_change_it(bare, monkeypatch):
+    assert wandb_configuration() is None
+    message = default_to_offline()
+    assert message is not None and "wandb login" in message
+    assert os.environ["WANDB_MODE"] == "offline"
+
+
+@pytest.mark.parametrize("variable", [("WANDB_MODE", "online"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)])
+def test_environment_is_respected(bare, monkeypatch, variable):
+    monkeypatch.setenv(*variable)
+    assert default_to_offline() is None
+    assert os.environ.get("WANDB_MODE") == (variable[1] if variable[0] == "WANDB_MODE" else None)
+
+
+def test_wandb_login_netrc_is_respected(bare, monkeypatch):
+    # What `wandb login` writes: a netrc entry for the W&B API host.
+    netrc = bare / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert "api.wandb.ai" in wandb_configuration()
+    assert default_to_offline() is None
+
+
+def test_wandb_offline_command_is_respected(bare, tmp_path):
+    # W&B's own CLI writes its settings file; reading it back is what W&B does too.
+    result = subprocess.run([sys.executable, "-m", "wandb", "offline"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "HOME": str(bare)})
+    assert result.returncode == 0, result.stderr
+    assert wandb_configuration() == "W&B settings (mode = offline)"
+    assert default_to_offline() is None
