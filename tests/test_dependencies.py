@@ -1,0 +1,34 @@
+"""Dependency floors: the installed versions meet pyproject's floors, and every module of the package imports."""
+
+import importlib
+import pkgutil
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+import lightning_llm
+
+PYPROJECT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+FLOOR = re.compile(r"^([A-Za-z0-9_.-]+)(\[[^\]]*\])?>=([0-9][0-9.]*)")
+
+
+def _floors() -> list[tuple[str, str]]:
+    requirements = PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["dev"]
+    return [(m.group(1), m.group(3)) for r in requirements if (m := FLOOR.match(r))]
+
+
+@pytest.mark.parametrize(("name", "floor"), _floors())
+def test_installed_version_meets_the_floor(name, floor):
+    # CI installs the newest releases; a floor above them would make the package uninstallable.
+    assert Version(version(name)) >= Version(floor), f"{name} {version(name)} is below the floor {floor}"
+
+
+def test_every_module_imports():
+    names = [m.name for m in pkgutil.walk_packages(lightning_llm.__path__, "lightning_llm.")]
+    assert len(names) > 50
+    for name in names:
+        importlib.import_module(name)
