@@ -28,6 +28,7 @@ from lightning_llm.parallel.tp_plan import (
     validate_plan,
 )
 from lightning_llm.parallel.tp_replicated_grads import (
+    region_owners,
     sharded_region_modules,
     verify_on_first_forward,
 )
@@ -66,16 +67,23 @@ def apply_tensor_parallel(
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated)."""
     tp = tp_mesh.size()
     if sequence_parallel:
-        plan = add_sequence_parallel_norms(model, add_sequence_parallel_boundaries(model, plan, blocks_name))
+        plan = add_sequence_parallel_norms(model, add_sequence_parallel_boundaries(model, plan, blocks_name), blocks_name)
     tied = tied_parameter_names(model)
-    styles = {p: s for p, s in ((p, parallel_style(s, sequence_parallel)) for p, s in plan.items()) if s is not None}
     # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
-    names = [n for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)]
-    explicit = {n: style for pattern, style in styles.items() for n in names if _matches(n, pattern)}
+    modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
+    explicit = {}
+    for pattern, style in plan.items():
+        for name, module in modules.items():
+            if _matches(name, pattern) and (torch_style := parallel_style(style, sequence_parallel, module)) is not None:
+                explicit[name] = torch_style
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
-    heads = divide_head_counts(blocks, tp)
     block_names = {id(m): n for n, m in model.named_modules()}
+    heads = 0
+    for block in blocks:
+        name = block_names[id(block)]
+        local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if _matches(f"{name}.{n}" if n else name, p)}
+        heads += divide_head_counts([block], tp, region_owners(local) or None)
     for block in blocks:
         name = block_names[id(block)]
         local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if n and _matches(f"{name}.{n}", p)}

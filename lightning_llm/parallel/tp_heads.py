@@ -9,6 +9,8 @@ litgpt ``config.n_query_groups``).
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 
 HEAD_ATTRS = (
@@ -52,21 +54,46 @@ def _largest_divisor(values: list[int], tp: int) -> int:
     return max(d for d in range(1, tp + 1) if all(v % d == 0 for v in values))
 
 
-def divide_head_counts(blocks: list[nn.Module], tp: int) -> int:
-    """Divide integer head-count attributes (``num_heads``, ``n_kv_heads``, ...) of block submodules by ``tp``.
+def divide_head_counts(blocks: list[nn.Module], tp: int, owners: set[str] | None = None) -> int:
+    """Divide the head counts that the attention code of each block reads by ``tp``; return how many changed.
 
-    Attention code that reshapes with a stored head count must see the local count once q/k/v
-    are split column-wise. Returns how many attributes were changed.
+    Attention code that reshapes or slices with a stored head count must see the local count once
+    q/k/v are split column-wise. ``owners`` names (inside a block) the modules whose projections are
+    split (see :func:`.tp_replicated_grads.region_owners`); counts are divided on them, their
+    submodules and the block itself, not where attention stays whole (a gathered plan). Counts are
+    read from module attributes (``self.num_heads``), from a config object the module holds (litgpt's
+    ``self.config.n_head``, Phi-3's ``self.config.num_attention_heads``: the module gets its own copy
+    of the config with the local counts, so the model's own config is unchanged), and from the
+    per-rank widths some classes keep (:data:`WIDTH_ATTRS`).
     """
     changed = 0
+    copies: dict[int, object] = {}
     for block_idx, block in enumerate(blocks):
         for name, module in block.named_modules():
-            for attr, value in _counts(module).items():
-                if value % tp:
-                    raise ValueError(
-                        f"{name or 'block'}.{attr}={value} in block {block_idx} is not divisible by "
-                        f"tensor_parallel_size={tp}; choose a tensor_parallel_size that divides the head counts."
-                    )
-                setattr(module, attr, value // tp)
-                changed += 1
+            if owners is not None and name and not any(name == o or name.startswith(o + ".") or not o for o in owners):
+                continue
+            where = f"{name or 'block'}.{{}} in block {block_idx}"
+            changed += _divide(module, _counts(module), tp, where)
+            changed += _divide(module, {a: getattr(module, a) for a in WIDTH_ATTRS.get(type(module).__name__, ())}, tp, where)
+            config = getattr(module, "config", None)
+            if config is not None and _counts(config):
+                if id(config) not in copies:
+                    copies[id(config)] = copy.copy(config)
+                    changed += _divide(copies[id(config)], _counts(config), tp, f"{name or 'block'}.config.{{}} in block {block_idx}")
+                module.config = copies[id(config)]
     return changed
+
+
+# Widths (not head counts) that some attention classes keep and slice with: GPT-2 splits c_attn's output by split_size.
+WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim")}
+
+
+def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:
+    for attr, value in values.items():  # set from the originals: HF configs alias names (n_head = num_attention_heads)
+        if value % tp:
+            raise ValueError(
+                f"{where.format(f'{attr}={value}')} is not divisible by tensor_parallel_size={tp}; choose a tensor_parallel_size "
+                "that divides the head counts."
+            )
+        setattr(obj, attr, value // tp)
+    return len(values)

@@ -17,16 +17,35 @@ import re
 
 from torch import nn
 
+from lightning_llm.parallel.tp_fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp_hf_styles import hf_plan
 
 STYLES = (
     "colwise", "rowwise", "colwise_gather", "rowwise_split_input", "embedding", "embedding_colwise",
-    "sequence_parallel", "replicate", "replicate_grad_sum",
+    "sequence_parallel", "replicate", "replicate_grad_sum", "fused_qkv", "fused_colwise:N", "fused_colwise:A,B,...",
 )
+# Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
+# Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
+KNOWN_FUSED = {
+    ("GPT2Attention", "c_attn"): "fused_qkv", ("Phi3Attention", "qkv_proj"): "fused_qkv",
+    ("Phi3MLP", "gate_up_proj"): "fused_colwise:2", ("litgpt:CausalSelfAttention", "qkv"): "fused_qkv",
+    ("CausalSelfAttention", "c_attn"): "fused_qkv",  # nanoGPT: q, k, v = self.c_attn(x).split(n_embd, dim=2)
+}
 
 _COLWISE = re.compile(r"^(q|k|v|wq|wk|wv|query|key|value|q_proj|k_proj|v_proj|to_q|to_k|to_v|gate|up|w1|w3|gate_proj|up_proj|fc1|fc_in|c_fc|dense_h_to_4h|in_proj_q|in_proj_k|in_proj_v)$")
 _ROWWISE = re.compile(r"^(o|wo|out|o_proj|out_proj|to_out|proj|down|w2|down_proj|fc2|fc_out|c_proj|dense_4h_to_h|dense)$")
 _FUSED = re.compile(r"^(qkv|wqkv|qkv_proj|c_attn|query_key_value|in_proj|gate_up_proj|w13|w12|kv|kv_proj)$")
+
+
+def is_fused_style(style: str) -> bool:
+    return style == "fused_qkv" or style.startswith(FUSED_PREFIX)
+
+
+def known_fused_style(owner: nn.Module, leaf: str) -> str | None:
+    """The fused style of attribute ``leaf`` of ``owner`` when its layout is known (see :data:`KNOWN_FUSED`)."""
+    cls = type(owner)
+    package = cls.__module__.split(".")[0]
+    return KNOWN_FUSED.get((f"{package}:{cls.__name__}", leaf)) or KNOWN_FUSED.get((cls.__name__, leaf))
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -43,12 +62,12 @@ def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dic
     """
     plan: dict[str, str] = {}
     for name, module in blocks[0].named_modules():
-        if not isinstance(module, nn.Linear):
+        if projection_dims(module) is None:
             continue
         plan[f"{blocks_name}.*.{name}"] = _classify_linear(f"{blocks_name}.0.{name}", name, module, blocks[0])
     if not plan:
         raise ValueError(
-            f"tensor_parallel_size > 1 but the blocks at {blocks_name!r} contain no nn.Linear layer to shard. "
+            f"tensor_parallel_size > 1 but the blocks at {blocks_name!r} contain no nn.Linear (or Conv1D) layer to shard. "
             "Pass `tensor_parallel_plan` to the strategy, or use tensor_parallel_size=1."
         )
     blocks_prefix = blocks_name + "."
@@ -63,26 +82,33 @@ def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dic
     return plan
 
 
-def _classify_linear(full_name: str, name: str, linear: nn.Linear, block: nn.Module) -> str:
-    leaf = name.rsplit(".", 1)[-1].lower()
+def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Module) -> str:
+    owner_name, _, leaf = name.rpartition(".")
+    known = known_fused_style(block.get_submodule(owner_name), leaf)
+    if known:
+        return known
+    leaf = leaf.lower()
+    in_features, out_features = projection_dims(linear)
     if _FUSED.match(leaf):
         raise ValueError(
-            f"{full_name!r} looks like a fused projection ({linear.in_features} -> {linear.out_features}); a column "
-            "split would give each rank a slice mixing q/k/v (or gate/up) of different heads. Unfuse it, or, if its "
-            f"rows are already grouped per rank, declare it: tensor_parallel_plan={{'{_pattern(full_name)}': 'colwise', ...}}."
+            f"{full_name!r} looks like a fused projection ({in_features} -> {out_features}) of a layout this package "
+            "does not know; a plain column split would give each rank a slice mixing q/k/v (or gate/up) of different "
+            f"heads. Declare its layout: tensor_parallel_plan={{'{_pattern(full_name)}': STYLE, ...}} with STYLE "
+            "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
+            "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
         )
     if _COLWISE.match(leaf):
         return "colwise"
     if _ROWWISE.match(leaf):
         return "rowwise"
-    dims = [m.in_features for m in block.modules() if isinstance(m, nn.Linear)]
+    dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]
     model_dim = max(set(dims), key=dims.count)
-    if linear.in_features == model_dim and linear.out_features != model_dim:
+    if in_features == model_dim and out_features != model_dim:
         return "colwise"
-    if linear.out_features == model_dim and linear.in_features != model_dim:
+    if out_features == model_dim and in_features != model_dim:
         return "rowwise"
     raise ValueError(
-        f"Cannot tell whether {full_name!r} ({linear.in_features} -> {linear.out_features}) is an input or an output "
+        f"Cannot tell whether {full_name!r} ({in_features} -> {out_features}) is an input or an output "
         f"projection from its name or shape. Name it in the plan, e.g. "
         f"tensor_parallel_plan={{'{_pattern(full_name)}': 'colwise'}} (or 'rowwise'), with the other layers."
     )
@@ -102,14 +128,20 @@ def _output_head(model: nn.Module, blocks_prefix: str) -> str | None:
     return heads[-1] if heads else None
 
 
-def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Mark every normalisation layer ``sequence_parallel`` (they see sequence-sharded activations)."""
+def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
+    """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
+
+    A norm beside a planned layer of a block (OLMo2's and litgpt's ``q_norm``/``k_norm`` next to
+    ``q_proj``) runs inside attention on whole-sequence activations, so it is left to the plan.
+    """
     plan = dict(plan)
+    planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
+    beside_projection = {n.rpartition(".")[0] for n in planned if n.startswith(blocks_name + ".")}
     for name, module in model.named_modules():
         if getattr(module, "is_pipeline_placeholder", False):
             continue
         is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
-        if is_norm and not any(_matches(name, p) for p in plan):
+        if is_norm and name not in planned and name.rpartition(".")[0] not in beside_projection:
             plan[name] = "sequence_parallel"
     return plan
 
@@ -128,13 +160,50 @@ def resolve_plan(
     the user or the module gives a plan.
     """
     if user_plan:
-        return dict(user_plan), "strategy"
-    if module_plan:
-        return dict(module_plan), "module"
-    plan = hf_plan(model)
-    if plan:
-        return plan, "hugging face"
-    return infer_plan(model, blocks_name, blocks), "inferred"
+        plan, source = dict(user_plan), "strategy"
+    elif module_plan:
+        plan, source = dict(module_plan), "module"
+    elif plan := hf_plan(model):
+        plan, source = split_gathered_fused(model, plan), "hugging face"
+    else:
+        plan, source = infer_plan(model, blocks_name, blocks), "inferred"
+    return resolve_fused_styles(model, plan), source
+
+
+def split_gathered_fused(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """An HF plan whose known fused projections are gathered (Phi-3) with them split per head instead.
+
+    Hugging Face gathers a fused projection's output (``colwise_gather_output``) and multiplies the
+    closing layer's input columns locally (``rowwise_split_input``), so every rank computes all heads.
+    Where the fused layout is known, the projection becomes a fused column split and the layers
+    under the same parent that took the gathered input become ordinary row splits.
+    """
+    plan = dict(plan)
+    names = dict(model.named_modules())
+    for pattern, style in list(plan.items()):
+        owner_pattern, _, leaf = pattern.rpartition(".")
+        owners = [m for n, m in names.items() if _matches(n, owner_pattern)]
+        fused = known_fused_style(owners[0], leaf) if style == "colwise_gather" and owners else None
+        if fused:
+            plan[pattern] = fused
+            for other, other_style in plan.items():
+                if other.rpartition(".")[0] == owner_pattern and other_style == "rowwise_split_input":
+                    plan[other] = "rowwise"
+    return plan
+
+
+def resolve_fused_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with each ``fused_qkv`` entry written as ``fused_colwise:Q,K,V`` (sizes from the head counts)."""
+    resolved = dict(plan)
+    for pattern, style in plan.items():
+        if style != "fused_qkv":
+            continue
+        for name, module in model.named_modules():
+            if name and _matches(name, pattern) and projection_dims(module) is not None:
+                owner = model.get_submodule(name.rpartition(".")[0])
+                resolved[pattern] = qkv_style(owner, projection_dims(module)[1], name)
+                break
+    return resolved
 
 
 def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
@@ -167,7 +236,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     names = dict(model.named_modules())
     matched: dict[str, list[str]] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
+        if style not in STYLES and parse_fused(style) is None:
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
         matched[pattern] = [n for n in names if n and _matches(n, pattern)]
         if not matched[pattern]:
@@ -181,6 +250,27 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
 
 
 def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
+    if style.startswith(FUSED_PREFIX):
+        dims = projection_dims(module)
+        if dims is None:
+            raise ValueError(f"{name!r} is given {style!r}, but only nn.Linear and Conv1D layers can be fused-split.")
+        parts = fused_sizes(style, dims[1])
+        if any(p % tp for p in parts):
+            raise ValueError(
+                f"{name!r} ({style}) has parts {list(parts)}, not all divisible by tensor_parallel_size={tp}. Use a "
+                f"tensor_parallel_size that divides every part, or keep it whole: tensor_parallel_plan={{'{name}': 'replicate', ...}}."
+            )
+        return
+    dims = projection_dims(module)
+    if dims is not None:  # nn.Linear or Conv1D (whose weight is stored transposed)
+        size = {"colwise": dims[1], "colwise_gather": dims[1], "rowwise": dims[0], "rowwise_split_input": dims[0]}.get(style)
+        if size is not None and size % tp:
+            raise ValueError(
+                f"{name!r} ({style}) has {'out' if style.startswith('col') else 'in'}_features={size}, not divisible by "
+                f"tensor_parallel_size={tp}. Use a tensor_parallel_size that divides {size}, or keep it whole: "
+                f"tensor_parallel_plan={{'{name}': 'replicate', ...}}."
+            )
+        return
     sizes = {
         "colwise": ("out_features",), "colwise_gather": ("out_features",), "rowwise": ("in_features",),
         "rowwise_split_input": ("in_features",), "embedding": ("num_embeddings",), "embedding_colwise": ("embedding_dim",),

@@ -24,8 +24,31 @@ OPENS = ("colwise",)
 CLOSES = ("rowwise",)
 
 
+def opens(style: str | None) -> bool:
+    """Whether ``style`` starts a head-sharded region (a column split, fused or not)."""
+    return style in OPENS or (style or "").startswith("fused_colwise:")
+
+
 def _owns_plain_params(module: nn.Module) -> bool:
     return any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
+def region_owners(styles: dict[str, str]) -> set[str]:
+    """Names of the smallest modules holding both a column-split layer and the row-split layer closing it.
+
+    ``styles`` maps module names inside a block to their plan style; ``""`` is the block itself.
+    """
+    owners = set()
+    for name, style in styles.items():
+        if not opens(style):
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            owner = ".".join(parts[:cut])
+            if any(styles.get(n) in CLOSES and (not owner or n.startswith(owner + ".")) for n in styles):
+                owners.add(owner)
+                break
+    return owners
 
 
 def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str]:
@@ -34,16 +57,7 @@ def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str
     ``styles`` maps module names inside ``block`` to their plan style. A region owner is the
     smallest ancestor of a column-split layer that also contains a row-split layer.
     """
-    owners = set()
-    for name, style in styles.items():
-        if style not in OPENS:
-            continue
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, -1, -1):
-            owner = ".".join(parts[:cut])
-            if any(styles.get(n) in CLOSES and (not owner or n.startswith(owner + ".")) for n in styles):
-                owners.add(owner)
-                break
+    owners = region_owners(styles)
     found = []
     for name, module in block.named_modules():
         if not name or name in styles or not any(True for _ in module.parameters(recurse=False)):
@@ -65,8 +79,8 @@ def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str
     handles = []
     for name, module in block.named_modules():
         style = styles.get(name)
-        if style in OPENS or style in CLOSES or (name and _has_params(module)):
-            kind = "open" if style in OPENS else "close" if style in CLOSES else style or "plain"
+        if opens(style) or style in CLOSES or (name and _has_params(module)):
+            kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: events.append((n, k))))
 
     def check(module, args, output):

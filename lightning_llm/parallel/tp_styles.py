@@ -3,7 +3,7 @@
 Every style is torch's own ``ColwiseParallel``/``RowwiseParallel``/``SequenceParallel`` with the
 input/output layouts the position in the model needs, except :class:`ReplicateGradSum`, a small
 ``ParallelStyle`` (built with torch's ``distribute_module``) for a module kept whole on every rank
-but applied to each rank's own heads.
+but applied to each rank's own heads, and the fused-projection and ``Conv1D`` styles of :mod:`.tp_fused`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+)
+
+from lightning_llm.parallel.tp_fused import (
+    FUSED_PREFIX,
+    Conv1DColwise,
+    Conv1DRowwise,
+    FusedColwise,
+    fused_sizes,
+    is_conv1d,
+    projection_dims,
 )
 
 
@@ -60,17 +70,29 @@ def _plain_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-def parallel_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` for one of our style names (``None``: leave the module as it is)."""
+def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | None:
+    """The torch ``ParallelStyle`` for one of our style names applied to ``module`` (``None``: leave it as it is).
+
+    ``module`` matters for Hugging Face ``Conv1D`` layers (weights stored transposed) and fused projections.
+    """
     sharded_seq = Shard(1) if sequence_parallel else Replicate()
     local = not sequence_parallel
+    conv1d = module is not None and is_conv1d(module)
+    if style.startswith(FUSED_PREFIX):
+        return FusedColwise(fused_sizes(style, projection_dims(module)[1]), input_layouts=sharded_seq)
     if style == "colwise":
-        return ColwiseParallel(input_layouts=sharded_seq)
+        return Conv1DColwise(input_layouts=sharded_seq) if conv1d else ColwiseParallel(input_layouts=sharded_seq)
     if style == "rowwise":
+        if conv1d:
+            return Conv1DRowwise(output_layouts=sharded_seq, use_local_output=local)
         return RowwiseParallel(output_layouts=sharded_seq, use_local_output=local)
     if style == "colwise_gather":
+        if conv1d:
+            return Conv1DColwise(input_layouts=sharded_seq, output_layouts=Replicate())
         return ColwiseParallel(input_layouts=sharded_seq, output_layouts=Replicate())
     if style == "rowwise_split_input":  # input replicated (full width), each rank multiplies its columns
+        if conv1d:
+            return Conv1DRowwise(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)

@@ -84,7 +84,7 @@ def test_fused_projection_is_refused_with_the_fixing_plan_entry():
             super().__init__()
             self.layers = nn.ModuleList(nn.ModuleDict({"attn": Attn()}) for _ in range(2))
 
-    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.qkv' looks like a fused projection.*'layers\.\*\.attn\.qkv': 'colwise'"):
+    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.qkv' looks like a fused projection.*'layers\.\*\.attn\.qkv': STYLE.*'fused_qkv'"):
         infer_plan(Net(), "layers", Net().layers)
 
 
@@ -104,7 +104,7 @@ def test_nothing_to_shard_is_refused():
             super().__init__()
             self.layers = nn.ModuleList(nn.LayerNorm(4) for _ in range(2))
 
-    with pytest.raises(ValueError, match="contain no nn.Linear layer to shard"):
+    with pytest.raises(ValueError, match=r"contain no nn.Linear \(or Conv1D\) layer to shard"):
         infer_plan(Net(), "layers", Net().layers)
 
 

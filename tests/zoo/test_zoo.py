@@ -13,8 +13,8 @@ they also prove the strategy turns the KV cache off. The ``zero_auto`` cell pass
 so the planner must read the micro-batch shape from the first batch. MoE models (Mixtral, Qwen3-MoE)
 pass the same checks, their routers' weights included.
 
-Cells marked xfail fail today for the tensor-parallel gaps issue 12 still has (fused QKV and Conv1D, Phi-3's
-fused qkv_proj, OLMo2 under SP, MoE experts refused under TP); strict, so a fix must remove its mark.
+Cells marked xfail fail today for the tensor-parallel gaps issue 12 still has (MoE experts refused under TP);
+strict, so a fix must remove its mark.
 """
 
 from __future__ import annotations
@@ -36,17 +36,14 @@ TP_LAYOUTS = ("tp2", "tp2_sp", "dp2xtp2")
 
 _MOE = ("ValueError at setup: HF _tp_plan entries 'packed_colwise'/'moe_tp_experts' (3-D expert weights) are refused "
         "(no expert TP); the message prints a plan that keeps each MoE block whole")
-_FUSED_QKV = "ValueError at setup: fused attn.qkv ({}) is refused as a fused projection; TP for fused QKV is missing"
-TP_GAPS = {
-    "phi3": ("RuntimeError in SDPA 'Number of heads in key and value must divide the number of heads in query': "
-             "the fused qkv_proj is split column-wise, not per head"),
-    "mixtral": _MOE,
-    "qwen3_moe": _MOE,
-    "gpt2": "ValueError at setup: Conv1D layers are not sharded ('no nn.Linear layer to shard')",
-    "litgpt_llama": _FUSED_QKV.format("32 -> 64"),
-    "litgpt_pythia": _FUSED_QKV.format("32 -> 96"),
-}
-SP_GAPS = {"olmo2": "RuntimeError under SP: 'aten.mul.Tensor got mixed torch.Tensor and DTensor' (OLMo2 q_norm/k_norm)"}
+TP_GAPS = {"mixtral": _MOE, "qwen3_moe": _MOE}
+SP_GAPS: dict[str, str] = {}
+# Parameter tolerance where fp32 rounding, not the layout, decides: GPT-2's zero-initialized biases take
+# Adam steps of about lr * sign(grad); in one element of h.1.mlp.c_proj.bias the gradient passes near zero in
+# one step, where m / sqrt(v) turns a reduction-order difference into 1.7e-6 (1.15e-4 of that bias' norm
+# after 4 steps, tp2). The same cell in float64 agrees to 1.9e-15; tests/parallel/test_fused_projections.py
+# asserts the fused/Conv1D layouts in float64 to 1e-12.
+PARAM_RTOL = {"gpt2": 5e-4}
 
 
 def _marks(layout: str, name: str) -> list:
@@ -100,7 +97,8 @@ def test_zoo_cell_matches_single_process(layout, name, request):
     ref_losses, ref_params, _, _ = _reference(name)
     _table[(name, layout)] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
-    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}")
+    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=PARAM_RTOL.get(name, 1e-5),
+                  loss_rtol=1e-5)
     if name in MOE:  # the routers decide exactly as the single process's do
         for got, want in zip(_routes(name, params), _routes(name, ref_params)):
             assert torch.equal(got, want), f"{name} {layout}: routing differs from the single process"
