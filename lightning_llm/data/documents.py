@@ -2,7 +2,8 @@
 
 * ``.txt``: with ``txt_split="file"`` (default) a file is one document, its text unchanged. With
   ``txt_split="blank_line"`` documents are the runs of text between blank lines (a line holding only
-  whitespace; several in a row count as one), each without its leading and trailing newlines.
+  whitespace; several in a row count as one), each without its leading and trailing newlines (the
+  indentation of its first line stays).
 * ``.jsonl``: one JSON object per line, the document is ``object[text_key]``; blank lines are skipped.
 
 Documents that are empty or whitespace only are skipped (a tokenizer gives them no tokens). A
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 SUFFIXES = (".txt", ".jsonl")
-_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n\s*")
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)*")
 
 
 def expand_inputs(inputs: list[str | Path]) -> list[Path]:

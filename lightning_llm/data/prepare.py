@@ -75,7 +75,7 @@ def prepare(
         print(infos["train"].num_tokens)
     """
     check_int("workers", workers, minimum=1, hint="encoding processes, e.g. the number of CPU cores")
-    check_float("val_fraction", val_fraction, minimum=0, maximum=1, inclusive=False)
+    check_float("val_fraction", val_fraction, minimum=0, maximum=1, hint="the share of documents held out, below 1")
     if val_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction!r} must be below 1 (the share of documents held out).")
     expand_inputs(inputs)  # missing files and bad suffixes fail before a tokenizer is trained
