@@ -239,6 +239,17 @@ def test_bad_inputs_are_named(case, tmp_path):
     assert not (tmp_path / "out" / "train.bin").exists(), "nothing half-written is left behind"
 
 
+def test_token_files_without_offsets_or_with_a_stale_sidecar_are_named(tmp_path):
+    prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260)
+    train = tmp_path / "out" / "train.bin"
+    train.with_suffix(".idx").unlink()
+    with pytest.raises(FileNotFoundError, match="train.idx"):
+        LLMDataModule(source="tokens", path=str(train), seq_len=2, return_document_ids=True).setup()
+    train.write_bytes(train.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"train.bin holds \d+ tokens but its sidecar says \d+; .* Prepare it again"):
+        LLMDataModule(source="tokens", path=str(train), seq_len=2).setup()
+
+
 def test_command_line_prints_one_line_per_file_and_names_bad_values(tmp_path, capsys):
     inputs = _write_inputs(tmp_path, _corpus(6))
     main(["prepare", *inputs, "--output_dir", str(tmp_path / "out"), "--vocab_size", "300", "--val_fraction", "0.2",
