@@ -263,3 +263,38 @@ def test_command_line_prints_one_line_per_file_and_names_bad_values(tmp_path, ca
         main(["--help"])
     # argparse wraps the epilog at hyphens too ("lightning-\nllm").
     assert "lightning-llm prepare FILES" in " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+
+
+class _Batches(L.Callback):
+    def __init__(self):
+        self.batches = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append((batch["input_ids"].clone(), batch["document_ids"].clone(), outputs["loss"].item()))
+
+
+def test_document_id_batches_resume_mid_epoch_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    prepare(_write_inputs(tmp_path, _corpus(60, seed=5)), tmp_path / "out", vocab_size=300, txt_split="blank_line")
+
+    def fit(steps, root, resume=None, checkpoint_every=None):
+        L.seed_everything(0)
+        record = _Batches()
+        callbacks = [record] + ([ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=checkpoint_every,
+                                                 save_top_k=-1)] if checkpoint_every else [])
+        data = LLMDataModule(source="tokens", path=str(tmp_path / "out" / "train.bin"), seq_len=32, batch_size=2,
+                             return_document_ids=True, seed=3)
+        model = CausalLM(LlamaConfig.from_name("tiny", vocab_size=300), warmup_steps=2, max_steps=8)
+        L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+                  default_root_dir=root).fit(model, data, ckpt_path=resume)
+        return record.batches
+
+    straight = fit(8, tmp_path / "straight")
+    pieces = fit(3, tmp_path / "pieces", checkpoint_every=3) + fit(8, tmp_path / "pieces",
+                                                                    resume=tmp_path / "pieces" / "mid.ckpt")
+    assert len(pieces) == len(straight) == 8
+    for step, (got, want) in enumerate(zip(pieces, straight)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step} read another batch"
+        assert got[2] == want[2], f"step {step}: loss {got[2]} != {want[2]}"
