@@ -29,7 +29,9 @@ from typing import Literal
 import numpy as np
 
 from lightning_llm.data.documents import expand_inputs, iter_documents
-from lightning_llm.data.token_files import TokenFileInfo, offsets_path, token_dtype_for, write_token_info
+from lightning_llm.data.token_files import (
+    TokenFileInfo, offsets_path, sidecar_path, token_dtype_for, write_token_info,
+)
 from lightning_llm.validation import check_float, check_int
 
 TRAINED_EOS = "<|endoftext|>"
@@ -93,13 +95,8 @@ def prepare(
     dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
     names = ("train", "val") if val_fraction > 0 else ("train",)
     writers = {name: _TokenWriter(out / f"{name}.bin", dtype) for name in names}
-    with contextlib.ExitStack() as stack:
-        for writer in writers.values():
-            stack.enter_context(writer)
-        bar = stack.enter_context(_progress_bar(progress))
-        for split, lengths, tokens in _encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers):
-            writers[split].write(tokens, lengths)
-            bar.update(len(lengths))
+    runs = _encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers)
+    _write(runs, writers, progress)
     if "val" in writers and writers["val"].documents == 0:
         total = writers["train"].documents
         _remove(writers.values())
@@ -239,6 +236,23 @@ class _TokenWriter:
         self._offsets.write(np.asarray([self.tokens], dtype=np.uint64).tobytes())  # the end, as a last entry
         self._tokens.close()
         self._offsets.close()
+
+
+def _write(runs, writers: dict[str, _TokenWriter], progress: bool | None) -> None:
+    """Append every (split, lengths, tokens) run to its split's files; on any error, remove what was written."""
+    for writer in writers.values():  # a sidecar left by an earlier run must not describe these files
+        sidecar_path(writer.path).unlink(missing_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            for writer in writers.values():
+                stack.enter_context(writer)
+            bar = stack.enter_context(_progress_bar(progress))
+            for split, lengths, tokens in runs:
+                writers[split].write(tokens, lengths)
+                bar.update(len(lengths))
+    except BaseException:
+        _remove(writers.values())
+        raise
 
 
 def _remove(writers) -> None:

@@ -239,6 +239,14 @@ def test_bad_inputs_are_named(case, tmp_path):
     assert not (tmp_path / "out" / "train.bin").exists(), "nothing half-written is left behind"
 
 
+def test_an_error_while_writing_leaves_no_files_and_no_stale_sidecar(tmp_path):
+    prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260)  # an earlier, good run
+    bad = _text(tmp_path, "bad.jsonl", '{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match="Line 3 of .*bad.jsonl.* is not valid JSON"):
+        prepare([bad], tmp_path / "out", tokenizer=tmp_path / "out" / "tokenizer.json")
+    assert not any((tmp_path / "out" / name).exists() for name in ("train.bin", "train.idx", "train.json"))
+
+
 def test_token_files_without_offsets_or_with_a_stale_sidecar_are_named(tmp_path):
     prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260)
     train = tmp_path / "out" / "train.bin"
