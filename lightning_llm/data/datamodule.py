@@ -134,7 +134,8 @@ class LLMDataModule(L.LightningDataModule):
         if hp.source == "synthetic":
             chain = dict(vocab_size=hp.vocab_size, order=hp.markov_order, branching=hp.branching, seed=hp.seed)
             num_val = max(int(hp.num_tokens * hp.val_fraction), hp.seq_len + 1)
-            return (markov_corpus(hp.num_tokens, stream=0, **chain), None), (markov_corpus(num_val, stream=1, **chain), None)
+            train, val = markov_corpus(hp.num_tokens, stream=0, **chain), markov_corpus(num_val, stream=1, **chain)
+            return (train, None), (val, None)
         paths, val_paths = _as_list(hp.path), _as_list(hp.val_path)
         if hp.source == "text":
             tokens, offsets = read_text_files(paths, ByteTokenizer().encode), None
@@ -148,7 +149,8 @@ class LLMDataModule(L.LightningDataModule):
         split = int(len(tokens) * (1 - hp.val_fraction))
         if offsets is None:
             return (tokens[:split], None), (tokens[split:], None)
-        return (tokens[:split], split_offsets(offsets, 0, split)), (tokens[split:], split_offsets(offsets, split, len(tokens)))
+        train_offsets, val_offsets = split_offsets(offsets, 0, split), split_offsets(offsets, split, len(tokens))
+        return (tokens[:split], train_offsets), (tokens[split:], val_offsets)
 
     def _sampler(self, dataset, shuffle: bool) -> ResumableDistributedSampler:
         kwargs = {"num_replicas": 1, "rank": 0}

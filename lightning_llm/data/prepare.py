@@ -102,7 +102,8 @@ def prepare(
         _remove(writers.values())
         raise ValueError(f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
                          f"(no validation split) or at least {1 / total:.3g}.")
-    relative = os.path.relpath(tokenizer_path, out) if tokenizer_path.is_relative_to(out.resolve()) else str(tokenizer_path)
+    inside = tokenizer_path.is_relative_to(out.resolve())
+    relative = os.path.relpath(tokenizer_path, out.resolve()) if inside else str(tokenizer_path)
     infos = {name: TokenFileInfo(dtype=dtype, vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=eos_id,
                                  tokenizer=relative, num_documents=w.documents, num_tokens=w.tokens)
              for name, w in writers.items()}
