@@ -85,6 +85,10 @@ CONSTRUCTOR_CASES = [
     (LLMDataModule, {"token_dtype": "int8", "source": "tokens", "path": "x.bin"}, "token_dtype='int8'"),
     (LLMDataModule, {"source": "text"}, "path=None"),
     (LLMDataModule, {"shuffle": "false"}, "shuffle='false'"),
+    (LLMDataModule, {"return_document_ids": True}, "source='synthetic'"),
+    (LLMDataModule, {"return_document_ids": "yes", "source": "tokens", "path": "x.bin"}, "return_document_ids='yes'"),
+    (LLMDataModule, {"val_path": "val.bin"}, "val_path='val.bin'"),
+    (LLMDataModule, {"val_path": [], "source": "tokens", "path": "x.bin"}, "val_path=[]"),
     (LlamaConfig, {"dim": 60, "n_heads": 4, "n_kv_heads": 2}, "head_dim=15"),
     (LlamaConfig, {"dim": 96, "n_heads": 32, "n_kv_heads": 8}, "head_dim=3"),
 ]

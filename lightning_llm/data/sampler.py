@@ -24,6 +24,13 @@ class ResumableDistributedSampler(DistributedSampler):
     data-parallel ranks), so a run can resume with a different data-parallel size, while the
     loader's state counts one rank's samples and Lightning checkpoints rank 0's state only.
 
+    Measured with torchdata 0.11.0 (torch 2.13): two ranks, each a ``StatefulDataLoader`` over a
+    ``DistributedSampler`` of 32 samples, batch 2, three batches each (12 samples trained). Rank 0's
+    state is ``{"_sampler_iter_state": {"samples_yielded": 6}, "_num_yielded": 3, ...}``; loaded into a
+    one-rank loader it skips the first 6 samples of the one-rank order and yields 26 more, 6 of which
+    were already trained (38 reads of 32 samples). Keeping the property would take a sampler with its
+    own global ``state_dict`` under that loader, that is this sampler, so the loader adds nothing here.
+
     Being a ``DistributedSampler``, Lightning leaves it in place instead of injecting its own.
     """
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_llm.data.packing import document_causal_mask
+
 
 @dataclass
 class LlamaConfig:
@@ -125,7 +127,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
@@ -133,7 +137,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        # A mask (block-diagonal causal, from document ids) replaces the plain causal rule.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_rep > 1)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -160,8 +165,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -201,11 +208,14 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(param, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; with ``document_ids`` (batch, seq) a token attends only to earlier tokens of its own document."""
         h = self.tok_embeddings(tokens)
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, h.device)
+        mask = None if document_ids is None else document_causal_mask(document_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            # The three-argument call stays as it was without document ids (pipeline stages and wrappers see it).
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

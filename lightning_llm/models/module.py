@@ -20,7 +20,9 @@ class CausalLM(L.LightningModule):
     """Next-token prediction with a :class:`Llama` model and the usual LLM optimizer recipe.
 
     Batches are integer tensors of shape (batch, seq_len + 1): inputs are all but the
-    last token, targets all but the first. Logs ``train_loss``/``train_ppl`` every step
+    last token, targets all but the first. A dict batch ``{"input_ids", "document_ids"}``
+    (``LLMDataModule(return_document_ids=True)``) trains with document-masked attention: no
+    token attends across a document boundary of a packed sample. Logs ``train_loss``/``train_ppl`` every step
     and ``val_loss``/``val_ppl`` per validation run.
 
     Arguments:
@@ -64,12 +66,13 @@ class CausalLM(L.LightningModule):
         if self.model is None:
             self.model = Llama(self.config)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(tokens) if document_ids is None else self.model(tokens, document_ids)
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs)
+    def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens, documents = (batch["input_ids"], batch.get("document_ids")) if isinstance(batch, dict) else (batch, None)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = self(inputs) if documents is None else self(inputs, documents[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -79,7 +82,7 @@ class CausalLM(L.LightningModule):
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=batch.shape[0])
+        self.val_loss.update(self._loss(batch), weight=_samples(batch))
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # already reduced over ranks by torchmetrics
@@ -88,7 +91,7 @@ class CausalLM(L.LightningModule):
         self.log("val_ppl", loss.exp(), sync_dist=True)
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=batch.shape[0])
+        self.val_loss.update(self._loss(batch), weight=_samples(batch))
 
     def on_test_epoch_end(self) -> None:
         loss = self.val_loss.compute()
@@ -110,6 +113,10 @@ class CausalLM(L.LightningModule):
         schedule = warmup_cosine(self.hparams.warmup_steps, int(total), self.hparams.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _samples(batch: torch.Tensor | dict[str, torch.Tensor]) -> int:
+    return (batch["input_ids"] if isinstance(batch, dict) else batch).shape[0]
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):

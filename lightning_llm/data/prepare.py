@@ -1,0 +1,298 @@
+"""``lightning-llm prepare``: tokenize local text into the token files ``LLMDataModule(source="tokens")`` reads.
+
+Inputs are ``.txt`` and ``.jsonl`` files (the document rules are in :mod:`lightning_llm.data.documents`).
+The tokenizer is a Hugging Face ``tokenizers`` ``tokenizer.json``, or, when none is given, a byte-level
+BPE trained on the inputs and saved as ``tokenizer.json`` in the output folder (EOS ``<|endoftext|>``,
+id 0). Encoding runs in ``workers`` processes, in chunks whose order is kept, so the bytes written do
+not depend on the number of workers. Every ``1 / val_fraction``-th document (evenly spread, exactly
+``floor(n * val_fraction)`` of ``n``) goes to ``val.bin``, the rest to ``train.bin``; each with its
+sidecar and offsets (:mod:`lightning_llm.data.token_files`).
+
+Example::
+
+    lightning-llm prepare corpus/ --output_dir data --vocab_size 32000 --workers 8
+    # data/train.bin data/train.json data/train.idx data/val.bin ... data/tokenizer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from lightning_llm.data.documents import expand_inputs, iter_documents
+from lightning_llm.data.token_files import (
+    TokenFileInfo, offsets_path, sidecar_path, token_dtype_for, write_token_info,
+)
+from lightning_llm.validation import check_float, check_int
+
+TRAINED_EOS = "<|endoftext|>"
+# Looked up in a given tokenizer when no --eos_token is named (GPT-2/Llama-3, Llama-2/Mistral, Gemma, Llama-3 base).
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+CHUNK_DOCUMENTS = 256
+
+_worker_tokenizer = None
+
+
+def prepare(
+    inputs: list[str | Path],
+    output_dir: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    vocab_size: int = 32000,
+    eos_token: str | None = None,
+    text_key: str = "text",
+    txt_split: Literal["file", "blank_line"] = "file",
+    val_fraction: float = 0.0,
+    workers: int = 1,
+    progress: bool | None = None,
+) -> dict[str, TokenFileInfo]:
+    """Tokenize ``inputs`` into ``output_dir/train.bin`` (and ``val.bin`` when ``val_fraction > 0``).
+
+    Arguments:
+        inputs: ``.txt``/``.jsonl`` files or folders of them.
+        output_dir: where the token files, sidecars, offsets (and a trained ``tokenizer.json``) go.
+        tokenizer: a ``tokenizer.json``; ``None`` trains a byte-level BPE of ``vocab_size`` on the inputs.
+        vocab_size: size of the trained tokenizer (at least 257: 256 bytes and EOS).
+        eos_token: the separator token of a given tokenizer (default: the first of :data:`EOS_CANDIDATES` it has).
+        text_key: the key of a JSON Lines record that holds the text.
+        txt_split: ``"file"`` (a ``.txt`` file is one document) or ``"blank_line"``.
+        val_fraction: share of documents (every ``1 / val_fraction``-th) written to ``val.bin``.
+        workers: encoding processes.
+        progress: show a progress bar (``None``: when stderr is a terminal).
+
+    Returns the written files' sidecars by split name.
+
+    Example::
+
+        infos = prepare(["notes.txt"], "data", vocab_size=512)
+        print(infos["train"].num_tokens)
+    """
+    check_int("workers", workers, minimum=1, hint="encoding processes, e.g. the number of CPU cores")
+    check_float("val_fraction", val_fraction, minimum=0, maximum=1, hint="the share of documents held out, below 1")
+    if val_fraction >= 1:
+        raise ValueError(f"val_fraction={val_fraction!r} must be below 1 (the share of documents held out).")
+    expand_inputs(inputs)  # missing files and bad suffixes fail before a tokenizer is trained
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def documents() -> Iterator[str]:
+        return iter_documents(inputs, text_key=text_key, txt_split=txt_split)
+
+    if next(documents(), None) is None:
+        raise ValueError(f"No documents in {[str(p) for p in inputs]}: every file is empty or whitespace only "
+                         "(or, for .jsonl, every record's text is). Give inputs with some text.")
+    tok, tokenizer_path = _tokenizer(tokenizer, vocab_size, documents, out)
+    eos_id = _eos_id(tok, tokenizer_path, eos_token)
+    dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
+    names = ("train", "val") if val_fraction > 0 else ("train",)
+    writers = {name: _TokenWriter(out / f"{name}.bin", dtype) for name in names}
+    runs = _encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers)
+    _write(runs, writers, progress)
+    if "val" in writers and writers["val"].documents == 0:
+        total = writers["train"].documents
+        _remove(writers.values())
+        raise ValueError(f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
+                         f"(no validation split) or at least {1 / total:.3g}.")
+    inside = tokenizer_path.is_relative_to(out.resolve())
+    relative = os.path.relpath(tokenizer_path, out.resolve()) if inside else str(tokenizer_path)
+    infos = {name: TokenFileInfo(dtype=dtype, vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=eos_id,
+                                 tokenizer=relative, num_documents=w.documents, num_tokens=w.tokens)
+             for name, w in writers.items()}
+    for name, info in infos.items():
+        write_token_info(writers[name].path, info)
+    return infos
+
+
+def _tokenizer(given: str | Path | None, vocab_size: int, documents, out: Path):
+    from tokenizers import Tokenizer
+
+    if given is not None:
+        path = Path(given)
+        if not path.is_file():
+            raise FileNotFoundError(f"Tokenizer not found: tokenizer={str(path)!r}. Pass a Hugging Face tokenizer.json "
+                                    "file, or leave --tokenizer out to train a byte-level BPE on the inputs.")
+        try:
+            return Tokenizer.from_file(str(path)), path.resolve()
+        except Exception as err:  # the Rust side raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer={str(path)!r} is not a Hugging Face tokenizer.json ({err}).") from None
+    check_int("vocab_size", vocab_size, minimum=257, maximum=2**32, hint="256 byte tokens plus EOS at least")
+    tok = train_bpe(documents(), vocab_size)
+    path = (out / "tokenizer.json").resolve()
+    tok.save(str(path))
+    return tok, path
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 style, no prefix space, so decoding gives the text back exactly) with EOS id 0.
+
+    Example::
+
+        tok = train_bpe(["hello world", "hello there"], vocab_size=300)
+        assert tok.decode(tok.encode("hello").ids) == "hello"
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(documents, trainer=trainer)
+    return tok
+
+
+def _eos_id(tok, path: Path, eos_token: str | None) -> int:
+    names = [eos_token] if eos_token is not None else list(EOS_CANDIDATES)
+    for name in names:
+        if (found := tok.token_to_id(name)) is not None:
+            return found
+    added = [t.content for t in tok.get_added_tokens_decoder().values()]
+    if eos_token is not None:
+        raise ValueError(f"eos_token={eos_token!r} is not in the tokenizer {str(path)!r}; its special tokens are "
+                         f"{added}. Pass one of them with --eos_token.")
+    raise ValueError(f"The tokenizer {str(path)!r} has none of {list(EOS_CANDIDATES)}; its special tokens are {added}. "
+                     "Name the document separator with --eos_token.")
+
+
+def _assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tuple[str, str]]:
+    """(split, document): document ``i`` is held out when ``floor((i + 1) * f) > floor(i * f)``."""
+    for index, doc in enumerate(documents):
+        held_out = math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
+        yield ("val" if held_out else "train"), doc
+
+
+def _encode(tok, eos_id: int, docs: Iterator[tuple[str, str]], workers: int):
+    """(split, document lengths, tokens) per run of same-split documents, in input order."""
+    chunks = iter(lambda: list(islice(docs, CHUNK_DOCUMENTS)), [])
+    # One process per worker, each encoding sequentially: --workers is the parallelism, and forked workers do
+    # not inherit the tokenizer's thread pool (its fork warning stays quiet once the variable is set).
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        if workers == 1:
+            _init_worker(tok.to_str(), eos_id)
+            yield from (run for chunk in chunks for run in _encode_chunk(chunk))
+            return
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        with context.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), eos_id)) as pool:
+            for runs in pool.imap(_encode_chunk, chunks):
+                yield from runs
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _init_worker(tokenizer_json: str, eos_id: int) -> None:
+    from tokenizers import Tokenizer
+
+    global _worker_tokenizer
+    _worker_tokenizer = (Tokenizer.from_str(tokenizer_json), eos_id)
+
+
+def _encode_chunk(chunk: list[tuple[str, str]]) -> list[tuple[str, list[int], np.ndarray]]:
+    tok, eos_id = _worker_tokenizer
+    # No special tokens added (no BOS): documents are the text's own ids, each followed by EOS.
+    encodings = tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False)
+    runs: list[tuple[str, list[int], list[int]]] = []
+    for (split, _), encoding in zip(chunk, encodings):
+        if not runs or runs[-1][0] != split:
+            runs.append((split, [], []))
+        runs[-1][1].append(len(encoding.ids) + 1)
+        runs[-1][2].extend(encoding.ids)
+        runs[-1][2].append(eos_id)
+    return [(split, lengths, np.asarray(ids, dtype=np.int64)) for split, lengths, ids in runs]
+
+
+class _TokenWriter:
+    """Appends documents to ``path`` and their start offsets to the ``.idx`` beside it."""
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.documents = self.tokens = 0
+
+    def __enter__(self) -> _TokenWriter:
+        self._tokens, self._offsets = self.path.open("wb"), offsets_path(self.path).open("wb")
+        return self
+
+    def write(self, tokens: np.ndarray, lengths: list[int]) -> None:
+        starts = self.tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        self._tokens.write(tokens.astype(self.dtype).tobytes())
+        self._offsets.write(starts.astype(np.uint64).tobytes())
+        self.documents += len(lengths)
+        self.tokens += len(tokens)
+
+    def __exit__(self, *exc) -> None:
+        self._offsets.write(np.asarray([self.tokens], dtype=np.uint64).tobytes())  # the end, as a last entry
+        self._tokens.close()
+        self._offsets.close()
+
+
+def _write(runs, writers: dict[str, _TokenWriter], progress: bool | None) -> None:
+    """Append every (split, lengths, tokens) run to its split's files; on any error, remove what was written."""
+    for writer in writers.values():  # a sidecar left by an earlier run must not describe these files
+        sidecar_path(writer.path).unlink(missing_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            for writer in writers.values():
+                stack.enter_context(writer)
+            bar = stack.enter_context(_progress_bar(progress))
+            for split, lengths, tokens in runs:
+                writers[split].write(tokens, lengths)
+                bar.update(len(lengths))
+    except BaseException:
+        _remove(writers.values())
+        raise
+
+
+def _remove(writers) -> None:
+    for writer in writers:
+        for path in (writer.path, offsets_path(writer.path)):
+            path.unlink(missing_ok=True)
+
+
+def _progress_bar(enabled: bool | None):
+    from tqdm import tqdm
+
+    # disable=None: tqdm shows the bar only when stderr is a terminal (quiet in logs and CI).
+    return tqdm(desc="Tokenizing", unit=" docs", disable=None if enabled is None else not enabled, leave=False)
+
+
+def command(args: list[str]) -> dict[str, TokenFileInfo]:
+    """``lightning-llm prepare``: parse the flags, run :func:`prepare`, print one line per written file."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-llm prepare",
+        description="Tokenize local .txt/.jsonl files into the token files LLMDataModule(source='tokens') reads.",
+    )
+    parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or folders of them")
+    parser.add_argument("--output_dir", required=True, help="folder for train.bin/.json/.idx, val.* and tokenizer.json")
+    parser.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: train a byte-level BPE)")
+    parser.add_argument("--vocab_size", type=int, default=32000, help="size of the trained BPE (default 32000)")
+    parser.add_argument("--eos_token", help=f"document separator of --tokenizer (default: first of {EOS_CANDIDATES})")
+    parser.add_argument("--text_key", default="text", help="key of the text in .jsonl records (default: text)")
+    parser.add_argument("--txt_split", choices=("file", "blank_line"), default="file",
+                        help="a .txt file is one document (file), or documents are separated by blank lines")
+    parser.add_argument("--val_fraction", type=float, default=0.0, help="share of documents written to val.bin")
+    parser.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
+    options = parser.parse_args(args)
+    try:
+        infos = prepare(options.inputs, options.output_dir, tokenizer=options.tokenizer,
+                        vocab_size=options.vocab_size, eos_token=options.eos_token, text_key=options.text_key,
+                        txt_split=options.txt_split, val_fraction=options.val_fraction, workers=options.workers)
+    except (FileNotFoundError, TypeError, ValueError) as err:
+        parser.error(str(err))
+    for name, info in infos.items():
+        print(f"{Path(options.output_dir) / name}.bin: {info.num_documents} documents, {info.num_tokens} tokens "
+              f"({info.dtype}, vocab {info.vocab_size}, eos {info.eos_id}, tokenizer {info.tokenizer})")
+    return infos
