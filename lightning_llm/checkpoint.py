@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     nested = {MODEL_KEY: state}
-    dcp.load(nested, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it reads in one process, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(nested, checkpoint_id=path, no_dist=True)
     meta = path / _METADATA_FILENAME
     rest = torch.load(meta, weights_only=False) if meta.is_file() else {}
     return nested[MODEL_KEY], rest
