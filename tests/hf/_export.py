@@ -68,7 +68,23 @@ def _train_and_save(arch: str, layout: str, single_file: bool, root: Path) -> di
     return {"path": str(path), "logits": logits, "state": full_state(module)}
 
 
-def train_and_save_all(root: str) -> dict | None:
-    """Every case of :data:`CASES` on this rank, one process group for all; rank 0 returns the results."""
+def _load_reference(hf_dir: str, layout: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama directory loaded by the strategy into the sharded reference CausalLM; full parameters."""
+    import transformers
+
+    from lightning_llm.hf.llama_map import from_hf_config
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    module = CausalLM(from_hf_config(transformers.AutoConfig.from_pretrained(hf_dir)))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(load_pretrained=hf_dir, **LAYOUTS[layout]),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer.validate(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3), verbose=False)
+    return full_state(module)
+
+
+def train_and_save_all(root: str, hf_llama_dir: str) -> dict | None:
+    """Every case of :data:`CASES` on this rank, one process group for all, and ``hf_llama_dir`` loaded into the
+    reference model under dp2 ZeRO-3 and tp2; rank 0 returns the results."""
     results = {case: _train_and_save(*case, Path(root)) for case in CASES}
+    results.update({("load_reference", layout): _load_reference(hf_llama_dir, layout) for layout in ("zero3_dp2", "tp2")})
     return results if dist.get_rank() == 0 else None

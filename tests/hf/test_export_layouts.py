@@ -5,7 +5,8 @@ One 2-rank spawn trains every case a few steps (HF Llama, HF Qwen2 with tied emb
 CausalLM; DCP directories and one single file) and returns, per case, the trained model's logits in its layout
 (not under pp, whose stages cannot run a whole forward outside the schedule) and its full parameters. Each
 export is loaded back with ``transformers.AutoModelForCausalLM.from_pretrained`` and its logits compared with
-both, fp32, within 1e-5.
+both, fp32, within 1e-5. The same spawn loads a Hugging Face Llama directory into the sharded reference
+model (the inverse map).
 """
 
 from __future__ import annotations
@@ -23,8 +24,23 @@ IDS = [f"{arch}-{layout}{'-file' if single else ''}" for arch, layout, single in
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return run_distributed(train_and_save_all, 2, str(tmp_path_factory.mktemp("ckpts")), timeout=840)[0]
+def hf_llama_dir(tmp_path_factory):
+    """A Hugging Face Llama directory (tied embeddings, rope_theta 500) of the reference model's shape."""
+    import transformers
+
+    from lightning_llm.hf.llama_map import to_hf_config
+    from lightning_llm.models import LlamaConfig
+
+    torch.manual_seed(2)
+    path = tmp_path_factory.mktemp("hf_llama")
+    config = LlamaConfig.from_name("tiny", rope_theta=500.0, tie_embeddings=True)
+    transformers.LlamaForCausalLM(to_hf_config(config)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, hf_llama_dir):
+    return run_distributed(train_and_save_all, 2, str(tmp_path_factory.mktemp("ckpts")), str(hf_llama_dir), timeout=840)[0]
 
 
 def _hf_logits(directory) -> tuple[torch.Tensor, torch.nn.Module]:
@@ -84,3 +100,23 @@ def test_torch_export_is_the_full_lightning_checkpoint(trained, case, tmp_path):
         torch.testing.assert_close(state["state_dict"][name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     bf16 = torch.load(consolidate_checkpoint(result["path"], tmp_path / "bf16.pt", dtype="bfloat16"), weights_only=False)
     assert all(bf16["state_dict"][k].dtype == torch.bfloat16 for k in result["state"])
+
+
+@pytest.mark.parametrize("layout", ["zero3_dp2", "tp2"])
+def test_hf_llama_loads_into_the_sharded_reference_model(trained, hf_llama_dir, layout):
+    """The inverse map through the strategy's ``load_pretrained``: each rank permutes q/k rows, then keeps its shard."""
+    import transformers
+
+    from lightning_llm.hf import load_pretrained
+    from lightning_llm.hf.llama_map import from_hf_config
+    from lightning_llm.models.llama import Llama
+
+    single = Llama(from_hf_config(transformers.AutoConfig.from_pretrained(hf_llama_dir)))
+    load_pretrained(single, hf_llama_dir)
+    sharded = trained[("load_reference", layout)]
+    assert sharded.keys() == {f"model.{k}" for k in single.state_dict()}
+    for name, tensor in single.state_dict().items():
+        assert torch.equal(sharded[f"model.{name}"], tensor), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_llama_dir)
+    with torch.no_grad():
+        assert (single(TOKENS) - hf(input_ids=TOKENS).logits).abs().max() <= 1e-5
