@@ -43,7 +43,8 @@ def _check_checkpoint(path: Path) -> None:
     if (path / "latest").is_file() or (path / "checkpoint").is_dir():
         raise ValueError(
             f"{path} is a DeepSpeed checkpoint directory; convert it to one file first with Lightning's "
-            "`python -m lightning.pytorch.utilities.deepspeed CKPT_DIR OUT.ckpt`, then export OUT.ckpt."
+            f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict({str(path)!r}, "
+            "'full.ckpt'), then export full.ckpt."
         )
     raise ValueError(
         f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside); pass a "

@@ -104,6 +104,8 @@ def to_hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32):
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, hidden_act="silu",
         attention_bias=False, mlp_bias=False, tie_word_embeddings=config.tie_embeddings,
         initializer_range=config.init_std, architectures=["LlamaForCausalLM"], dtype=dtype,
+        # The reference model knows no tokenizer: no special-token ids (LlamaConfig's defaults are Llama 2's 1 and 2).
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
 
 

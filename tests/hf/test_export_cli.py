@@ -54,9 +54,10 @@ def test_hf_export_with_hf_config_prints_only_its_path(saved, tmp_path):
     import transformers
 
     checkpoint, config_dir, module = saved
-    result = _cli(checkpoint, tmp_path / "hf", "--format", "hf", "--hf_config", config_dir)
+    result = _cli(checkpoint, tmp_path / "hf", "--format", "hf", "--hf_config", config_dir, "--max_shard_size", "100KB")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == f"{tmp_path / 'hf'}\n"
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # ~430 KB of fp32 weights: several files
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         difference = (model(input_ids=TOKENS).logits - logits_of(module, TOKENS)).abs().max().item()
