@@ -37,7 +37,9 @@ def _check_checkpoint(path: Path) -> None:
     if path.is_file():
         return
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; pass a .ckpt file or a sharded checkpoint directory.")
+        raise FileNotFoundError(
+            f"Checkpoint {str(path)!r} does not exist; pass a .ckpt file or a sharded checkpoint directory."
+        )
     if (path / ".metadata").is_file():
         return
     if (path / "latest").is_file() or (path / "checkpoint").is_dir():
@@ -68,7 +70,10 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
     if path.is_file():
         rest = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         if MODEL_KEY not in rest:
-            raise ValueError(f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint: keys {sorted(rest)[:8]}.")
+            raise ValueError(
+                f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (keys: {sorted(rest)[:8]}); "
+                "pass a checkpoint saved by trainer.save_checkpoint or ModelCheckpoint."
+            )
         return rest.pop(MODEL_KEY), rest
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     prefix = f"{MODEL_KEY}."
@@ -98,7 +103,9 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; choose one of {sorted(DTYPES)} (or leave it unset to keep the saved dtype).")
+        raise ValueError(
+            f"dtype={name!r} is not supported; choose one of {sorted(DTYPES)} (or leave it unset to keep the saved dtype)."
+        )
     return DTYPES[name]
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from lightning_llm.hf.llama_map import reference_config
@@ -91,8 +92,9 @@ def _from_hf_config(path: str | Path) -> ModelSource:
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     architectures = getattr(config, "architectures", None) or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None:
-        model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    if model_class is None:  # a config saved without `architectures`: the causal-LM class of its model type
+        with torch.device("meta"):
+            model_class = type(transformers.AutoModelForCausalLM.from_config(config))
     return ModelSource("transformers", None, config, model_class)
 
 

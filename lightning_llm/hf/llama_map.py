@@ -124,7 +124,7 @@ def from_hf_config(hf_config) -> LlamaConfig:
 
     Refuses what the reference model does not implement (biases, RoPE scaling, another activation).
     """
-    unsupported = {key: getattr(hf_config, key, None) for key in ("attention_bias", "mlp_bias") if getattr(hf_config, key, False)}
+    unsupported = {key: True for key in ("attention_bias", "mlp_bias") if getattr(hf_config, key, False)}
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = hf_config.hidden_act
     head_dim = getattr(hf_config, "head_dim", None)
