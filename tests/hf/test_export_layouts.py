@@ -66,7 +66,7 @@ def test_export_hf_computes_the_trained_model(trained, case, tmp_path):
     assert model.dtype == torch.float32
     oracle = _oracle_logits(arch, result["state"])
     difference = (got - oracle).abs().max().item()
-    print(f"{arch} {layout}: max |logit difference| vs gathered parameters {difference:.2e}", end="")
+    print(f"{arch} {layout}{' (file)' if case[2] else ''}: max |logit difference| vs gathered parameters {difference:.2e}", end="")
     assert difference <= 1e-5
     if result["logits"] is not None:
         in_layout = (got - result["logits"]).abs().max().item()
