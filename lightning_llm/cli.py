@@ -11,6 +11,7 @@ Example::
     lightning-llm fit --config configs/tiny.yaml --trainer.max_steps 50 --model.init_args.learning_rate 1e-3
     lightning-llm plan --config configs/llama7b.yaml --devices 8 --device_memory 80GB
     lightning-llm prepare corpus/ --output_dir data --vocab_size 32000 --val_fraction 0.01 --workers 8
+    lightning-llm export checkpoints/last.ckpt export/hf --format hf --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from lightning_llm.wandb_mode import default_to_offline
 _EPILOG = ("More subcommands: `lightning-llm plan --config CONFIG [--devices N --device_memory 80GB]` prints the "
            "memory plan and ZeRO decision for a config without training or allocating (see `lightning-llm plan --help`). "
            "`lightning-llm prepare FILES --output_dir data [--tokenizer tokenizer.json | --vocab_size N]` tokenizes "
-           ".txt/.jsonl files into the token files `--data.source tokens` reads (see `lightning-llm prepare --help`).")
+           ".txt/.jsonl files into the token files `--data.source tokens` reads (see `lightning-llm prepare --help`). "
+           "`lightning-llm export CKPT OUT --format hf|torch [--dtype bfloat16]` writes a trained checkpoint of any "
+           "layout as a Hugging Face directory or one torch file (see `lightning-llm export --help`).")
 _DEFAULT_CLASSES = {"model": CausalLM, "data": LLMDataModule}
 _DEFAULTS = {key: lazy_instance(cls) for key, cls in _DEFAULT_CLASSES.items()}
 # W&B by default (its mode resolved as W&B resolves it: see lightning_llm.wandb_mode), and the LR in it.
@@ -270,6 +273,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_llm.data.prepare import command
 
         command(argv[1:])
+        return
+    if argv[:1] == ["export"]:
+        from lightning_llm import export
+
+        export.main(argv[1:])
         return
     message = default_to_offline()
     if message and int(os.environ.get("RANK", "0")) == 0:

@@ -99,7 +99,8 @@ def test_help_names_the_plan_subcommand(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert "lightning-llm plan --config" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lightning-llm plan --config" in out and "export CKPT OUT --format hf|torch" in out
 
 
 def test_plan_prints_its_table_and_nothing_else():

@@ -4,13 +4,16 @@ Each rank opens the safetensors files lazily (``safe_open``) and reads only what
 of its FSDP shard, or, for other placements (TP, TP x FSDP), the tensor it then slices with
 ``distribute_tensor(src_data_rank=None)`` (no communication). Parameters are matched by name: a
 module whose parameter names end in the Hugging Face names (``HFCausalLM``'s ``model.`` prefix,
-any LightningModule holding a ``PreTrainedModel`` as an attribute) needs no table. Pipeline stages
-simply hold fewer parameters.
+any LightningModule holding a ``PreTrainedModel`` as an attribute) needs no table. The reference
+:class:`~lightning_llm.models.llama.Llama` (``CausalLM``) loads a Hugging Face Llama directory through
+:mod:`lightning_llm.hf.llama_map` (names, and q/k rows from ``rotate_half`` order back to interleaved
+pairs). Pipeline stages simply hold fewer parameters.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,8 +54,41 @@ def _match(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, di
     )
 
 
-def _read(file_handle, key: str, target: torch.Tensor) -> torch.Tensor:
-    """This rank's part of checkpoint tensor ``key`` for ``target`` (a parameter, possibly a DTensor)."""
+def _reference_llama(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """(prefix, model) of the outermost reference Llama inside ``module``, if any."""
+    from lightning_llm.models.llama import Llama
+
+    return next(((f"{name}." if name else "", sub) for name, sub in module.named_modules() if isinstance(sub, Llama)), None)
+
+
+def _llama_mapping(module: nn.Module, all_names: list[str], files: dict[str, Path], hf_dir: str | Path):
+    """For a reference Llama and a Hugging Face Llama directory: (prefix, name mapping, per-name transforms); else None."""
+    found = _reference_llama(module)
+    if found is None or "model.embed_tokens.weight" not in files:
+        return None
+    import transformers
+
+    from lightning_llm.hf import llama_map
+
+    prefix, llama = found
+    llama_map.check_same_function(llama.config, transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
+    ours = [n for n in all_names if n.startswith(prefix)]
+    mapping = {n: llama_map.to_hf_name(n[len(prefix):]) for n in ours}
+    transforms = {n: (lambda t, ref=n[len(prefix):]: llama_map.from_hf_tensor(ref, t, llama.config))
+                  for n in ours if n.endswith(("q_proj.weight", "k_proj.weight"))}
+    return prefix, mapping, transforms
+
+
+def _read(file_handle, key: str, target: torch.Tensor, transform: Callable | None = None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``key`` for ``target`` (a parameter, possibly a DTensor).
+
+    ``transform`` (a row permutation) is applied to the whole tensor before this rank's part is cut.
+    """
+    if transform is not None:
+        full = transform(file_handle.get_tensor(key))
+        if isinstance(target, DTensor):
+            return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        return full
     if isinstance(target, DTensor):
         if target.device_mesh.ndim == 1 and target.placements == (Shard(0),):
             rows = target.shape[0]
@@ -71,17 +107,22 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
     Refuses, before copying anything, checkpoints that miss a parameter the model holds, hold
     tensors the model does not have (on no rank or stage), or whose shapes differ.
 
+    A reference ``Llama`` inside ``module`` loads a Hugging Face Llama directory whose config computes the
+    same function (checked field by field: widths, heads, rotary base, norm epsilon, tied embeddings).
+
     Example::
 
         model = HFCausalLM(...)                     # on meta, sharded, materialized
         load_pretrained(model, "checkpoints/llama-hf")
+        load_pretrained(Llama(llama_map.from_hf_config(AutoConfig.from_pretrained(d))), d)   # reference Llama
     """
     from safetensors import safe_open
 
     files = checkpoint_files(hf_dir)
     params = dict(module.named_parameters())
     all_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-    prefix, mapping = _match(all_names, set(files))
+    llama = _llama_mapping(module, all_names, files, hf_dir)
+    prefix, mapping, transforms = llama if llama is not None else (*_match(all_names, set(files)), {})
     missing = sorted(n for n in params if mapping.get(n) not in files)
     expected = {mapping[n] for n in all_names if n in mapping}
     if torch.distributed.is_initialized():  # pipeline stages each hold part of the names
@@ -111,7 +152,7 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
             for name in names:
                 param = params[name]
                 local = param.to_local() if isinstance(param, DTensor) else param
-                part = _read(f, mapping[name], param)
+                part = _read(f, mapping[name], param, transforms.get(name))
                 if local.numel():
                     local.copy_(part.to(local.dtype))
     return sorted(params)

@@ -1,7 +1,8 @@
 """The checkpoint hooks of LLMParallelStrategy (a mixin): sharded DCP saves and loads, async saves, strict loading.
 
 Saves go through :mod:`lightning_llm.strategies.dcp_checkpoint` (one shard per rank, optimizer state keyed by
-parameter name), or Lightning's full-state file with ``save_distributed_checkpoint=False``; a failed write
+parameter name), or Lightning's full-state file with ``save_distributed_checkpoint=False``; both carry the
+model's class and config for a Hugging Face export (:mod:`lightning_llm.hf.export_info`); a failed write
 raises the same error on every rank. Loads are strict both ways unless the module sets ``strict_loading=False``,
 and a checkpoint committed by CheckpointRotation is verified against its checksums first.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
+from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.parallel_contract import AsyncSave
@@ -35,6 +37,10 @@ class ShardedCheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # What `lightning-llm export --format hf` needs besides the tensors: the model's class, config and prefix.
+        entry = describe_model(self.lightning_module)
+        if entry is not None:
+            checkpoint.setdefault(EXPORT_KEY, entry)
         # A failed write raises the same SaveFailed on every rank, so no rank is left waiting in a collective.
         save_on_every_rank(lambda: self._save_checkpoint(checkpoint, filepath, storage_options), filepath)
 
