@@ -29,9 +29,11 @@ class MFUMonitor(L.Callback):
     spans the steps between two logging steps and the device is synchronised only on logging steps,
     so the steps in between run without any added host-device synchronisation.
 
-    Logged: ``throughput/tokens_per_sec`` and ``throughput/samples_per_sec`` (whole job),
-    ``throughput/tflops_per_device`` (model FLOPs), ``throughput/mfu`` and, when activation checkpointing
-    recomputes, ``throughput/hfu`` (hardware FLOPs including recomputation). MFU needs a peak: the
+    Logged, under the names Lightning's ``ThroughputMonitor`` gives the same quantities:
+    ``throughput/samples_per_sec`` and ``throughput/flops_per_sec`` (whole job), ``throughput/device/flops_per_sec``
+    (model FLOP/s of one device) and ``throughput/device/mfu``; ours besides: ``throughput/tokens_per_sec`` (whole
+    job; ThroughputMonitor's ``items_per_sec`` counts whatever its ``length_fn`` returns) and, when activation
+    checkpointing recomputes, ``throughput/device/hfu`` (hardware FLOPs including recomputation). MFU needs a peak: the
     table in :data:`~lightning_llm.planning.flops.PEAK_FLOPS`, Lightning's for other cards, or ``peak_flops``.
 
     Arguments:
@@ -123,13 +125,14 @@ class MFUMonitor(L.Callback):
         }
         flops_per_token = self.flops_per_token or self._shape.flops_per_token(self._seq_len)
         model_flops = tokens_per_sec * flops_per_token / world
-        metrics["throughput/tflops_per_device"] = model_flops / 1e12
+        metrics["throughput/flops_per_sec"] = model_flops * world
+        metrics["throughput/device/flops_per_sec"] = model_flops
         if self.peak_flops:
-            metrics["throughput/mfu"] = model_flops / self.peak_flops
+            metrics["throughput/device/mfu"] = model_flops / self.peak_flops
             if self._shape is not None and any(p == "full" for p in self._policies):
                 recompute = self._shape.recompute_flops_per_token(self._seq_len, self._policies)
-                metrics["throughput/hfu"] = tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
+                metrics["throughput/device/hfu"] = tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
         for name, value in metrics.items():
-            shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/mfu")
+            shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/device/mfu")
             pl_module.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, rank_zero_only=True)
         self._reset_window(now)

@@ -10,7 +10,7 @@ from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 
 EXPECTED = {
-    "throughput/tokens_per_sec", "throughput/samples_per_sec", "throughput/tflops_per_device", "throughput/mfu",
+    "throughput/tokens_per_sec", "throughput/samples_per_sec", "throughput/device/flops_per_sec", "throughput/flops_per_sec", "throughput/device/mfu",
     "grad_norm/total", "grad_norm/clipped", "grad_norm/block_0", "loss_guard/nonfinite", "loss_guard/spikes",
     "loss_guard/skipped", "train_loss",
 }
@@ -55,7 +55,7 @@ def test_metrics_reach_every_logger(tmp_path, monkeypatch):
 
     logged = {key for _, row in capture.rows for key in row}
     assert EXPECTED <= logged, sorted(EXPECTED - logged)
-    assert all(0 < row["throughput/mfu"] < 1 for _, row in capture.rows if "throughput/mfu" in row)
+    assert all(0 < row["throughput/device/mfu"] < 1 for _, row in capture.rows if "throughput/device/mfu" in row)
     assert [step for step, row in capture.rows if "grad_norm/total" in row] == list(range(6)), "once per step"
 
     with open(f"{csv_logger.log_dir}/metrics.csv") as f:

@@ -59,9 +59,10 @@ def test_mfu_and_tflops_match_hand_computed_values():
     tokens_per_sec = 2 * BATCH * SEQ / 1.0  # 2 steps per one-second window
     assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens_per_sec)
     assert metrics["throughput/samples_per_sec"] == pytest.approx(2 * BATCH)
-    assert metrics["throughput/tflops_per_device"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
-    assert metrics["throughput/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
-    assert "throughput/hfu" not in metrics
+    assert metrics["throughput/device/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)
+    assert metrics["throughput/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)  # one device
+    assert metrics["throughput/device/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
+    assert "throughput/device/hfu" not in metrics
 
 
 def test_peak_comes_from_the_device_lookup(monkeypatch):
@@ -71,7 +72,7 @@ def test_peak_comes_from_the_device_lookup(monkeypatch):
     monkeypatch.setattr(mfu, "device_peak_flops", lambda device, precision: asked.append((device, precision)) or 4e12)
     metrics, _ = _fit(peak_flops=None)
     assert asked == [(torch.device("cpu"), "32-true")]
-    assert metrics["throughput/mfu"] == pytest.approx(metrics["throughput/tflops_per_device"] * 1e12 / 4e12)
+    assert metrics["throughput/device/mfu"] == pytest.approx(metrics["throughput/device/flops_per_sec"] / 4e12)
 
 
 def test_progress_bar_shows_tokens_per_sec_and_mfu_only_when_asked():
@@ -85,7 +86,7 @@ def test_progress_bar_shows_tokens_per_sec_and_mfu_only_when_asked():
         finally:
             mfu.time = real_time
         shown[prog_bar] = {k for k in trainer.progress_bar_metrics if k.startswith("throughput/")}
-    assert shown == {True: {"throughput/tokens_per_sec", "throughput/mfu"}, False: set()}
+    assert shown == {True: {"throughput/tokens_per_sec", "throughput/device/mfu"}, False: set()}
 
 
 def _layout_metrics(world_size):
@@ -103,9 +104,10 @@ def test_tokens_count_once_per_data_parallel_replica():
     assert dp2["throughput/tokens_per_sec"] == pytest.approx(2 * 2 * BATCH * SEQ)  # two replicas
     assert tp2["throughput/tokens_per_sec"] == pytest.approx(2 * BATCH * SEQ)  # one replica on two ranks
     # Per device: the same model FLOPs spread over twice the devices for tp2 as for one replica.
-    assert tp2["throughput/tflops_per_device"] == pytest.approx(dp2["throughput/tflops_per_device"] / 2)
+    assert tp2["throughput/device/flops_per_sec"] == pytest.approx(dp2["throughput/device/flops_per_sec"] / 2)
+    assert tp2["throughput/flops_per_sec"] == pytest.approx(dp2["throughput/flops_per_sec"] / 2)
     # Full recomputation adds one forward of each block: hardware FLOPs exceed model FLOPs.
-    assert full_ac["throughput/hfu"] > full_ac["throughput/mfu"] == pytest.approx(dp2["throughput/mfu"])
+    assert full_ac["throughput/device/hfu"] > full_ac["throughput/device/mfu"] == pytest.approx(dp2["throughput/device/mfu"])
 
 
 def test_batch_tokens_and_argument_checks():
