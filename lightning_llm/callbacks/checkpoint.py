@@ -19,6 +19,7 @@ from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_commit import (
     Pending,
     can_save_async,
+    check_last_resolvable,
     check_remote,
     check_writable,
     commit,
@@ -165,6 +166,7 @@ class CheckpointRotation(ModelCheckpoint):
         newest = newest_verified(self.dirpath or default_dirpath(trainer))
         if newest is None:
             return set()
+        check_last_resolvable(newest)
         self._resolved_last = str(newest)
         return {str(newest)}
 
