@@ -105,21 +105,25 @@ def same(a: Location, b: Location) -> bool:
 
 
 def exists(location: Location) -> bool:
+    """Whether ``location`` exists (a file or a directory)."""
     fs, path = filesystem(location)
     return fs.exists(path)
 
 
 def isdir(location: Location) -> bool:
+    """Whether ``location`` is a directory (on object stores: a prefix with objects below it)."""
     fs, path = filesystem(location)
     return fs.isdir(path)
 
 
 def isfile(location: Location) -> bool:
+    """Whether ``location`` is a file (an object)."""
     fs, path = filesystem(location)
     return fs.isfile(path)
 
 
 def size(location: Location) -> int:
+    """The size of the file ``location`` in bytes."""
     fs, path = filesystem(location)
     return fs.size(path)
 
@@ -151,11 +155,13 @@ def open_file(location: Location, mode: str = "rb") -> Any:
 
 
 def read_text(location: Location) -> str:
+    """The whole file ``location`` as text."""
     fs, path = filesystem(location)
     return fs.cat_file(path).decode()
 
 
 def makedirs(location: Location) -> None:
+    """Create the directory ``location`` and its parents (nothing to do on object stores)."""
     fs, path = filesystem(location)
     fs.makedirs(path, exist_ok=True)
 
