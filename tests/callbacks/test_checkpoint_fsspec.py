@@ -20,6 +20,7 @@ from lightning_llm.callbacks import checkpoint_checksums as checksums
 from lightning_llm.callbacks import checkpoint_files as files
 from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_commit import check_remote
+from lightning_llm.preflight import check_checkpoint_path
 from lightning_llm.testing import run_distributed
 from tests.callbacks.test_checkpoint_rotation import EXACT, noisy_model
 from tests.strategies._parity import GlobalLoss, data, make_model
@@ -106,6 +107,31 @@ def test_corrupted_and_truncated_checkpoints_are_caught_on_the_filesystem(url):
 
 
 @pytest.mark.timeout(120)
+def test_a_failed_save_keeps_the_last_good_checkpoint_and_crash_leftovers_are_removed(url, monkeypatch):
+    verify = files.verify
+
+    def broken_at_step_4(path, **kwargs):
+        if "00000004" in cfs.name(path):
+            raise RuntimeError("shard missing")
+        verify(path, **kwargs)
+
+    monkeypatch.setattr(files, "verify", broken_at_step_4)
+    with pytest.raises(RuntimeError, match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard "
+                                         r"missing\. Nothing was committed and the newest complete checkpoint, "
+                                         r".*step=00000002.ckpt, is kept"):
+        fit(url, 6, every_n_train_steps=2, keep_last=1)
+    monkeypatch.setattr(files, "verify", verify)
+    assert steps_in(url) == [2], "the failed save has no marker: it does not count, the older one is kept"
+    # That write's data (in place, or under .tmp- on a local disk) is a leftover, like a crash's data without a marker.
+    cfs.filesystem(url)[0].pipe_file(cfs.filesystem(cfs.join(url, "step=00000009.ckpt"))[1], b"half a checkpoint")
+    assert len(cfs.listdir(url)) == 4
+    _, trainer = fit(url, 3, ckpt_path="last", every_n_train_steps=100)
+    assert trainer.ckpt_path == cfs.join(url, "step=00000002.ckpt"), "data without a marker does not count"
+    assert cfs.listdir(url) == ["step=00000002.ckpt", "step=00000002.ckpt.meta.json", "step=00000003.ckpt",
+                                "step=00000003.ckpt.meta.json"], "leftovers are removed when fit starts"
+
+
+@pytest.mark.timeout(120)
 def test_async_single_file_saves_commit_on_the_filesystem(url):
     rotation = dict(every_n_train_steps=2, keep_last=2, async_save=True, verify="load")
     straight, _ = fit(url + "-straight", 6)
@@ -145,6 +171,10 @@ def test_bad_urls_are_refused_before_training(tmp_path):
                                          r"local file APIs.*LLMParallelStrategy"):
         check_remote(ModelParallelStrategy(), "memory://x/run")
     check_remote(ModelParallelStrategy(), f"file://{tmp_path}")  # a file:// URL is a local directory
+    not_a_checkpoint = f"memory://not-a-checkpoint-{uuid.uuid4().hex}"
+    cfs.filesystem(not_a_checkpoint)[0].pipe_file(cfs.filesystem(cfs.join(not_a_checkpoint, "x"))[1], b"")
+    with pytest.raises(ValueError, match=rf"ckpt_path='{not_a_checkpoint}' is a directory but not a checkpoint"):
+        check_checkpoint_path(not_a_checkpoint, ModelParallelStrategy())
 
 
 def _installed(name: str) -> bool:
