@@ -19,12 +19,12 @@ from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_commit import (
     Pending,
     can_save_async,
-    check_last_resolvable,
     check_remote,
     check_writable,
     commit,
     committed_after,
     default_dirpath,
+    last_candidate,
     metadata,
     newest_verified,
     rotate,
@@ -166,9 +166,8 @@ class CheckpointRotation(ModelCheckpoint):
         newest = newest_verified(self.dirpath or default_dirpath(trainer))
         if newest is None:
             return set()
-        check_last_resolvable(newest)
-        self._resolved_last = str(newest)
-        return {str(newest)}
+        self._resolved_last = last_candidate(newest)
+        return {self._resolved_last}
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -230,8 +229,8 @@ class CheckpointRotation(ModelCheckpoint):
         self._check_monitor(trainer)
         final = cfs.join(self.directory, f"step={trainer.global_step:08d}.ckpt")
         tmp = staging_location(final, trainer)
-        ckpt_path = trainer.ckpt_path
-        pending = Pending(tmp, final, metadata(trainer, pl_module, self.tokens_seen, self.monitor), str(ckpt_path) if ckpt_path else None)
+        resumed_from = files.checkpoint_of(trainer.ckpt_path) if trainer.ckpt_path else None  # not its marker
+        pending = Pending(tmp, final, metadata(trainer, pl_module, self.tokens_seen, self.monitor), resumed_from)
         strategy = trainer.strategy
         # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
         # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.

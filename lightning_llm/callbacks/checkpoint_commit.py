@@ -137,22 +137,22 @@ def newest_verified(directory: Location) -> str | None:
     return None
 
 
-def check_last_resolvable(checkpoint: str) -> None:
-    """Refuse, naming the path to pass instead, a ``ckpt_path="last"`` that Lightning could not pick.
+def last_candidate(checkpoint: str) -> str:
+    """What to hand Lightning for ``ckpt_path="last"``: ``checkpoint``, or its marker where Lightning could not read
+    the checkpoint's modification time.
 
     Lightning picks "last" among the candidates by ``fs.modified(path)``, which filesystems without real
-    directories (object stores, ``memory://``) cannot answer for a sharded checkpoint's directory: it
-    would fail there with a bare ``FileNotFoundError``.
+    directories (object stores, ``memory://``) cannot answer for a sharded checkpoint's directory (a bare
+    ``FileNotFoundError``). The marker is a file written with the checkpoint; LLMParallelStrategy, the one
+    strategy that writes sharded checkpoints there, loads the checkpoint a marker names
+    (:func:`.checkpoint_files.checkpoint_of`), and ``trainer.ckpt_path`` names the marker.
     """
     fs, path = cfs.filesystem(checkpoint)
     try:
         fs.modified(path)
-    except (OSError, NotImplementedError, KeyError) as err:
-        raise ValueError(
-            f"ckpt_path='last' resolves to {checkpoint}, the newest checkpoint that verifies, but it is a directory on "
-            f"{type(fs).__name__}, which keeps no modification time for directories, and Lightning compares those "
-            f"to pick 'last'. Pass ckpt_path={checkpoint!r} instead."
-        ) from err
+    except (OSError, NotImplementedError, KeyError):
+        return files.marker_path(checkpoint)
+    return checkpoint
 
 
 def validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify) -> None:

@@ -32,6 +32,12 @@ def marker_path(checkpoint: Location) -> str:
     return str(checkpoint) + MARKER_SUFFIX
 
 
+def checkpoint_of(location: Location) -> str:
+    """The checkpoint a location names: itself, or the checkpoint whose marker it is."""
+    location = str(location)
+    return location[: -len(MARKER_SUFFIX)] if location.endswith(MARKER_SUFFIX) else location
+
+
 def write_json_atomically(path: Location, data: dict) -> None:
     """Write ``data`` so that readers see the old file, or the whole new one, never a part."""
     cfs.write_json(path, data)

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
+from lightning_llm.callbacks.checkpoint_files import checkpoint_of
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.parallel_contract import AsyncSave
@@ -66,7 +67,9 @@ class ShardedCheckpointHooks:
         first checked against its checksums (:mod:`lightning_llm.strategies.dcp_checkpoint`).
         """
         self._saver.wait()
-        path = self.broadcast(str(checkpoint_path))  # a local path or an fsspec URL
+        # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
+        # by time for ckpt_path="last" (lightning_llm.callbacks.checkpoint_commit.last_candidate).
+        path = checkpoint_of(self.broadcast(str(checkpoint_path)))
         dcp_checkpoint.refuse_unverified(self, path)
         strict = self.lightning_module.strict_loading
         if cfs.isfile(path):
