@@ -5,6 +5,7 @@ URL (a ``memory://`` filesystem lives in one process), and URLs refused before t
 
 from __future__ import annotations
 
+import types
 import uuid
 from pathlib import Path
 
@@ -171,6 +172,10 @@ def test_bad_urls_are_refused_before_training(tmp_path):
                                          r"local file APIs.*LLMParallelStrategy"):
         check_remote(ModelParallelStrategy(), "memory://x/run")
     check_remote(ModelParallelStrategy(), f"file://{tmp_path}")  # a file:// URL is a local directory
+    two_processes = types.SimpleNamespace(world_size=2)  # what a set-up DDP strategy of 2 ranks reports
+    with pytest.raises(ValueError, match=r"dirpath='memory://x/run'\): a memory:// filesystem lives in one process, "
+                                         r"and this run has 2 processes"):
+        check_remote(two_processes, "memory://x/run")
     not_a_checkpoint = f"memory://not-a-checkpoint-{uuid.uuid4().hex}"
     cfs.filesystem(not_a_checkpoint)[0].pipe_file(cfs.filesystem(cfs.join(not_a_checkpoint, "x"))[1], b"")
     with pytest.raises(ValueError, match=rf"ckpt_path='{not_a_checkpoint}' is a directory but not a checkpoint"):
@@ -231,8 +236,14 @@ def _zero3_file_url(root: str) -> dict:
     straight, _ = run(6, url + "-straight")
     first, _ = run(3, url, rot={"async_save": True})
     second, trainer = run(6, url, ckpt_path="last")
+    try:
+        run(3, "memory://two-ranks/run")
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
     return {"straight": straight, "resumed": first + second, "ckpt_path": trainer.ckpt_path, "steps": steps_in(url),
-            "files": sorted(cfs.listdir(files.complete_checkpoints(url)[-1]))}
+            "files": sorted(cfs.listdir(files.complete_checkpoints(url)[-1])), "memory_refusal": refusal,
+            "memory_written": cfs.exists("memory://two-ranks/run/step=00000003.ckpt")}
 
 
 @pytest.mark.distributed
@@ -243,4 +254,6 @@ def test_two_rank_zero3_dcp_on_a_file_url_resumes_exactly(tmp_path, monkeypatch)
     assert result["ckpt_path"] == f"file://{tmp_path}/run/step=00000003.ckpt"
     assert result["steps"] == [3, 6] and {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(result["files"])
     assert not (tmp_path / "file:").exists()
+    assert "a memory:// filesystem lives in one process, and this run has 2 processes" in result["memory_refusal"]
+    assert not result["memory_written"], "refused at setup, before any step"
     torch.testing.assert_close(torch.tensor(result["resumed"]), torch.tensor(result["straight"]), **EXACT)
