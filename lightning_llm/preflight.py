@@ -63,18 +63,22 @@ def check_checkpoint_path(ckpt_path: str | Path | None, strategy) -> None:
     """
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-    if ckpt_path is None or not Path(ckpt_path).is_dir() or isinstance(strategy, DeepSpeedStrategy):
+    from lightning_llm.callbacks import checkpoint_fs as cfs
+
+    if ckpt_path is None or ckpt_path in ("last", "best", "hpc") or isinstance(strategy, DeepSpeedStrategy):
+        return
+    path = str(ckpt_path)  # a local path or an fsspec URL (ValueError naming an unknown protocol)
+    if not cfs.isdir(path):
         return
     sharded_loader = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
-    path = Path(ckpt_path)
-    if not (path / ".metadata").is_file():
+    if not cfs.isfile(cfs.join(path, ".metadata")):
         raise ValueError(
-            f"ckpt_path={str(path)!r} is a directory but not a checkpoint (no .metadata file inside). Pass a "
+            f"ckpt_path={path!r} is a directory but not a checkpoint (no .metadata file inside). Pass a "
             "checkpoint file or a sharded checkpoint directory saved by LLMParallelStrategy."
         )
     if not sharded_loader:
         raise ValueError(
-            f"ckpt_path={str(path)!r} is a sharded checkpoint directory, which this Trainer's strategy cannot "
+            f"ckpt_path={path!r} is a sharded checkpoint directory, which this Trainer's strategy cannot "
             "load. Resume with strategy=LLMParallelStrategy(...) (any number of devices), or first write one file "
             f"with `python -m lightning_llm.checkpoint {path} full.ckpt`."
         )

@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_llm.callbacks import checkpoint_errors as errors
 from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_commit import (
     Pending,
+    can_save_async,
+    check_remote,
     check_writable,
     commit,
     committed_after,
     default_dirpath,
+    last_candidate,
+    metadata,
     newest_verified,
     rotate,
+    staging_location,
     validate_options,
 )
 from lightning_llm.callbacks.checkpoint_errors import GuardedWrite
@@ -49,7 +52,14 @@ class CheckpointRotation(ModelCheckpoint):
     finished. Only checkpoints with a marker count; at the start of ``fit``, leftovers of a crash are
     removed. Older checkpoints are deleted only after the new one is committed. The checkpoint a run
     resumed from and anything outside ``dirpath`` are never deleted. ``ckpt_path="last"``
-    (``--ckpt_path last`` in the CLI) resolves to the newest complete checkpoint.
+    (``--ckpt_path last`` in the CLI) resolves to the newest complete checkpoint that verifies.
+
+    ``dirpath`` may be a URL of any fsspec filesystem (``s3://bucket/run``, ``gs://``, ``memory://``,
+    ``file://``), as with Lightning's ModelCheckpoint; every file operation goes through fsspec. Where
+    the filesystem has no atomic rename (object stores), the data is written in place and the marker,
+    written last in one request, is the commit (:mod:`lightning_llm.callbacks.checkpoint_fs` says what
+    is atomic where). Single files (single device, DDP) and LLMParallelStrategy's sharded checkpoints
+    (torch's fsspec writer) can go to a URL, asynchronously too; other strategies refuse one at setup.
 
     ``async_save=True`` stalls training only while the state is copied to host memory: single files
     (single device, DDP) are written by a background thread, sharded checkpoints of
@@ -62,8 +72,8 @@ class CheckpointRotation(ModelCheckpoint):
     checkpoint them) and the count of tokens seen, so a resumed run continues as if never stopped.
 
     Arguments:
-        dirpath: where checkpoints go (default: ``<default_root_dir>/checkpoints``, the same for every
-            run whatever the logger's version, so ``ckpt_path="last"`` finds the previous run's).
+        dirpath: where checkpoints go, a local path or an fsspec URL (default: ``<default_root_dir>/checkpoints``,
+            the same for every run whatever the logger's version, so ``ckpt_path="last"`` finds the previous run's).
         every_n_train_steps: save every this many optimizer steps (``None``: no step trigger).
         every_n_minutes: save when this much time passed since the last save (checked each step; rank 0's clock).
         keep_last: newest complete checkpoints kept (at least 1).
@@ -82,6 +92,7 @@ class CheckpointRotation(ModelCheckpoint):
 
         trainer = L.Trainer(callbacks=[CheckpointRotation(every_n_train_steps=1000, keep_last=3)])
         trainer.fit(model, data, ckpt_path="last")
+        CheckpointRotation(dirpath="s3://bucket/run-1", every_n_train_steps=1000)   # with s3fs installed
     """
 
     def __init__(
@@ -99,11 +110,12 @@ class CheckpointRotation(ModelCheckpoint):
         require_monitor: bool = True,
     ) -> None:
         validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
+        location = cfs.normalize(dirpath) if dirpath is not None else None  # ValueError naming an unknown protocol
         super().__init__(
             dirpath=dirpath, monitor=monitor, mode=mode, save_top_k=-1, save_last=False,
             every_n_train_steps=None, train_time_interval=None, save_on_train_epoch_end=False,
         )
-        self._dirpath_arg = dirpath
+        self._dirpath_arg, self.dirpath = dirpath, location  # Lightning's realpath would mangle a file:// URL
         self.save_every_n_steps, self.every_n_minutes = every_n_train_steps, every_n_minutes
         self.keep_last, self.keep_best = keep_last, keep_best
         self.save_on_train_end, self.async_save, self.verify_mode = save_on_train_end, async_save, verify
@@ -117,8 +129,9 @@ class CheckpointRotation(ModelCheckpoint):
         self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
 
     @property
-    def directory(self) -> Path:
-        return Path(self.dirpath)
+    def directory(self) -> str:
+        """The checkpoint directory: a local path or a URL."""
+        return str(self.dirpath)
 
     @property
     @override
@@ -131,11 +144,12 @@ class CheckpointRotation(ModelCheckpoint):
         # Not ModelCheckpoint.setup: its default directory moves with the logger's version and it
         # warns about a non-empty directory, which is how every resumed run starts.
         self.dirpath = trainer.strategy.broadcast(str(self.dirpath or default_dirpath(trainer)))
-        self._fs = get_filesystem(self.dirpath)
+        self._fs = cfs.filesystem(self.dirpath)[0]
         if stage != "fit":
             return
-        self._async = self._can_save_async(trainer)
         strategy = trainer.strategy
+        check_remote(strategy, self.dirpath)
+        self._async = can_save_async(trainer, self.async_save)
         single_file = type(strategy).load_checkpoint is Strategy.load_checkpoint  # loads through checkpoint_io
         if single_file and not isinstance(strategy.checkpoint_io, VerifiedLoad):
             strategy.checkpoint_io = VerifiedLoad(strategy.checkpoint_io, strategy, lambda: self._resolved_last)
@@ -145,29 +159,15 @@ class CheckpointRotation(ModelCheckpoint):
                 log.warning("CheckpointRotation: removed incomplete checkpoint leftover %s", leftover)
         trainer.strategy.barrier("CheckpointRotation.setup")
 
-    def _can_save_async(self, trainer: L.Trainer) -> bool:
-        if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
-            raise ValueError(
-                "CheckpointRotation cannot tell when an AsyncCheckpointIO save is complete, so it could not commit "
-                "it safely. Remove the AsyncCheckpointIO plugin and use CheckpointRotation(async_save=True)."
-            )
-        if not self.async_save:
-            return False
-        if not contract_of(trainer).supports_async_save:
-            rank_zero_warn(f"CheckpointRotation(async_save=True): {type(trainer.strategy).__name__} offers no "
-                           "asynchronous save; checkpoints are written synchronously.")
-            return False
-        return True
-
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        newest = newest_verified(Path(self.dirpath or default_dirpath(trainer)))
+        newest = newest_verified(self.dirpath or default_dirpath(trainer))
         if newest is None:
             return set()
-        self._resolved_last = str(newest)
-        return {str(newest)}
+        self._resolved_last = last_candidate(newest)
+        return {self._resolved_last}
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -227,10 +227,10 @@ class CheckpointRotation(ModelCheckpoint):
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._finish_pending(trainer)
         self._check_monitor(trainer)
-        final = self.directory / f"step={trainer.global_step:08d}.ckpt"
-        tmp = final.with_name(files.TMP_PREFIX + final.name)
-        ckpt_path = trainer.ckpt_path
-        pending = Pending(tmp, final, self._metadata(trainer, pl_module), str(ckpt_path) if ckpt_path else None)
+        final = cfs.join(self.directory, f"step={trainer.global_step:08d}.ckpt")
+        tmp = staging_location(final, trainer)
+        resumed_from = files.checkpoint_of(trainer.ckpt_path) if trainer.ckpt_path else None  # not its marker
+        pending = Pending(tmp, final, metadata(trainer, pl_module, self.tokens_seen, self.monitor), resumed_from)
         strategy = trainer.strategy
         # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
         # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
@@ -302,11 +302,11 @@ class CheckpointRotation(ModelCheckpoint):
         # A broadcast, not a bare raise on rank 0: every rank stops, none waits forever in a collective.
         error = trainer.strategy.broadcast(error)
         if error is not None:
-            complete = files.complete_checkpoints(self.directory) if self.directory.is_dir() else []
+            complete = files.complete_checkpoints(self.directory)
             kept = (f"the newest complete checkpoint, {complete[-1]}, is kept" if complete
                     else "no earlier checkpoint exists")
             raise RuntimeError(
-                f"CheckpointRotation could not save checkpoint {pending.final.name} in {self.dirpath}: {error}. "
+                f"CheckpointRotation could not save checkpoint {cfs.name(pending.final)} in {self.dirpath}: {error}. "
                 f"Nothing was committed and {kept}. Free space or fix the permissions under {self.dirpath}, then "
                 "resume with ckpt_path='last'."
             )
@@ -320,16 +320,6 @@ class CheckpointRotation(ModelCheckpoint):
                       mode=self.mode, resumed_from=resumed_from)
         if best is not None:
             self.best_model_path, self.best_model_score = str(best[0]), torch.tensor(best[1])
-
-    def _metadata(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        loss = trainer.callback_metrics.get("train_loss")
-        score = trainer.callback_metrics.get(self.monitor) if self.monitor else None
-        return {
-            "step": trainer.global_step, "epoch": trainer.current_epoch, "tokens_seen": self.tokens_seen,
-            "layout": contract_of(trainer).layout.as_dict(), "config": dict(pl_module.hparams), "wall_time": time.time(),
-            "loss": float(loss) if loss is not None else None,
-            **({"monitor": self.monitor, "score": float(score)} if score is not None else {}),
-        }
 
     @override
     def state_dict(self) -> dict[str, Any]:

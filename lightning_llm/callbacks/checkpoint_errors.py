@@ -51,6 +51,8 @@ def describe(err: BaseException, directory: Path) -> str:
             words = _CAUSES.get(cause.errno, cause.strerror or str(cause))
             return f"{words} ({errno.errorcode.get(cause.errno, cause.errno)}: {cause})"
     text = f"{type(err).__name__}: {err}"
+    if "://" in str(directory):
+        return text  # free space is a local disk's notion
     try:
         free = shutil.disk_usage(directory if Path(directory).exists() else Path(directory).parent).free
     except OSError:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_llm.callbacks import checkpoint_checksums as checksums
+from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 
 class VerifiedLoad(CheckpointIO):
@@ -32,7 +32,7 @@ class VerifiedLoad(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
-        if Path(path).is_dir():  # torch.load would fail with a bare IsADirectoryError
+        if cfs.isdir(path):  # torch.load would fail with a bare IsADirectoryError
             raise ValueError(
                 f"ckpt_path={str(path)!r} is a directory (a sharded checkpoint of LLMParallelStrategy or DeepSpeed), "
                 f"but {type(self.strategy).__name__} loads single-file checkpoints. Resume with the strategy that "

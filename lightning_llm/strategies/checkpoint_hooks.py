@@ -16,7 +16,9 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
+from lightning_llm.callbacks.checkpoint_files import checkpoint_of
 from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.checkpoint_keys import matching_keys
@@ -27,6 +29,11 @@ log = logging.getLogger(__name__)
 
 class ShardedCheckpointHooks:
     """Lightning's checkpoint hooks for a strategy holding ``self._saver`` (a :class:`~.dcp_checkpoint.AsyncSaver`)."""
+
+    @property
+    def writes_sharded_checkpoints(self) -> bool:
+        """Whether checkpoints are DCP directories (written through fsspec, so to any URL) rather than one file."""
+        return self._save_distributed_checkpoint
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -45,13 +52,17 @@ class ShardedCheckpointHooks:
         save_on_every_rank(lambda: self._save_checkpoint(checkpoint, filepath, storage_options), filepath)
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
+        path = self.broadcast(str(filepath))  # a local path or an fsspec URL, the same on every rank
         if isinstance(storage_options, AsyncSave):
             if self._save_distributed_checkpoint:
-                storage_options.future = self._saver.save(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank)
+                storage_options.future = self._saver.save(checkpoint, path, self.global_rank)
                 return
             storage_options = None
         self._saver.wait()  # one save at a time: an asynchronous one still writing finishes first
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._save_distributed_checkpoint:
+            dcp_checkpoint.save(checkpoint, path, self.global_rank)
+            return
+        super().save_checkpoint(checkpoint, cfs.local_path(path), storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -62,14 +73,15 @@ class ShardedCheckpointHooks:
         first checked against its checksums (:mod:`lightning_llm.strategies.dcp_checkpoint`).
         """
         self._saver.wait()
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
+        # by time for ckpt_path="last" (lightning_llm.callbacks.checkpoint_commit.last_candidate).
+        path = checkpoint_of(self.broadcast(str(checkpoint_path)))
         dcp_checkpoint.refuse_unverified(self, path)
         strict = self.lightning_module.strict_loading
-        if path.is_file():
+        if cfs.isfile(path):
             if strict:
-                matching_keys(dcp_checkpoint.model_shapes(self.model), dcp_checkpoint.file_shapes(path), strict,
-                              str(path))
-            return super().load_checkpoint(path, weights_only=weights_only)
+                matching_keys(dcp_checkpoint.model_shapes(self.model), dcp_checkpoint.file_shapes(path), strict, path)
+            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only)
         return dcp_checkpoint.load(self.model, self.optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:

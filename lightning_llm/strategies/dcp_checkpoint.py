@@ -4,13 +4,14 @@ load (verified against the commit marker's checksums, strict both ways).
 Optimizer state is saved in torch's "flattened" form, keyed by parameter name: Lightning's form keys
 parameter groups by index, and pipeline stages have different groups under the same index, so a
 sharded checkpoint could not tell them apart. Loading reshards by name, so the layout (tp, pp, ZeRO
-degree, world size) may differ between save and load.
+degree, world size) may differ between save and load. Checkpoints go to any fsspec location: local
+directories through DCP's file writer and reader, URLs of other filesystems through its fsspec ones
+(:func:`lightning_llm.callbacks.checkpoint_fs.storage_writer`).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_llm.callbacks import checkpoint_fs as cfs
 from lightning_llm.callbacks.checkpoint_checksums import refusal
+from lightning_llm.callbacks.checkpoint_fs import Location
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.host_staging import reusable_stager
 
@@ -55,17 +58,16 @@ class AsyncSaver:
         self._future: Future | None = None
         self._stager = reusable_stager()
 
-    def save(self, checkpoint: dict[str, Any], path: Path, global_rank: int) -> Future:
+    def save(self, checkpoint: dict[str, Any], path: Location, global_rank: int) -> Future:
         """Start writing ``checkpoint`` (Lightning's dict, with ``state_dict`` and ``optimizer_states``) to ``path``."""
         self.wait()
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        state = _split(checkpoint, path)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        self._future = dcp.async_save(state, checkpoint_id=path, process_group=self._group, async_stager=self._stager)
+        self._future = dcp.async_save(state, storage_writer=cfs.storage_writer(path), process_group=self._group,
+                                      async_stager=self._stager)
         if global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)  # the rest: loops, callbacks, hyperparameters
+            cfs.torch_save(checkpoint, cfs.join(path, _METADATA_FILENAME))  # the rest: loops, callbacks, hparams
         return self._future
 
     def wait(self) -> None:
@@ -75,7 +77,23 @@ class AsyncSaver:
             future.result()
 
 
-def refuse_unverified(strategy, path: Path) -> None:
+def save(checkpoint: dict[str, Any], path: Location, global_rank: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict) to the directory ``path`` now: shards by DCP, the rest in ``meta.pt``
+    (Lightning's layout, which its ``ModelParallelStrategy`` writes to local paths only)."""
+    dcp.save(_split(checkpoint, path), storage_writer=cfs.storage_writer(path))
+    if global_rank == 0:
+        cfs.torch_save(checkpoint, cfs.join(path, _METADATA_FILENAME))
+
+
+def _split(checkpoint: dict[str, Any], path: Location) -> dict[str, Any]:
+    # DCP writes the tensors; what is left in `checkpoint` (loops, callbacks, hyperparameters) goes to meta.pt.
+    cfs.makedirs(path)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    return state
+
+
+def refuse_unverified(strategy, path: Location) -> None:
     """Raise ``ValueError`` on every rank if a committed checkpoint's content fails its checksums (rank 0 reads it)."""
     error = strategy.broadcast(refusal(path) if strategy.global_rank == 0 else None)
     if error is not None:
@@ -92,43 +110,43 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
     return {name: shape for part in parts for name, shape in part.items()}
 
 
-def sharded_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+def sharded_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
     """Name -> global shape of the model tensors in a sharded checkpoint, read from its ``.metadata``."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = cfs.storage_reader(path).read_metadata()
     return {
         key[len(MODEL_PREFIX):]: tuple(entry.size) if hasattr(entry, "size") else None
         for key, entry in metadata.state_dict_metadata.items() if key.startswith(MODEL_PREFIX)
     }
 
 
-def file_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
-    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped, nothing copied)."""
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+def file_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
+    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped on a local disk)."""
+    state = cfs.torch_load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
     return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()}
 
 
-def load(model: nn.Module, optimizers: list, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weights_only: bool | None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``model`` and ``optimizers`` (whatever layout saved it); returns the rest.
 
     The names and global shapes of the model's tensors on every rank (all pipeline stages together) are
     compared with the checkpoint's both ways first (:func:`lightning_llm.strategies.checkpoint_keys.matching_keys`);
     with ``strict=False`` only the tensors both have with equal shapes are loaded, and their optimizer state.
     """
-    if not (path / ".metadata").is_file():
+    if not cfs.isfile(cfs.join(path, ".metadata")):
         raise ValueError(
             f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside). "
             "Pass a checkpoint saved by LLMParallelStrategy, or load other weights into the model before fitting."
         )
     keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))
     model_state = {"state_dict": {k: v for k, v in get_model_state_dict(model).items() if k in keep}}
-    dcp.load(model_state, checkpoint_id=path)
+    dcp.load(model_state, storage_reader=cfs.storage_reader(path))
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         full = optimizer_state(model, optimizer)
         # Flattened keys are "state.<param>.<field>" and "param_groups.<param>.<field>".
         request = {key: {k: v for k, v in full.items() if strict or k.split(".", 1)[1].rsplit(".", 1)[0] in keep}}
-        dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        dcp.load(request, storage_reader=cfs.storage_reader(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
         set_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), {**full, **request[key]},
                                  options=FLAT_OPTIMIZER)
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    return cfs.torch_load(cfs.join(path, _METADATA_FILENAME), weights_only=weights_only)

@@ -115,7 +115,7 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
             try:
                 verify(path, trial_load=True)
             except Exception as err:  # noqa: BLE001 - any failure is a violation to report
-                report["violations"].append(f"kill {report['kills']}: {path.name} marked complete but {err}")
+                report["violations"].append(f"kill {report['kills']}: {Path(path).name} marked complete but {err}")
         if had_complete and not complete:
             report["violations"].append(f"kill {report['kills']}: no complete checkpoint left")
         had_complete = had_complete or bool(complete)

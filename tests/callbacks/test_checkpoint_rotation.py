@@ -247,12 +247,12 @@ def test_cli_ckpt_path_last_resumes_from_the_default_directory(tmp_path, monkeyp
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     main(["fit", "--config", "config.yaml"])
-    first = {p.name: marker_path(p).read_text() for p in complete_checkpoints(tmp_path / "checkpoints")}
+    first = {Path(p).name: Path(marker_path(p)).read_text() for p in complete_checkpoints(tmp_path / "checkpoints")}
     main(["fit", "--config", "config.yaml", "--trainer.max_steps", "8", "--ckpt_path", "last"])
     assert sorted(p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()) == ["version_0", "version_1"], sorted(map(str, tmp_path.rglob("*")))
     final = complete_checkpoints(tmp_path / "checkpoints")
     assert _steps(tmp_path / "checkpoints") == [2, 4, 6, 8]
-    assert {name: marker_path(tmp_path / "checkpoints" / name).read_text() for name in first} == first, \
+    assert {name: Path(marker_path(tmp_path / "checkpoints" / name)).read_text() for name in first} == first, \
         "the resumed run started at step 4: it did not save steps 2 and 4 again"
     assert files.read_marker(final[-1])["tokens_seen"] == 8 * 2 * 16, "tokens seen carry over"
 
@@ -276,7 +276,7 @@ def _resume_layouts(root):
             losses += _fit(rotation, steps, root, strategy(), 2, dp, ckpt_path="last")[0]
         last = complete_checkpoints(directory)[-1]
         layout = {**files.read_marker(last)["layout"], "async": rotation._async, "files": sorted(os.listdir(last)),
-                  "deepspeed_files": sorted(os.listdir(last / "checkpoint")) if label.startswith("deepspeed") else []}
+                  "deepspeed_files": sorted(os.listdir(Path(last) / "checkpoint")) if label.startswith("deepspeed") else []}
         results[label] = (losses, _steps(directory), layout)
     return results
 

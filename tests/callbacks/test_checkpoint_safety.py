@@ -56,7 +56,7 @@ def test_checksums_recorded_per_file_match_an_independent_crc(tmp_path):
     import zlib
 
     recorded = files.read_marker(checkpoint)["checksums"]
-    raw = checkpoint.read_bytes()
+    raw = Path(checkpoint).read_bytes()
     assert recorded == {".": {"size": len(raw), "crc32": f"{zlib.crc32(raw):08x}"}}
 
 
