@@ -131,12 +131,15 @@ def _output_head(model: nn.Module, blocks_prefix: str) -> str | None:
 def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
     """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
 
-    A norm beside a planned layer of a block (OLMo2's and litgpt's ``q_norm``/``k_norm`` next to
-    ``q_proj``) runs inside attention on whole-sequence activations, so it is left to the plan.
+    A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
+    next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
+    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
     """
     plan = dict(plan)
     planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
-    beside_projection = {n.rpartition(".")[0] for n in planned if n.startswith(blocks_name + ".")}
+    # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
+    in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
+    beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
     for name, module in model.named_modules():
         if getattr(module, "is_pipeline_placeholder", False):
             continue

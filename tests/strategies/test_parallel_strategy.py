@@ -90,7 +90,7 @@ def _bad_inputs(world_size):
 def test_bad_input_is_refused_before_the_first_step():
     messages = run_distributed(_bad_inputs, 2, 2, timeout=180)[0]
     expected = [
-        "contain no nn.Linear layer to shard",
+        "contain no nn.Linear (or Conv1D) layer to shard",
         "pattern 'layers.*.nope' matches no module",
         "Unknown tensor-parallel style 'sideways'",
         "data_parallel_size (3) * tensor_parallel_size (1) * pipeline_parallel_size (1) = 3, but there are 2 processes",
