@@ -82,11 +82,8 @@ def apply_tensor_parallel(
     heads = 0
     for block in blocks:
         name = block_names[id(block)]
-        local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if _matches(f"{name}.{n}" if n else name, p)}
-        heads += divide_head_counts([block], tp, region_owners(local) or None)
-    for block in blocks:
-        name = block_names[id(block)]
         local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if n and _matches(f"{name}.{n}", p)}
+        heads += divide_head_counts([block], tp, region_owners(local) or None)
         verify_on_first_forward(block, local, label=name)
     log.info(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",

@@ -22,6 +22,7 @@ transpose of ``nn.Linear``; torch's Colwise/RowwiseParallel accept only ``nn.Lin
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
@@ -160,8 +161,6 @@ class _Regroup:
 
     def __call__(self, module, args, output):
         if self._index is None or self._index.device != output.device:
-            import torch
-
             self._index = torch.tensor(self.send, dtype=torch.long, device=output.device)
         columns = output.index_select(-1, self._index).movedim(-1, 0).contiguous()
         # torch's functional collective carries autograd (the backward is the reverse all-to-all).

@@ -29,7 +29,6 @@ STYLES = (
 KNOWN_FUSED = {
     ("GPT2Attention", "c_attn"): "fused_qkv", ("Phi3Attention", "qkv_proj"): "fused_qkv",
     ("Phi3MLP", "gate_up_proj"): "fused_colwise:2", ("litgpt:CausalSelfAttention", "qkv"): "fused_qkv",
-    ("CausalSelfAttention", "c_attn"): "fused_qkv",  # nanoGPT: q, k, v = self.c_attn(x).split(n_embd, dim=2)
 }
 
 _COLWISE = re.compile(r"^(q|k|v|wq|wk|wv|query|key|value|q_proj|k_proj|v_proj|to_q|to_k|to_v|gate|up|w1|w3|gate_proj|up_proj|fc1|fc_in|c_fc|dense_h_to_4h|in_proj_q|in_proj_k|in_proj_v)$")

@@ -41,8 +41,8 @@ SP_GAPS: dict[str, str] = {}
 # Parameter tolerance where fp32 rounding, not the layout, decides: GPT-2's zero-initialized biases take
 # Adam steps of about lr * sign(grad); in one element of h.1.mlp.c_proj.bias the gradient passes near zero in
 # one step, where m / sqrt(v) turns a reduction-order difference into 1.7e-6 (1.15e-4 of that bias' norm
-# after 4 steps, tp2). The same cell in float64 agrees to 1.9e-15; tests/parallel/test_fused_projections.py
-# asserts the fused/Conv1D layouts in float64 to 1e-12.
+# after 4 steps, tp2). The same cell in float64 agrees to 1e-12 (measured 1.9e-15):
+# tests/parallel/test_fused_projections.py::test_gpt2_zoo_cell_is_exact_in_float64.
 PARAM_RTOL = {"gpt2": 5e-4}
 
 
