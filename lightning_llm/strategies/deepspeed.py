@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.dcp_checkpoint import refuse_unverified
@@ -130,6 +131,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+        destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer) -> None:

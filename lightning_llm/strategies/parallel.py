@@ -30,6 +30,7 @@ from lightning_llm.parallel.float8 import check_fp8_device, precompute_fp8_scale
 from lightning_llm.parallel.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
+from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_contract import ParallelContract
@@ -183,6 +184,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        destroy_process_group_at_exit()
         self.parallel_dims = self._parallel_dims()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
