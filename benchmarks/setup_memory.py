@@ -1,5 +1,9 @@
 """Peak host memory of each rank while LLMParallelStrategy (ZeRO 3) builds, shards and initializes a model.
 
+``--strategy deepspeed`` measures LLMDeepSpeedStrategy(zero_stage=3) instead: deepspeed.zero.Init partitions each
+module as it is built, then the model's own init runs a few gathered parameters at a time; the "built" column is the
+peak before DeepSpeed's engine allocates its own fp32 partitions and buffers.
+
 The model is created in ``configure_model``: on the meta device, then each rank allocates its shard
 and initializes it (lightning_llm.parallel.materialize). ``--eager`` builds the whole model on every
 rank first (the behaviour before meta construction), for comparison.
@@ -22,17 +26,22 @@ def main() -> None:
     parser.add_argument("--preset", default="1B")
     parser.add_argument("--layers", type=int, help="override the preset's number of layers")
     parser.add_argument("--eager", action="store_true", help="build the whole model on every rank (no meta device)")
+    parser.add_argument("--strategy", choices=["parallel", "deepspeed"], default="parallel")
     args = parser.parse_args()
     overrides = {"n_layers": args.layers} if args.layers else {}
     config = LlamaConfig.from_name(args.preset, **overrides)
-    rows = run_distributed(measure_setup_memory, args.ranks, config, 3, False if args.eager else None, timeout=3600)
+    rows = run_distributed(measure_setup_memory, args.ranks, config, 3, False if args.eager else None, args.strategy,
+                           timeout=3600)
     mib = 2**20
-    print(f"preset={args.preset} layers={config.n_layers} ranks={args.ranks} ZeRO 3 fp32, "
-          f"{'eager' if args.eager else 'meta'} construction; MiB")
-    print(f"{'rank':>4} {'peak RSS increase':>18} {'own shard':>10} {'shard + 25% block':>18} {'whole model':>12}")
+    construction = "eager" if args.eager else ("zero.Init" if args.strategy == "deepspeed" else "meta")
+    print(f"preset={args.preset} layers={config.n_layers} ranks={args.ranks} ZeRO 3 fp32 ({args.strategy}), "
+          f"{construction} construction; MiB")
+    print(f"{'rank':>4} {'peak RSS increase':>18} {'built':>8} {'own shard':>10} {'shard + 25% block':>18} "
+          f"{'whole model':>12}")
     for rank, row in enumerate(rows):
         bound = row["shard"] + row["block"] / 4
-        print(f"{rank:>4} {row['peak'] / mib:>18.0f} {row['shard'] / mib:>10.0f} {bound / mib:>18.0f} "
+        built = f"{row['built'] / mib:.0f}" if "built" in row else "-"
+        print(f"{rank:>4} {row['peak'] / mib:>18.0f} {built:>8} {row['shard'] / mib:>10.0f} {bound / mib:>18.0f} "
               f"{row['model'] / mib:>12.0f}")
 
 

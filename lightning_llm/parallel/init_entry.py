@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 
@@ -46,18 +47,28 @@ def _hf_init(model) -> Callable[[], None]:
     return init
 
 
-def _has_meta(module: nn.Module, recurse: bool) -> bool:
+def is_meta(tensor: torch.Tensor) -> bool:
+    """The default test of :func:`init_entry_points`: a tensor built on the meta device holds no values yet."""
+    return tensor.is_meta
+
+
+def _has_pending(module: nn.Module, recurse: bool, pending: Callable[[torch.Tensor], bool]) -> bool:
     tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-    return any(t.is_meta for t in tensors)
+    return any(pending(t) for t in tensors)
 
 
-def init_entry_points(module: nn.Module) -> list[tuple[str, Callable[[], None]]]:
-    """The (module name, init function) pairs that together initialize every meta parameter and buffer of ``module``.
+def init_entry_points(
+    module: nn.Module, pending: Callable[[torch.Tensor], bool] = is_meta, strict: bool = True
+) -> list[tuple[str, Callable[[], None]]]:
+    """The (module name, init function) pairs that together initialize every pending parameter and buffer of ``module``.
 
-    Subtrees with no meta tensors (built eagerly, already holding values) are left alone.
+    ``pending`` says which tensors still need the model's init: by default those on the meta device;
+    ``LLMDeepSpeedStrategy`` passes "partitioned by ``deepspeed.zero.Init``". Subtrees with no pending
+    tensors (built eagerly, already holding values) are left alone.
 
-    Raises ``RuntimeError`` naming the modules whose tensors no entry point covers: they would
-    keep uninitialized memory, which trains silently wrong.
+    With ``strict`` (the default), raises ``RuntimeError`` naming the modules whose tensors no entry point
+    covers: on meta they would keep uninitialized memory, which trains silently wrong. ``strict=False``
+    skips them (tensors that already hold their construction values).
 
     Example::
 
@@ -68,15 +79,15 @@ def init_entry_points(module: nn.Module) -> list[tuple[str, Callable[[], None]]]
     covered: list[str] = []
     uncovered: list[str] = []
     for name, child in module.named_modules():
-        if any(name == c or name.startswith(c + ".") or c == "" for c in covered) or not _has_meta(child, True):
+        if any(name == c or name.startswith(c + ".") or c == "" for c in covered) or not _has_pending(child, True, pending):
             continue
         entry = _entry_point(child)
         if entry is not None:
             found.append((name, entry))
             covered.append(name)
-        elif _has_meta(child, recurse=False):
+        elif _has_pending(child, False, pending):
             uncovered.append(name or type(child).__name__)
-    if uncovered:
+    if uncovered and strict:
         raise RuntimeError(
             f"Modules {uncovered} own parameters or buffers but neither they nor a parent define init_weights() or "
             "reset_parameters(); after building on the meta device they would hold uninitialized memory. Add a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.parallel.zero3_init import initialize_partitioned
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.dcp_checkpoint import refuse_unverified
@@ -94,6 +96,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         self.device_memory, self.micro_batch_size, self.seq_len = device_memory, micro_batch_size, seq_len
         self.decision: Any = None  # the planner's ZeroDecision once "auto" is resolved
         self._model_shape: ModelShape | None = None
+        self._rng_before_model: torch.Tensor | None = None  # the CPU generator when zero.Init began building
         # Until "auto" is resolved in setup() the config holds stage 2: it shards no parameters, so the
         # model is built whole by configure_model, which runs before setup().
         stage = 2 if zero_stage == "auto" else zero_stage
@@ -133,8 +136,23 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         self._init_deepspeed_distributed()
         destroy_process_group_at_exit()
 
+    @contextmanager
+    @override
+    def model_sharded_context(self):
+        """Lightning's ``deepspeed.zero.Init`` under ZeRO 3: each module is partitioned as soon as it is built, so
+        the model is never whole on a rank. The random state at its start is kept for the model's own init in
+        :meth:`setup` (:func:`lightning_llm.parallel.zero3_init.initialize_partitioned`)."""
+        self._rng_before_model = torch.get_rng_state()
+        with super().model_sharded_context():
+            yield
+
     @override
     def setup(self, trainer) -> None:
+        if self._rng_before_model is not None and self.zero_stage == 3:
+            # zero.Init partitioned the children before a root init (Llama.reset_parameters, HF post_init) ran,
+            # which left torch's per-layer defaults: run the model's init now, gathering a few parameters at a time.
+            initialize_partitioned(self.lightning_module, self._rng_before_model)
+        self._rng_before_model = None
         try:
             self._model_shape = ModelShape.of(self.lightning_module)
         except ValueError:  # not a decoder whose blocks can be found: MFUMonitor then needs flops_per_token

@@ -1,8 +1,9 @@
-"""Peak host memory (RSS) of each rank while ``LLMParallelStrategy`` builds, shards and initializes a model.
+"""Peak host memory (RSS) of each rank while ``LLMParallelStrategy`` or ``LLMDeepSpeedStrategy`` (ZeRO 3) builds,
+shards and initializes a model.
 
 Used by ``benchmarks/setup_memory.py`` and its test: the model is created in ``configure_model``
-(on the meta device under the strategy), so a rank's peak should be its own shard plus a bounded
-transient (one chunk of drawn random numbers), never the whole model.
+(on the meta device under LLMParallelStrategy, partitioned module by module by ``deepspeed.zero.Init``
+under DeepSpeed), so a rank's peak should be its own shard plus a bounded transient, never the whole model.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class _RSSSampler(L.Callback):
             self.peak = max(self.peak, process.memory_info().rss)
             time.sleep(self.interval)
 
+    def mark(self) -> int:
+        """The peak so far (e.g. once the model is built and initialized, before DeepSpeed builds its engine)."""
+        return max(self.peak, psutil.Process().memory_info().rss) - self.baseline
+
     def setup(self, trainer, pl_module, stage) -> None:
         self.baseline = self.peak = psutil.Process().memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -49,30 +54,64 @@ class _RSSSampler(L.Callback):
 def _local_bytes(module) -> int:
     total = 0
     for p in module.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", None)
+        local = p if local is None else local
         total += local.numel() * local.element_size()
     return total
 
 
-def measure_setup_memory(config: LlamaConfig, zero_stage: int = 3, empty_init: bool | None = None) -> dict[str, int]:
+def _numel(param) -> int:
+    return getattr(param, "ds_numel", param.numel())  # a DTensor's numel is its global size
+
+
+def measure_setup_memory(config: LlamaConfig, zero_stage: int = 3, empty_init: bool | None = None,
+                         strategy: str = "parallel") -> dict[str, int]:
     """On one rank: build ``CausalLM(config)`` through ``Trainer.fit`` (no step) and report bytes.
 
     Returns ``peak`` (RSS increase during setup), ``shard`` (this rank's parameter bytes), ``block``
     (one whole transformer block's bytes) and ``model`` (the whole model's bytes). ``empty_init=False``
-    restores eager construction (the whole model on every rank) for comparison.
+    restores eager construction (the whole model on every rank) for comparison. ``strategy="deepspeed"``
+    measures ``LLMDeepSpeedStrategy`` and adds ``built``: the peak once the model is built and initialized,
+    before DeepSpeed's engine allocates its fp32 partitions and buffers.
     """
     torch.manual_seed(0)
     module, sampler = _EagerCausalLM(config, empty_init), _RSSSampler()
+    marks: dict[str, int] = {}
+    if strategy == "deepspeed":
+        chosen = _marked_deepspeed()(sampler, marks, zero_stage=zero_stage,
+                                     config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    elif strategy == "parallel":
+        chosen = LLMParallelStrategy(zero_stage=zero_stage)
+    else:
+        raise ValueError(f"strategy={strategy!r}; choose 'parallel' or 'deepspeed'.")
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=LLMParallelStrategy(zero_stage=zero_stage), max_steps=0,
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=chosen, max_steps=0,
         num_sanity_val_steps=0, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler],
     )
     trainer.fit(module, LLMDataModule(num_tokens=2000, seq_len=16, batch_size=2, seed=0))
-    block = sum(p.numel() for p in module.model.layers[0].parameters())  # a DTensor's numel is its global size
-    model = sum(p.numel() for p in module.model.parameters())
+    block = sum(_numel(p) for p in module.model.layers[0].parameters())
+    model = sum(_numel(p) for p in module.model.parameters())
     return {"peak": sampler.peak - sampler.baseline, "shard": _local_bytes(module.model), "block": 4 * block,
-            "model": 4 * model}
+            "model": 4 * model, **marks}
+
+
+def _marked_deepspeed():
+    """LLMDeepSpeedStrategy that notes the peak before its engine is built (imported here: DeepSpeed is optional)."""
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    class MarkedDeepSpeed(LLMDeepSpeedStrategy):
+        """Notes the RSS peak between the model's init and the engine (the bucket sizing runs in between)."""
+
+        def __init__(self, sampler: _RSSSampler, marks: dict, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.sampler, self.marks = sampler, marks
+
+        def _size_buckets_to_model(self) -> None:
+            self.marks["built"] = self.sampler.mark()
+            super()._size_buckets_to_model()
+
+    return MarkedDeepSpeed
 
 
 class _EagerCausalLM(CausalLM):

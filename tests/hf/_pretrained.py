@@ -67,4 +67,6 @@ def finetune_layouts(paths: dict[str, str]) -> dict:
     for arch, path in paths.items():
         out[(arch, "zero3_dp2")] = finetune(arch, path, {"zero_stage": 3}, 2, 4)
         out[(arch, "tp2")] = finetune(arch, path, {"tensor_parallel_size": 2}, 2, 8)
+        # Two stages of one block each; every rank sees the whole batch (dp = 1), split into 4 micro-batches.
+        out[(arch, "pp2")] = finetune(arch, path, {"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 8)
     return out

@@ -23,7 +23,7 @@ def sharded_losses(saved):
     return run_distributed(finetune_layouts, 2, saved, timeout=600)[0]
 
 
-@pytest.mark.parametrize("layout", ["zero3_dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["zero3_dp2", "tp2", "pp2"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_finetune_from_pretrained_matches_single_process(saved, sharded_losses, arch, layout):
     expected = finetune(arch, saved[arch], None, 1, 8)

@@ -1,0 +1,82 @@
+"""LLMDeepSpeedStrategy ZeRO 3: a model built in configure_model is partitioned as it is built (deepspeed.zero.Init)
+and then initialized by its own init, bit for bit as in one process with the same seed.
+
+Oracle: the model's own init (``Llama.reset_parameters``, Hugging Face's ``init_weights``) run on the whole model in
+this process after ``torch.manual_seed`` (the functions of tests/parallel/test_materialize.py, which LLMParallelStrategy
+also matches). Before the fix, zero.Init partitioned the children before the root init ran, which then did nothing:
+the weights were torch's per-layer defaults (embedding std 1.0, Linear ~0.072 instead of 0.02).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_llm.testing import run_distributed
+from tests.parallel._init_layouts import CONFIG, SEED, TIED, build
+from tests.parallel.test_materialize import single_process_hf, single_process_reference
+
+# Stage 3 keeps parameters under this many elements whole on each rank; 0 partitions every one of the tiny model's.
+SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+CASES = [("reference", SHARD_ALL), ("tied", SHARD_ALL), ("hf_llama", SHARD_ALL), ("reference", None)]
+
+
+class _Capture(L.Callback):
+    """The whole parameters as setup left them (gathered), whether each was partitioned, and the tie."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        import deepspeed
+
+        params = list(pl_module.parameters())
+        self.partitioned = {n: p.data.numel() == 0 and p.ds_numel > 0 for n, p in pl_module.named_parameters()}
+        with deepspeed.zero.GatheredParameters(params):
+            self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        model = pl_module.model
+        self.tied = model.output.weight is model.tok_embeddings.weight if hasattr(model, "output") else None
+
+
+def _init_under_zero3(cases) -> list[dict]:
+    import lightning_llm.parallel.zero3_init as zero3_init
+    from lightning_llm.data import LLMDataModule
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    zero3_init.LIVE_BYTES = 1  # one parameter gathered at a time: every release and re-gather path runs
+    results = []
+    for arch, config in cases:
+        torch.manual_seed(SEED)
+        module, capture = build(arch), _Capture()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
+                            max_steps=0, num_sanity_val_steps=0, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[capture])
+        trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
+        results.append({"params": capture.params, "partitioned": capture.partitioned, "tied": capture.tied})
+    return results
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    rank0, rank1 = run_distributed(_init_under_zero3, 2, CASES, timeout=300)
+    return rank0, rank1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{'shard_all' if c else 'default'}" for a, c in CASES])
+def test_zero3_init_is_bit_identical_to_single_process(zero3, case):
+    arch, config = CASES[case]
+    expected = {"reference": lambda: single_process_reference(CONFIG), "tied": lambda: single_process_reference(TIED),
+                "hf_llama": single_process_hf}[arch]()
+    for rank, result in enumerate(zero3):
+        got = result[case]
+        assert set(got["params"]) == set(expected) - ({"model.output.weight"} if arch == "tied" else set())
+        for name, value in got["params"].items():
+            assert torch.equal(value, expected[name]), f"rank {rank} {arch}: {name} differs from the single-process init"
+        if config is SHARD_ALL:  # never whole on a rank: each holds only its partition of every parameter
+            assert all(got["partitioned"].values()), got["partitioned"]
+        if arch == "tied":
+            assert got["tied"] is True, "tied embeddings came back untied"
+    # The recipe, not torch's per-layer defaults (embedding std 1.0), which zero.Init left before the fix.
+    if arch != "hf_llama":
+        assert zero3[0][case]["params"]["model.tok_embeddings.weight"].std().item() == pytest.approx(0.02, rel=0.05)
