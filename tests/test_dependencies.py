@@ -5,6 +5,7 @@ The minimum-versions job (``.ci/min_versions``) installs every floor exactly and
 """
 
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
@@ -40,3 +41,14 @@ def test_every_module_imports():
     assert len(names) > 50
     for name in names:
         importlib.import_module(name)
+
+
+def test_the_minimum_versions_job_pins_every_floor():
+    # .ci/floors.py writes the pins .ci/min_versions installs: each floor above, exactly, and the exact pins kept.
+    spec = importlib.util.spec_from_file_location("floors", Path(__file__).parents[1] / ".ci" / "floors.py")
+    floors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floors)
+    pins, unfloored = floors.pins(PYPROJECT)
+    exact = [r.replace(" ", "") for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["dev"] if "==" in r]
+    assert sorted(pins) == sorted({f"{name.lower()}=={floor}" for name, floor in _floors()} | set(exact))
+    assert unfloored == ["numpy", "psutil", "tqdm"]
