@@ -162,13 +162,10 @@ def plan(args: list[str]) -> str:
         _check_plan_options(options)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
-    trainer_config = (yaml.safe_load(Path(options.config).read_text()) or {}).get("trainer", {})
-    # The planning machine need not be the training one: the Trainer is built for one CPU, the
-    # devices and nodes come from the config (or the flags), the model on the meta device.
-    overrides = ["--trainer.logger", "false", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-                 "--trainer.num_nodes", "1"]
+    config = yaml.safe_load(Path(options.config).read_text()) or {}
+    trainer_config = config.get("trainer") or {}
     with torch.device("meta"), _quiet():
-        cli = LLMCLI(args=["--config", options.config, *overrides], run=False, save_config_callback=None)
+        cli = LLMCLI(args=_planning_config(config), run=False, save_config_callback=None)
         module = cli.model
         if hasattr(module, "configure_model"):
             module.configure_model()
@@ -204,6 +201,17 @@ def plan(args: list[str]) -> str:
         raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
     print(report)
     return report
+
+
+def _planning_config(config: dict) -> dict:
+    """The config ``plan`` parses: the same model, data and strategy, a Trainer for one CPU, no logger or callbacks.
+
+    The planning machine need not be the training one: the devices and nodes come from the config (or the
+    flags), the model is built on the meta device. The config's logger and callbacks are left out before
+    parsing, not overridden after: resolving ``WandbLogger``'s signature alone imports wandb (0.2 s).
+    """
+    trainer = {k: v for k, v in (config.get("trainer") or {}).items() if k not in ("logger", "callbacks")}
+    return {**config, "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1}}
 
 
 @contextlib.contextmanager

@@ -111,3 +111,13 @@ def test_plan_prints_its_table_and_nothing_else():
     assert "Chosen: ZeRO" in result.stdout
     for noise in ("GPU available", "TPU available", "LightningCLI's args", "Tip:"):
         assert noise not in result.stdout + result.stderr, noise
+
+
+def test_plan_imports_neither_wandb_nor_deepspeed():
+    # The 7B config names a WandbLogger and the DeepSpeed strategy is registered: plan needs neither module.
+    code = ("import sys; from lightning_llm.cli import plan; plan(['--config', 'configs/llama7b.yaml']); "
+            "print(sorted(m for m in ('wandb', 'deepspeed') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -1,6 +1,12 @@
-"""Dependency floors: the installed versions meet pyproject's floors, and every module of the package imports."""
+"""Dependency floors: the installed versions meet pyproject's floors, and every module of the package imports.
+
+The minimum-versions job (``.ci/min_versions``) installs every floor exactly and sets
+``LIGHTNING_LLM_EXACT_FLOORS=1``: the versions must then equal the floors, so the tests it runs ran on them.
+"""
 
 import importlib
+import importlib.util
+import os
 import pkgutil
 import re
 import tomllib
@@ -24,7 +30,10 @@ def _floors() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("name", "floor"), _floors())
 def test_installed_version_meets_the_floor(name, floor):
     # CI installs the newest releases; a floor above them would make the package uninstallable.
-    assert Version(version(name)) >= Version(floor), f"{name} {version(name)} is below the floor {floor}"
+    installed = Version(Version(version(name)).public)  # torch's "+cpu" local label aside
+    assert installed >= Version(floor), f"{name} {version(name)} is below the floor {floor}"
+    if os.environ.get("LIGHTNING_LLM_EXACT_FLOORS") == "1":
+        assert installed == Version(floor), f"the minimum-versions job must run {name}=={floor}, not {version(name)}"
 
 
 def test_every_module_imports():
@@ -32,3 +41,14 @@ def test_every_module_imports():
     assert len(names) > 50
     for name in names:
         importlib.import_module(name)
+
+
+def test_the_minimum_versions_job_pins_every_floor():
+    # .ci/floors.py writes the pins .ci/min_versions installs: each floor above, exactly, and the exact pins kept.
+    spec = importlib.util.spec_from_file_location("floors", Path(__file__).parents[1] / ".ci" / "floors.py")
+    floors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floors)
+    pins, unfloored = floors.pins(PYPROJECT)
+    exact = [r.replace(" ", "") for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["dev"] if "==" in r]
+    assert sorted(pins) == sorted({f"{name.lower()}=={floor}" for name, floor in _floors()} | set(exact))
+    assert unfloored == ["numpy", "psutil", "tqdm"]

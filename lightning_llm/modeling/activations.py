@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
+from lightning_llm.modeling.repeated_blocks import measure_repeated
 
 
 @dataclass
@@ -218,15 +219,22 @@ def activation_bytes_by_mode(
 ) -> tuple[float, float]:
     """(without checkpointing, with full checkpointing) bytes of :func:`activation_bytes`, from one fake forward.
 
+    A model of more than two identical blocks is measured on its first two
+    (:mod:`lightning_llm.modeling.repeated_blocks`), the rest taken as equal to the second.
+
     Example::
 
         none, full = activation_bytes_by_mode(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     device = next(module.parameters()).device
     batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
-    _, blocks = find_blocks(module)
+    name, blocks = find_blocks(module)
+    step = lambda: module.training_step(batch, 0)  # noqa: E731
     with redirected_log(module):
-        sizes = measure_activations(module, list(blocks), lambda: module.training_step(batch, 0))
+        # Identical blocks: two measured stand for all (modeling.repeated_blocks), so planning a deep model costs
+        # the same as a shallow one.
+        sizes = measure_repeated(module, name, blocks, lambda sample: measure_activations(module, sample, step))
+        sizes = sizes or measure_activations(module, list(blocks), step)
     scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
     return scale * sum(s.saved for s in sizes), scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
 
