@@ -211,7 +211,9 @@ def _planning_config(config: dict) -> dict:
     parsing, not overridden after: resolving ``WandbLogger``'s signature alone imports wandb (0.2 s).
     """
     trainer = {k: v for k, v in (config.get("trainer") or {}).items() if k not in ("logger", "callbacks")}
-    return {**config, "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1}}
+    # Nothing random is drawn while planning; LightningCLI's default seeding would only warn "No seed found".
+    seed = config.get("seed_everything", False)
+    return {**config, "seed_everything": seed, "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1}}
 
 
 @contextlib.contextmanager

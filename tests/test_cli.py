@@ -103,13 +103,15 @@ def test_help_names_the_plan_subcommand(capsys):
     assert "lightning-llm plan --config" in out and "export CKPT OUT --format hf|torch" in out
 
 
-def test_plan_prints_its_table_and_nothing_else():
+@pytest.mark.parametrize("config", ["tiny.yaml", "llama7b.yaml"])  # llama7b has no seed_everything
+def test_plan_prints_its_table_and_nothing_else(config):
     # A fresh process, so Lightning's log handlers write to the captured stderr.
-    result = subprocess.run([sys.executable, "-m", "lightning_llm.cli", "plan", "--config", str(TINY)],
+    result = subprocess.run([sys.executable, "-m", "lightning_llm.cli", "plan", "--config", f"configs/{config}",
+                             "--devices", "8", "--device_memory", "80GB"],
                             capture_output=True, text=True, timeout=300, cwd=Path(TINY).parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Chosen: ZeRO" in result.stdout
-    for noise in ("GPU available", "TPU available", "LightningCLI's args", "Tip:"):
+    for noise in ("GPU available", "TPU available", "LightningCLI's args", "Tip:", "No seed found"):
         assert noise not in result.stdout + result.stderr, noise
 
 
