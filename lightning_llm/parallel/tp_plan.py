@@ -17,12 +17,14 @@ import re
 
 from torch import nn
 
+from lightning_llm.parallel.tp_experts import check_experts
 from lightning_llm.parallel.tp_fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp_hf_styles import hf_plan
 
 STYLES = (
     "colwise", "rowwise", "colwise_gather", "rowwise_split_input", "embedding", "embedding_colwise",
     "sequence_parallel", "replicate", "replicate_grad_sum", "fused_qkv", "fused_colwise:N", "fused_colwise:A,B,...",
+    "experts", "gather_sequence",
 )
 # Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
 # Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
@@ -227,6 +229,11 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     head = _output_head(model, prefix)
     if head is not None and not covered(head):
         plan[head] = "colwise_gather"
+    # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard.
+    for pattern, style in list(plan.items()):
+        parent = pattern.rpartition(".")[0]
+        if style == "experts" and parent and parent not in plan:
+            plan[parent] = "gather_sequence"
     return plan
 
 
@@ -252,6 +259,9 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
 
 
 def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
+    if style == "experts":
+        check_experts(name, module, tp)
+        return
     if style.startswith(FUSED_PREFIX):
         dims = projection_dims(module)
         if dims is None:

@@ -3,7 +3,8 @@
 Every style is torch's own ``ColwiseParallel``/``RowwiseParallel``/``SequenceParallel`` with the
 input/output layouts the position in the model needs, except :class:`ReplicateGradSum`, a small
 ``ParallelStyle`` (built with torch's ``distribute_module``) for a module kept whole on every rank
-but applied to each rank's own heads, and the fused-projection and ``Conv1D`` styles of :mod:`.tp_fused`.
+but applied to each rank's own heads, the fused-projection and ``Conv1D`` styles of :mod:`.tp_fused`,
+and the expert split of :mod:`.tp_experts`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
+
+from lightning_llm.parallel.tp_experts import ExpertsParallel
 
 from lightning_llm.parallel.tp_fused import (
     FUSED_PREFIX,
@@ -102,4 +106,13 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
         return SequenceParallel() if sequence_parallel else None
     if style == "replicate_grad_sum":
         return ReplicateGradSum()
+    if style == "experts":
+        return ExpertsParallel()
+    if style == "gather_sequence":  # a module that needs the whole sequence inside a sequence-parallel model
+        if not sequence_parallel:
+            return None
+        return PrepareModuleInputOutput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False,
+        )
     return None  # "replicate"

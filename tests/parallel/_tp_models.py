@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 
 import lightning as L
 import torch
@@ -85,19 +84,6 @@ def train_tiny_layouts(cases: list[tuple[str, dict, int]], world_size: int) -> l
 
     results = []
     for arch, layout, steps in cases:
-        if layout.get("tensor_parallel_plan") == "suggested":
-            layout = {**layout, "tensor_parallel_plan": suggested_plan(TinyHF(arch))}
         losses, params, copies = train_tiny(arch, LLMParallelStrategy(**layout), devices=world_size, steps=steps)
         results.append((losses, params if dist.get_rank() == 0 else None, copies))
     return results
-
-
-def suggested_plan(model) -> dict[str, str]:
-    """The plan the refusal of an HF plan we cannot apply (MoE ``packed_colwise`` experts) tells the user to pass."""
-    from lightning_llm.parallel.tp_hf_styles import hf_plan
-
-    try:
-        hf_plan(model)
-    except ValueError as refusal:
-        return ast.literal_eval(str(refusal).split("tensor_parallel_plan=", 1)[1].rstrip("."))
-    raise AssertionError("expected the HF plan to be refused")

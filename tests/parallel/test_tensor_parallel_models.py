@@ -26,9 +26,8 @@ CASES = [
     ("qwen3", TP2_SP, 10),
     ("gemma3", TP2, 5),  # per-head norms, (1 + w) RMSNorm, tied embeddings
     ("gpt_neox", TP2_SP, 10),  # HF plan without the embedding: SP boundaries added
-    # HF's packed_colwise/moe_tp_experts entries are refused; the plan the refusal prints (attention split,
-    # each MoE block whole on every rank, router included) must train exactly.
-    ("mixtral", {**TP2, "tensor_parallel_plan": "suggested"}, 10),
+    # HF's moe_tp_experts plan: whole experts per rank; the router stays whole and must agree bit for bit.
+    ("mixtral", TP2, 10),
 ]
 
 

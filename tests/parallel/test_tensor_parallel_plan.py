@@ -126,8 +126,21 @@ def test_head_counts_are_divided_and_checked():
         divide_head_counts(UserLM(num_heads=2).blocks, 4)
 
 
+def _with_modules(*names: str) -> nn.Module:
+    """A module tree holding a Linear at each dotted name (HF plans only keep entries naming a module)."""
+    root = nn.Module()
+    for name in names:
+        parent = root
+        for part in name.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(name.rsplit(".", 1)[-1], nn.Linear(2, 2))
+    return root
+
+
 def test_hf_plan_with_unknown_style_is_refused():
-    module = nn.Module()
+    module = _with_modules("layers.0.experts")
     module._tp_plan = {"layers.*.experts": "ep_router"}
     with pytest.raises(ValueError, match=r"'layers\.\*\.experts': 'ep_router' \(expert parallelism.*tensor_parallel_plan=\{\}"):
         hf_plan(module)
@@ -148,12 +161,12 @@ def test_block_discovery_and_override():
 
 def test_user_plan_wins_over_an_hf_plan_we_refuse():
     module = nn.Module()
-    module.inner = nn.Module()
-    module.inner._tp_plan = {"experts": "moe_tp_experts"}
+    module.inner = _with_modules("layers.0.self_attn.kv_a_proj_with_mqa")
+    module.inner._tp_plan = {"layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}
     module.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2))
     user = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
     assert _plan(module, user_plan=user) == (user, "strategy")
-    with pytest.raises(ValueError, match=r"'inner\.experts': 'moe_tp_experts'"):
+    with pytest.raises(ValueError, match=r"'inner\.layers\.\*\.self_attn\.kv_a_proj_with_mqa': 'mla_kv_a_proj'"):
         _plan(module)
 
 
@@ -168,16 +181,17 @@ def test_every_hf_style_transformers_registers_is_mapped_or_refused():
 
 
 def test_refused_hf_entry_names_a_plan_without_its_module():
-    module = nn.Module()
+    module = _with_modules("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_experts",
+                           "layers.0.mlp.other")
     module._tp_plan = {
         "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_experts": "all_reduce", "layers.*.mlp.other": "colwise",
+        "layers.*.mlp.absent": "colwise",  # names no module of this model: dropped, not refused
     }
     with pytest.raises(ValueError) as info:
         hf_plan(module)
     message = str(info.value)
-    assert "'layers.*.mlp.experts.gate_up_proj': 'packed_colwise'" in message
+    assert "'layers.*.mlp.shared_experts': 'all_reduce'" in message and "absent" not in message
     suggested = ast.literal_eval(message.split("tensor_parallel_plan=", 1)[1].rstrip("."))
     assert suggested == {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
 
