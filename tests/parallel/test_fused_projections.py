@@ -200,3 +200,79 @@ def test_gpt2_zoo_cell_is_exact_in_float64():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=0)
     for name, ref in ref_params.items():
         assert ((params[name] - ref).norm() / ref.norm()).item() < 1e-12, name
+
+
+class _GroupedQKVAttention(torch.nn.Module):
+    """A user attention whose fused projection is grouped per KV head: [q of group 0 | k0 | v0 | q of group 1 | ...]
+    (InternLM's and Megatron's layout). Its rows are contiguous per KV group, so a plain column split hands
+    each tp rank whole groups; the head counts are module attributes, divided by tp."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4, num_key_value_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_key_value_heads, dim // num_heads
+        rep = num_heads // num_key_value_heads
+        self.wqkv = torch.nn.Linear(dim, num_key_value_heads * (rep + 2) * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        rep = self.num_heads // self.num_key_value_heads
+        groups = self.wqkv(x).view(b, t, self.num_key_value_heads, rep + 2, self.head_dim)
+        q = groups[..., :rep, :].reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (groups[..., i, :].transpose(1, 2) for i in (rep, rep + 1))
+        k, v = (z.repeat_interleave(rep, dim=1) for z in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class _GroupedQKVModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"attn": _GroupedQKVAttention()}) for _ in range(2))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer["attn"](x)
+        return self.head(x)
+
+
+def _grouped_qkv_ranks() -> dict | None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_llm.parallel.mesh import ParallelDims
+    from lightning_llm.parallel.parallelize import parallelize
+
+    torch.set_default_dtype(torch.float64)
+    dims = ParallelDims(world_size=2, tp=2)
+    dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    reference, model = _GroupedQKVModel(), _GroupedQKVModel()
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plan = {"layers.*.attn.wqkv": "colwise", "layers.*.attn.wo": "rowwise"}
+    parallelize(model, dims, zero_stage=0, tensor_parallel_plan=plan)
+    losses = []
+    for m in (reference, model):
+        loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.item())
+    errors = {}
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        errors[name] = ((grad - ref.grad).norm() / ref.grad.norm()).item()
+    local_heads = model.layers[0]["attn"].num_heads, model.layers[0]["attn"].num_key_value_heads
+    return (losses, errors, local_heads) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_qkv_grouped_per_kv_head_is_a_plain_column_split():
+    (ref_loss, loss), errors, local_heads = run_distributed(_grouped_qkv_ranks, 2, timeout=240)[0]
+    assert abs(loss - ref_loss) / ref_loss < 1e-12
+    assert local_heads == (2, 1)  # each rank computes its own KV group's heads
+    for name, error in errors.items():
+        assert error < 1e-10, f"gradient of {name} off by {error:.1e}"
