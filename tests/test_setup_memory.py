@@ -1,4 +1,4 @@
-"""Host memory while LLMParallelStrategy builds a model: each rank's shard, not the whole model; ``plan`` builds nothing."""
+"""Host memory while LLMParallelStrategy or LLMDeepSpeedStrategy (ZeRO 3) builds a model: each rank's shard, not the whole model; ``plan`` builds nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +20,20 @@ def test_zero3_setup_allocates_only_the_rank_shard():
         assert row["peak"] <= row["shard"] + row["block"] / 4, (
             f"rank {rank}: peak RSS grew by {row['peak'] / 2**20:.0f} MiB during setup; its shard is "
             f"{row['shard'] / 2**20:.0f} MiB and one block {row['block'] / 2**20:.0f} MiB"
+        )
+
+
+def test_deepspeed_zero3_builds_only_the_rank_partitions():
+    """LLMDeepSpeedStrategy ZeRO 3: built on meta, each rank allocates its partitions and the init fills them in
+    chunks. Under zero.Init each module was whole for a moment (the 250 MiB embedding here, and the tied head's own
+    250 MiB weight before the tie), far above the bound."""
+    config = LlamaConfig.from_name("1B", n_layers=2, vocab_size=32000)
+    rows = run_distributed(measure_setup_memory, 2, config, 3, None, "deepspeed", timeout=600)
+    for rank, row in enumerate(rows):
+        assert row["shard"] * 2 == pytest.approx(row["model"], rel=0.01), "ZeRO 3 should split the weights in 2"
+        assert row["built"] <= row["shard"] + row["block"] / 4, (
+            f"rank {rank}: RSS grew by {row['built'] / 2**20:.0f} MiB while the model was built and initialized; its "
+            f"partitions are {row['shard'] / 2**20:.0f} MiB and one block {row['block'] / 2**20:.0f} MiB"
         )
 
 

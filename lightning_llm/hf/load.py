@@ -7,7 +7,9 @@ module whose parameter names end in the Hugging Face names (``HFCausalLM``'s ``m
 any LightningModule holding a ``PreTrainedModel`` as an attribute) needs no table. The reference
 :class:`~lightning_llm.models.llama.Llama` (``CausalLM``) loads a Hugging Face Llama directory through
 :mod:`lightning_llm.hf.llama_map` (names, and q/k rows from ``rotate_half`` order back to interleaved
-pairs). Pipeline stages simply hold fewer parameters.
+pairs). Pipeline stages simply hold fewer parameters. A DeepSpeed ZeRO-3 parameter (``LLMDeepSpeedStrategy``)
+receives only its partition, the contiguous range ``[rank * p, (rank + 1) * p)`` of the flattened tensor, read as
+the rows that cover it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,44 @@ def _read(file_handle, key: str, target: torch.Tensor, transform: Callable | Non
     return file_handle.get_tensor(key)
 
 
+def _shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The full shape: a DeepSpeed ZeRO-3 parameter keeps it in ``ds_shape`` (its ``shape`` is an empty stand-in)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def _read_partition(file_handle, key: str, param: torch.Tensor, transform: Callable | None) -> torch.Tensor | None:
+    """This rank's ZeRO-3 partition of checkpoint tensor ``key`` (flat), read as the rows that cover it; None if
+    the rank holds only padding."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        raise RuntimeError(f"{key}: a ZeRO-3 parameter is gathered while loading; load before training starts.")
+    numel, size = param.ds_numel, param.ds_tensor.ds_numel
+    rank = torch.distributed.get_rank(group=param.ds_process_group)
+    low, high = min(numel, rank * size), min(numel, (rank + 1) * size)
+    if high <= low:
+        return None
+    shape = _shape(param)
+    if transform is not None or len(shape) < 1 or shape[0] == 0:
+        full = file_handle.get_tensor(key)
+        return (transform(full) if transform is not None else full).reshape(-1)[low:high]
+    row = numel // shape[0]
+    first, last = low // row, -(-high // row)
+    return file_handle.get_slice(key)[first:last].reshape(-1)[low - first * row:high - first * row]
+
+
+def _copy_into(param: torch.Tensor, file_handle, key: str, transform: Callable | None) -> None:
+    if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO 3: write the partition DeepSpeed builds its engine from
+        part = _read_partition(file_handle, key, param, transform)
+        if part is not None:
+            param.ds_tensor.narrow(0, 0, part.numel()).copy_(part.to(param.ds_tensor.dtype))
+        return
+    local = param.to_local() if isinstance(param, DTensor) else param
+    part = _read(file_handle, key, param, transform)
+    if local.numel():
+        local.copy_(part.to(local.dtype))
+
+
 @torch.no_grad()
 def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
     """Copy a Hugging Face checkpoint's tensors into ``module``'s (sharded) parameters; returns the names loaded.
@@ -112,7 +152,7 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
 
     Example::
 
-        model = HFCausalLM(...)                     # on meta, sharded, materialized
+        model = HFCausalLM(...)                     # on meta, sharded (FSDP2/TP/PP or ZeRO-3), materialized
         load_pretrained(model, "checkpoints/llama-hf")
         load_pretrained(Llama(llama_map.from_hf_config(AutoConfig.from_pretrained(d))), d)   # reference Llama
     """
@@ -139,8 +179,8 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
         with safe_open(file, framework="pt") as f:
             for name in names:
                 saved = tuple(f.get_slice(mapping[name]).get_shape())
-                if saved != tuple(params[name].shape):
-                    shapes.append(f"{mapping[name]}: checkpoint {saved}, model {tuple(params[name].shape)}")
+                if saved != _shape(params[name]):
+                    shapes.append(f"{mapping[name]}: checkpoint {saved}, model {_shape(params[name])}")
     if missing or unexpected or shapes:
         raise ValueError(
             f"{hf_dir} does not fit the model (names compared after removing the prefix {prefix!r}): missing "
@@ -150,9 +190,5 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                param = params[name]
-                local = param.to_local() if isinstance(param, DTensor) else param
-                part = _read(f, mapping[name], param, transforms.get(name))
-                if local.numel():
-                    local.copy_(part.to(local.dtype))
+                _copy_into(params[name], f, mapping[name], transforms.get(name))
     return sorted(params)

@@ -19,7 +19,9 @@ from typing_extensions import override
 from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.hf.load import load_pretrained
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.parallel.zero3_build import partition_meta_model, partitions_directly, zero_init
 from lightning_llm.parallel.zero3_init import initialize_partitioned
 from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
 from lightning_llm.strategies.checkpoint_keys import matching_keys
@@ -64,6 +66,10 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         micro_batch_size: samples per micro-batch, for the planner (default: the datamodule's ``batch_size``).
         seq_len: tokens per sample, for the planner (default: the datamodule's ``seq_len``).
         process_group_backend: default "nccl" on CUDA, "gloo" on CPU.
+        load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
+            index) loaded into the model once it is built and initialized, before DeepSpeed builds its engine;
+            under ZeRO 3 each rank reads only the rows covering its partitions
+            (:func:`lightning_llm.hf.load.load_pretrained`). Missing, unexpected and mis-shaped tensors are refused.
 
     Example::
 
@@ -83,6 +89,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         micro_batch_size: int | None = None,
         seq_len: int | None = None,
         process_group_backend: str | None = None,
+        load_pretrained: str | None = None,
     ) -> None:
         _require_deepspeed()
         user_config = read_config(config)
@@ -94,9 +101,11 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         self.offload_device, self.nvme_path = offload_device, nvme_path
         self.user_config = user_config
         self.device_memory, self.micro_batch_size, self.seq_len = device_memory, micro_batch_size, seq_len
+        self.load_pretrained = load_pretrained
         self.decision: Any = None  # the planner's ZeroDecision once "auto" is resolved
         self._model_shape: ModelShape | None = None
-        self._rng_before_model: torch.Tensor | None = None  # the CPU generator when zero.Init began building
+        self._rng_before_model: torch.Tensor | None = None  # the CPU generator when configure_model began building
+        self._zero_init: Any = None  # the deepspeed.zero.Init whose settings partition a model built on meta
         # Until "auto" is resolved in setup() the config holds stage 2: it shards no parameters, so the
         # model is built whole by configure_model, which runs before setup().
         stage = 2 if zero_stage == "auto" else zero_stage
@@ -139,20 +148,36 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @contextmanager
     @override
     def model_sharded_context(self):
-        """Lightning's ``deepspeed.zero.Init`` under ZeRO 3: each module is partitioned as soon as it is built, so
-        the model is never whole on a rank. The random state at its start is kept for the model's own init in
-        :meth:`setup` (:func:`lightning_llm.parallel.zero3_init.initialize_partitioned`)."""
+        """Under ZeRO 3, the model of ``configure_model`` is built on the meta device (nothing allocated); :meth:`setup`
+        then gives each parameter only this rank's partition (:mod:`lightning_llm.parallel.zero3_build`) and runs the
+        model's own init into the partitions (:func:`lightning_llm.parallel.zero3_init.initialize_partitioned`), from
+        the random state kept here. Configurations that module does not support (NVMe parameter offload, hpZ,
+        quantized weights) build under Lightning's ``deepspeed.zero.Init`` instead, module by module."""
         self._rng_before_model = torch.get_rng_state()
+        self._zero_init = None
+        if self.zero_stage == 3:
+            self._init_config_if_needed()
+            init = zero_init(self.config, self.remote_device)
+            if partitions_directly(init) is None:
+                self._zero_init = init
+                with torch.device("meta"):
+                    yield
+                return
         with super().model_sharded_context():
             yield
 
     @override
     def setup(self, trainer) -> None:
         if self._rng_before_model is not None and self.zero_stage == 3:
-            # zero.Init partitioned the children before a root init (Llama.reset_parameters, HF post_init) ran,
-            # which left torch's per-layer defaults: run the model's init now, gathering a few parameters at a time.
-            initialize_partitioned(self.lightning_module, self._rng_before_model)
-        self._rng_before_model = None
+            # Built on meta: allocate only this rank's partitions. Either way the model's own init runs now on the
+            # partitions (under zero.Init it ran on empty placeholders and left torch's per-layer defaults).
+            fresh = set()
+            if self._zero_init is not None:
+                fresh = partition_meta_model(self.lightning_module, self._zero_init)
+            initialize_partitioned(self.lightning_module, self._rng_before_model, fresh=fresh)
+        self._rng_before_model = self._zero_init = None
+        if self.load_pretrained is not None:
+            load_pretrained(self.lightning_module, self.load_pretrained)
         try:
             self._model_shape = ModelShape.of(self.lightning_module)
         except ValueError:  # not a decoder whose blocks can be found: MFUMonitor then needs flops_per_token

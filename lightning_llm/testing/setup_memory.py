@@ -1,9 +1,9 @@
 """Peak host memory (RSS) of each rank while ``LLMParallelStrategy`` or ``LLMDeepSpeedStrategy`` (ZeRO 3) builds,
 shards and initializes a model.
 
-Used by ``benchmarks/setup_memory.py`` and its test: the model is created in ``configure_model``
-(on the meta device under LLMParallelStrategy, partitioned module by module by ``deepspeed.zero.Init``
-under DeepSpeed), so a rank's peak should be its own shard plus a bounded transient, never the whole model.
+Used by ``benchmarks/setup_memory.py`` and its tests: the model is created in ``configure_model`` on the meta
+device (then sharded by FSDP2 under LLMParallelStrategy, or given only this rank's ZeRO-3 partitions under
+DeepSpeed), so a rank's peak should be its own shard plus a bounded transient, never the whole model.
 """
 
 from __future__ import annotations

@@ -23,16 +23,19 @@ def hf_config(arch: str):
 class PretrainedLM(_NextTokenModule):
     """Builds the HF model in configure_model: from the config (then weights come from the strategy) or from a directory."""
 
-    def __init__(self, arch: str, from_dir: str | None = None) -> None:
+    def __init__(self, arch: str, from_dir: str | None = None, **config_overrides) -> None:
         super().__init__(learning_rate=0.5)
-        self.arch, self.from_dir, self.model = arch, from_dir, None
+        self.arch, self.from_dir, self.model, self.overrides = arch, from_dir, None, config_overrides
 
     def configure_model(self) -> None:
         import transformers
 
         if self.model is None:
             cls = transformers.LlamaForCausalLM if self.arch == "llama" else transformers.Qwen2ForCausalLM
-            self.model = cls.from_pretrained(self.from_dir) if self.from_dir else cls(hf_config(self.arch))
+            config = hf_config(self.arch)
+            for key, value in self.overrides.items():
+                setattr(config, key, value)
+            self.model = cls.from_pretrained(self.from_dir) if self.from_dir else cls(config)
 
     def logits(self, tokens):
         return self.model(input_ids=tokens, use_cache=False).logits
@@ -46,7 +49,8 @@ def save(arch: str, path: str) -> None:
     cls(hf_config(arch)).save_pretrained(path)
 
 
-def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, per_rank_batch: int) -> list[float]:
+def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, per_rank_batch: int,
+             strategy_cls=None, **config_overrides) -> list[float]:
     from lightning_llm.strategies import LLMParallelStrategy
 
     torch.manual_seed(0)
@@ -54,7 +58,8 @@ def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, p
     if strategy_kwargs is None:
         module, strategy = PretrainedLM(arch, from_dir=path), "auto"
     else:
-        module, strategy = PretrainedLM(arch), LLMParallelStrategy(load_pretrained=path, **strategy_kwargs)
+        strategy = (strategy_cls or LLMParallelStrategy)(load_pretrained=path, **strategy_kwargs)
+        module = PretrainedLM(arch, **config_overrides)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
@@ -69,4 +74,20 @@ def finetune_layouts(paths: dict[str, str]) -> dict:
         out[(arch, "tp2")] = finetune(arch, path, {"tensor_parallel_size": 2}, 2, 8)
         # Two stages of one block each; every rank sees the whole batch (dp = 1), split into 4 micro-batches.
         out[(arch, "pp2")] = finetune(arch, path, {"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 8)
+    return out
+
+
+def finetune_deepspeed(paths: dict[str, str]) -> dict:
+    """ZeRO 3 dp=2 under LLMDeepSpeedStrategy (every parameter partitioned), and its refusals' messages."""
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    shard_all = {"zero_stage": 3, "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    out = {arch: finetune(arch, path, shard_all, 2, 4, LLMDeepSpeedStrategy) for arch, path in paths.items()}
+    for case, (arch, path, overrides) in {"unexpected": ("llama", paths["qwen2"], {}),
+                                          "mis-shaped": ("llama", paths["llama"], {"intermediate_size": 96})}.items():
+        try:
+            finetune(arch, path, shard_all, 2, 4, LLMDeepSpeedStrategy, **overrides)
+            out[case] = "loaded"
+        except ValueError as err:
+            out[case] = str(err)
     return out

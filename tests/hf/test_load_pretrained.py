@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.testing import run_distributed
-from tests.hf._pretrained import finetune, finetune_layouts, hf_config, save
+from tests.hf._pretrained import finetune, finetune_deepspeed, finetune_layouts, hf_config, save
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,27 @@ def test_finetune_from_pretrained_matches_single_process(saved, sharded_losses, 
     got = sharded_losses[(arch, layout)]
     assert len(got) == len(expected) == 10
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_losses(saved):
+    return run_distributed(finetune_deepspeed, 2, saved, timeout=600)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_deepspeed_zero3_finetune_from_pretrained_matches_single_process(saved, deepspeed_losses, arch):
+    """LLMDeepSpeedStrategy(zero_stage=3, load_pretrained=dir), dp=2, every parameter partitioned: each rank reads its
+    partitions of the checkpoint; the oracle is single-process fine-tuning from from_pretrained."""
+    expected = finetune(arch, saved[arch], None, 1, 8)
+    got = deepspeed_losses[arch]
+    assert len(got) == len(expected) == 10
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_deepspeed_zero3_refuses_mismatched_checkpoint(deepspeed_losses):
+    assert "unexpected ['model.layers.0.self_attn.k_proj.bias'" in deepspeed_losses["unexpected"]
+    assert re.search(r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'",
+                     deepspeed_losses["mis-shaped"])
 
 
 def test_mismatched_checkpoint_is_refused(saved):

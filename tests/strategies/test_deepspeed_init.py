@@ -1,5 +1,5 @@
-"""LLMDeepSpeedStrategy ZeRO 3: a model built in configure_model is partitioned as it is built (deepspeed.zero.Init)
-and then initialized by its own init, bit for bit as in one process with the same seed.
+"""LLMDeepSpeedStrategy ZeRO 3: a model built in configure_model is built on meta, partitioned (each rank allocating
+only its partitions) and then initialized by its own init, bit for bit as in one process with the same seed.
 
 Oracle: the model's own init (``Llama.reset_parameters``, Hugging Face's ``init_weights``) run on the whole model in
 this process after ``torch.manual_seed`` (the functions of tests/parallel/test_materialize.py, which LLMParallelStrategy
@@ -19,7 +19,10 @@ from tests.parallel.test_materialize import single_process_hf, single_process_re
 
 # Stage 3 keeps parameters under this many elements whole on each rank; 0 partitions every one of the tiny model's.
 SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-CASES = [("reference", SHARD_ALL), ("tied", SHARD_ALL), ("hf_llama", SHARD_ALL), ("reference", None)]
+# "meta": built on the meta device, then partitioned (the default); "zero.Init": DeepSpeed's module-by-module
+# construction, which the strategy keeps for NVMe parameter offload, hpZ and quantized weights (forced here).
+CASES = [("reference", SHARD_ALL, "meta"), ("tied", SHARD_ALL, "meta"), ("hf_llama", SHARD_ALL, "meta"),
+         ("reference", None, "meta"), ("tied", SHARD_ALL, "zero.Init")]
 
 
 class _Capture(L.Callback):
@@ -41,9 +44,18 @@ def _init_under_zero3(cases) -> list[dict]:
     from lightning_llm.data import LLMDataModule
     from lightning_llm.strategies import LLMDeepSpeedStrategy
 
+    import lightning_llm.parallel.materialize as materialize
+
     zero3_init.LIVE_BYTES = 1  # one parameter gathered at a time: every release and re-gather path runs
+    # Random fills drawn into the partitions in chunks of 48 elements, so chunk and partition boundaries fall inside
+    # every weight (48 is a multiple of normal_'s 16-value blocks; the real chunk is 16 MiB).
+    materialize._CHUNK_ELEMENTS = 48
     results = []
-    for arch, config in cases:
+    import lightning_llm.strategies.deepspeed as ds_strategy
+
+    directly = ds_strategy.partitions_directly
+    for arch, config, construction in cases:
+        ds_strategy.partitions_directly = directly if construction == "meta" else (lambda init: "forced by the test")
         torch.manual_seed(SEED)
         module, capture = build(arch), _Capture()
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
@@ -63,9 +75,9 @@ def zero3():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{'shard_all' if c else 'default'}" for a, c in CASES])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{'shard_all' if c else 'default'}-{m}" for a, c, m in CASES])
 def test_zero3_init_is_bit_identical_to_single_process(zero3, case):
-    arch, config = CASES[case]
+    arch, config, _ = CASES[case]
     expected = {"reference": lambda: single_process_reference(CONFIG), "tied": lambda: single_process_reference(TIED),
                 "hf_llama": single_process_hf}[arch]()
     for rank, result in enumerate(zero3):
