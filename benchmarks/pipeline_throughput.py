@@ -15,6 +15,8 @@ p ranks on fewer than p cores are oversubscribed: their figures measure CPU cont
     python benchmarks/pipeline_throughput.py --schedules 1F1B --pp 2 --microbatches 8 --rounds 5 --contention
     python benchmarks/pipeline_throughput.py --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble --pp 2,4 \\
         --microbatches 8,16 --layers 8 --rounds 3
+    python benchmarks/pipeline_throughput.py --schedules 1F1B,Interleaved1F1B --pp 2 --microbatches 8 --rounds 3 \\
+        --contention --breakdown
     python benchmarks/pipeline_throughput.py --quick     # CI smoke
 """
 
@@ -28,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import lightning as L
 import torch
 
+from _pipeline_breakdown import StageBreakdown, format_breakdown
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
@@ -38,20 +41,24 @@ WARMUP = 3
 
 
 def fit(world_size: int, config: LlamaConfig, schedule: str, microbatches: int, steps: int, batch: int,
-        seq_len: int, accumulate: int = 1) -> float:
-    """Median optimizer-step time of one launch (``accumulate`` > 1: one rank doing micro-batches in turn)."""
+        seq_len: int, accumulate: int = 1, breakdown: bool = False) -> float | dict:
+    """Median optimizer-step time of one launch (``accumulate`` > 1: one rank doing micro-batches in turn);
+    with ``breakdown``, this rank's step by part instead (:mod:`_pipeline_breakdown`)."""
     torch.manual_seed(0)
     strategy = (
         LLMParallelStrategy(pipeline_parallel_size=world_size, pipeline_schedule=schedule, num_microbatches=microbatches)
         if world_size > 1 else LLMParallelStrategy()
     )
     timer = StepTimer()
+    parts = StageBreakdown(WARMUP) if breakdown else None
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, *([parts] if parts else [])],
         limit_val_batches=0, accumulate_grad_batches=accumulate,
     )
     trainer.fit(CausalLM(config), LLMDataModule(num_tokens=400_000, seq_len=seq_len, batch_size=batch // accumulate))
+    if parts is not None:
+        return {**parts.result(), "stages": [list(c.blocks) for c in trainer.strategy.report.chunks]}
     # A step is `accumulate` batches: sum each optimizer step's micro-batch times.
     per_step = [sum(timer.times[i : i + accumulate]) for i in range(0, len(timer.times), accumulate)]
     return median_after_warmup(per_step, WARMUP)
@@ -93,6 +100,9 @@ def main() -> None:
     parser.add_argument("--contention", action="store_true",
                         help="also time two independent one-rank runs at once: the slow-down of each is the cost of "
                              "sharing the machine, which no schedule can remove")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after the rounds, one more launch of each pipeline with timers: each rank's step split "
+                             "into compute, head+loss, p2p wait, schedule and Lightning work (not in the timed rounds)")
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 6 steps, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -109,6 +119,10 @@ def main() -> None:
           f"one thread per rank, {cores} cores, {args.rounds} rounds, {args.steps} steps per launch")
     one = statistics.median(times["one"])
     print(f"one rank: {one * 1e3:.1f} ms/step, {tokens / one:.0f} tokens/s (median)")
+    for m in ms:  # cutting the batch costs matmul efficiency before any pipelining: p ranks reach at most p * T1 / T1m
+        cut = ratios(times["one"], times[f"one/m{m}"])
+        print(f"one rank, {m} micro-batches in turn: {statistics.median(times[f'one/m{m}']) * 1e3:.1f} ms/step; "
+              f"T1/T1m {spread(cut, 3)}")
     if args.contention:
         for m in ms:
             slowdown = ratios(times[f"pair/m{m}"], times[f"one/m{m}"])
@@ -122,6 +136,13 @@ def main() -> None:
         print(f"{side}: {step * 1e3:.1f} ms/step, {tokens / step:.0f} tokens/s; speed-up over one rank "
               f"{spread(ratios(times['one'], times[side]), 2)}; bubble {spread(bubble, 3)}, ideal "
               f"{_ideal_bubble(pp, m, schedule):.3f}{note}")
+    if args.breakdown:
+        for side in pipelines:
+            pp, schedule, m = int(side.split("/")[0][2:]), side.split("/")[1], int(side.split("/")[2][1:])
+            ranks = run_distributed(fit, pp, pp, config, schedule, m, args.steps, args.batch, args.seq_len, 1, True,
+                                    timeout=1200)
+            print("\n" + format_breakdown(side, ranks))
+            print(f"blocks per rank's stages: {[r['stages'] for r in ranks]}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
+from lightning_llm.parallel.pipeline_costs import stage_costs
 from lightning_llm.parallel.pipeline_split import balanced_split, explicit_split, stage_to_rank, validate_schedule
 from lightning_llm.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -83,6 +84,7 @@ class PipelineSpec:
     num_microbatches: int | None = None
     virtual_stages: int | None = None
     split: list[list[str]] | None = None
+    seq_len: int | None = None  # tokens per sample, for attention's share of the modelled stage FLOPs
 
     def stages_per_rank(self) -> int:
         return validate_schedule(self.schedule, self.virtual_stages)
@@ -94,9 +96,8 @@ def assign_stages(module: nn.Module, blocks_name: str, blocks: nn.ModuleList, di
     if spec.split is not None:
         ranges = explicit_split(spec.split, blocks_name, len(blocks), num_stages)
     else:
-        _, after = outer_modules(module, blocks_name)
-        head_cost = sum(p.numel() for n in after for p in module.get_submodule(n).parameters(recurse=False))
-        ranges = balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], num_stages, head_cost)
+        costs = stage_costs(module, blocks, *outer_modules(module, blocks_name), seq_len=spec.seq_len)
+        ranges = balanced_split(costs.blocks, num_stages, head_cost=costs.last, first_cost=costs.first)
     ranks = stage_to_rank(num_stages, dims.pp, spec.schedule)
     pp_rank = dims.mesh["pp"].get_local_rank()
     chunks = [

@@ -2,8 +2,9 @@
 
 Stages are contiguous runs of transformer blocks. The first stage also runs what comes before
 the blocks (embeddings), the last what comes after (final norm, head, loss). The automatic split
-balances cost, counting each block and the head by their parameter counts (proportional to their
-matmul FLOPs per token); an explicit split names the blocks of each stage.
+balances modelled training FLOPs (:mod:`.pipeline_costs`: blocks with attention's sequence term,
+the head and its loss on the last stage, the embeddings on the first); an explicit split names the
+blocks of each stage.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def stage_to_rank(num_stages: int, pp: int, schedule: str) -> list[int]:
     return [s % pp for s in range(num_stages)]
 
 
-def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0) -> list[range]:
+def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0, first_cost: int = 0) -> list[range]:
     """Contiguous block ranges, one per stage, minimising the most expensive stage.
 
-    The head's cost is added to the last stage. Exact search over split points: a few hundred
-    blocks and tens of stages stay well under a second.
+    The head's cost is added to the last stage, ``first_cost`` (embeddings) to the first. Exact
+    search over split points: a few hundred blocks and tens of stages stay well under a second.
     """
     n = len(block_costs)
     if num_stages > n:
@@ -73,7 +74,7 @@ def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0) 
     prefix = [0, *itertools.accumulate(block_costs)]
 
     def cost(start: int, stop: int, last: bool) -> int:
-        return prefix[stop] - prefix[start] + (head_cost if last else 0)
+        return prefix[stop] - prefix[start] + (head_cost if last else 0) + (first_cost if start == 0 else 0)
 
     # best[s][i]: the lowest max-cost splitting blocks[:i] into s stages; choice[s][i]: start of the last one.
     inf = float("inf")

@@ -65,7 +65,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         device_memory: bytes (or "80GB") per device for "auto" planning; default: what the device reports.
         micro_batch_size: samples per micro-batch for "auto" planning (default: the datamodule's ``batch_size``,
             else the first training batch).
-        seq_len: tokens per sample for "auto" planning (default: the datamodule's ``seq_len``, else the first batch).
+        seq_len: tokens per sample for "auto" planning (default: the datamodule's ``seq_len``, else the first batch) and
+            for balancing pipeline stages by modelled FLOPs (default: the datamodule's ``seq_len``, else none).
         sequence_parallel: shard activations between blocks along the sequence (needs tp > 1).
         tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
             LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
@@ -232,6 +233,9 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             options=self.ac_options, tp=self._tensor_parallel_size, sequence_parallel=self.sequence_parallel,
             num_microbatches=self.pipeline.num_microbatches if pipelined else None, device=self.root_device,
         )
+        if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
+            hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+            self.pipeline.seq_len = self.seq_len or hparams.get("seq_len")
         init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
         self.report = parallelize(
             module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),

@@ -15,8 +15,9 @@ def _all_splits(n: int, stages: int):
         yield [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def _max_cost(split, costs, head):
-    return max(sum(costs[i] for i in r) + (head if k == len(split) - 1 else 0) for k, r in enumerate(split))
+def _max_cost(split, costs, head, first=0):
+    return max(sum(costs[i] for i in r) + (head if k == len(split) - 1 else 0) + (first if k == 0 else 0)
+               for k, r in enumerate(split))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -26,12 +27,13 @@ def test_balanced_split_is_optimal_against_brute_force(seed):
     stages = rng.randint(1, n)
     costs = [rng.randint(1, 20) for _ in range(n)]
     head = rng.choice([0, rng.randint(1, 40)])
-    split = balanced_split(costs, stages, head_cost=head)
+    first = rng.choice([0, rng.randint(1, 40)])
+    split = balanced_split(costs, stages, head_cost=head, first_cost=first)
     # A valid split: `stages` non-empty contiguous runs covering every block once, in order.
     assert len(split) == stages and all(len(r) > 0 for r in split)
     assert [i for r in split for i in r] == list(range(n))
-    best = min(_max_cost(s, costs, head) for s in _all_splits(n, stages))
-    assert _max_cost(split, costs, head) == best
+    best = min(_max_cost(s, costs, head, first) for s in _all_splits(n, stages))
+    assert _max_cost(split, costs, head, first) == best
 
 
 def test_balanced_split_by_hand():
@@ -39,6 +41,8 @@ def test_balanced_split_by_hand():
     assert balanced_split([1, 2, 3, 4], 2) == [range(0, 3), range(3, 4)]
     # A head as expensive as 5 blocks pushes blocks off the last stage: {1,1,1}|{1}+5 -> max 6.
     assert balanced_split([1, 1, 1, 1], 2, head_cost=5) == [range(0, 3), range(3, 4)]
+    # Embeddings as expensive as 5 blocks push blocks off the first stage: 5+{1}|{1,1,1} -> max 6.
+    assert balanced_split([1, 1, 1, 1], 2, first_cost=5) == [range(0, 1), range(1, 4)]
     with pytest.raises(ValueError, match="3 pipeline stages need at least as many transformer blocks"):
         balanced_split([1, 1], 3)
 

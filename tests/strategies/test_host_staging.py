@@ -40,3 +40,82 @@ def test_copy_is_point_in_time_and_reuses_its_buffers():
         # the first save's host buffer again (its write has finished by now): nothing allocated, the stall
         # is the copy alone
         assert second["state_dict"][key].data_ptr() == first["state_dict"][key].data_ptr(), key
+
+
+def test_tied_tensors_stay_shared_and_a_changed_shape_gets_a_new_buffer():
+    weight = torch.randn(4, 3)
+    copy = HostCopy()
+    staged = copy({"embed": weight, "head": weight, "bias": torch.ones(3), "extra": [torch.zeros(2)]})
+    assert staged["embed"] is staged["head"]  # one copy, shared as the live tensors are (a file holds it once)
+    assert torch.equal(staged["embed"], weight) and staged["embed"].data_ptr() != weight.data_ptr()
+    grown = copy({"embed": weight, "head": weight, "bias": torch.ones(5), "extra": [torch.zeros(2)]})
+    assert torch.equal(grown["bias"], torch.ones(5))  # not the 3-element buffer of the first save
+    assert grown["extra"][0].data_ptr() == staged["extra"][0].data_ptr()  # unchanged shapes keep their buffers
+
+
+def test_staged_write_writes_the_state_at_save_time_while_training_goes_on(tmp_path):
+    """End to end: the file written in the background holds the values of the moment save returned."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_llm.strategies.lightning_fallback import StagedWrite
+
+    release = threading.Event()
+
+    class SlowWriter(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            release.wait(timeout=30)  # the write starts only after training changed the live tensors
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train_step(model, optimizer)
+    copy = HostCopy()
+    with ThreadPoolExecutor(1) as executor:
+        for step in (1, 2):  # the second save reuses the first one's host buffers
+            release.clear()
+            expected = _checkpoint(model, optimizer, step)
+            expected = {"state_dict": {k: v.clone() for k, v in expected["state_dict"].items()},
+                        "moments": {k: v["exp_avg"].clone() for k, v in expected["optimizer_states"][0]["state"].items()}}
+            staged = StagedWrite(SlowWriter(), executor, copy)
+            staged.save_checkpoint(_checkpoint(model, optimizer, step), tmp_path / f"{step}.ckpt")
+            _train_step(model, optimizer)  # training goes on while the file is not yet written
+            release.set()
+            staged.future.result()
+            written = torch.load(tmp_path / f"{step}.ckpt", weights_only=True)
+            for key, value in expected["state_dict"].items():
+                assert torch.equal(written["state_dict"][key], value), key
+                assert not torch.equal(model.state_dict()[key], value), key  # the live tensor did change
+            for index, value in expected["moments"].items():
+                assert torch.equal(written["optimizer_states"][0]["state"][index]["exp_avg"], value), index
+            assert written["global_step"] == step
+
+
+def test_gil_slices_are_restored_after_a_write_and_after_a_failed_one(tmp_path):
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pytest
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_llm.strategies.lightning_fallback import StagedWrite
+
+    class Failing(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            raise OSError("disk full")
+
+    before = sys.getswitchinterval()
+    with ThreadPoolExecutor(1) as executor:
+        for inner, path in ((TorchCheckpointIO(), tmp_path / "a.ckpt"), (Failing(), tmp_path / "b.ckpt")):
+            staged = StagedWrite(inner, executor)
+            staged.save_checkpoint({"w": torch.ones(3)}, path)
+            if isinstance(inner, Failing):
+                with pytest.raises(OSError, match="disk full"):
+                    staged.future.result()
+            else:
+                staged.future.result()
+            assert sys.getswitchinterval() == before
+    assert torch.equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], torch.ones(3))
