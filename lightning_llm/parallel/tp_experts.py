@@ -37,12 +37,16 @@ INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 def expert_count(module: nn.Module) -> int | None:
-    """The number of experts of an experts module (``num_experts`` with 3-D weights), else ``None``."""
+    """The number of experts of an experts module (``num_experts`` with 3-D weights), else ``None``.
+
+    Every parameter must be the module's own with the experts as its first dimension: a submodule's
+    parameters (a shared norm, an identity expert) would otherwise be split by a dimension that is not experts.
+    """
     count = getattr(module, "num_experts", None)
     weights = list(module.parameters(recurse=False))
-    if not isinstance(count, int) or not weights or any(p.dim() < 2 or p.shape[0] != count for p in weights):
+    if not isinstance(count, int) or not weights or len(list(module.parameters())) != len(weights):
         return None
-    return count
+    return count if all(p.dim() >= 2 and p.shape[0] == count for p in weights) else None
 
 
 def check_experts(name: str, module: nn.Module, tp: int) -> None:
@@ -55,8 +59,9 @@ def check_experts(name: str, module: nn.Module, tp: int) -> None:
     count = expert_count(module)
     if count is None:
         raise ValueError(
-            f"{name!r} is given 'experts', which needs a module with an int `num_experts` whose parameters all have "
-            "`num_experts` as their first dimension (Hugging Face's MoE experts). Keep it whole instead: "
+            f"{name!r} is given 'experts', which needs a module with an int `num_experts` whose parameters are all its "
+            "own (none in submodules) with `num_experts` as their first dimension (Hugging Face's MoE experts). "
+            "Keep it whole instead: "
             f"tensor_parallel_plan={{'{name}': 'replicate', ...}}."
         )
     if count % tp:
@@ -95,6 +100,8 @@ class ExpertsParallel(ParallelStyle):
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    if name:  # distribute_module visits submodules too; expert_count allows parameters on the module alone
+        return
     for param_name, param in list(module.named_parameters(recurse=False)):
         sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
         module.register_parameter(param_name, sharded)

@@ -59,6 +59,10 @@ def test_experts_that_cannot_be_split_exactly_are_refused():
         check_experts("other", Other(), 2)
     with pytest.raises(ValueError, match="int `num_experts`"):
         check_experts("linear", nn.Linear(4, 4), 2)
+    with_norm = _experts(ZooLM("mixtral"))[0]
+    with_norm.shared_norm = nn.LayerNorm(4)  # a submodule's parameters must not be split by "experts"
+    with pytest.raises(ValueError, match="none in submodules"):
+        check_experts("experts", with_norm, 2)
 
 
 def _build(name: str, implementation: str) -> nn.Module:
