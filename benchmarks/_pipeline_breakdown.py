@@ -11,7 +11,9 @@ Per optimizer step, in ms (mean over the steps after the warm-up):
 - ``p2p issue``: posting the sends and receives (``_batch_p2p``);
 - ``schedule other``: the rest of ``schedule.step`` (micro-batch splitting, bookkeeping);
 - ``outside schedule``: the rest of the Lightning step (log broadcast, gradient hand-over, optimizer
-  step, zero_grad, callbacks).
+  step, zero_grad, callbacks);
+- ``log broadcast``: of that, sharing the last stage's logged metrics with every pipeline rank (a
+  broadcast: the first rank to arrive waits there for the other to finish its schedule).
 
 It wraps torch-internal functions by name (``torch.distributed.pipelining.schedules``), so it lives in
 ``benchmarks/`` and times nothing in the package's timed runs: the throughput rounds run without it.
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import lightning as L
 from torch.distributed.pipelining import schedules
 
-PARTS = ("compute", "head+loss", "p2p wait", "p2p issue", "schedule other", "outside schedule")
+PARTS = ("compute", "head+loss", "p2p wait", "p2p issue", "schedule other", "outside schedule", "log broadcast")
 
 
 class StageBreakdown(L.Callback):
@@ -41,6 +43,7 @@ class StageBreakdown(L.Callback):
         pipelined = trainer.strategy._pipelined  # benchmark-only: the strategy's pipeline runtime
         schedule = pipelined.schedule
         self._wrap(schedule, "step", "schedule")
+        self._wrap(pipelined, "_publish", "log broadcast")
         schedules._wait_batch_p2p = self._timed(schedules._wait_batch_p2p, "p2p wait")
         schedules._batch_p2p = self._timed(schedules._batch_p2p, "p2p issue")
         for stage in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)]):
@@ -104,7 +107,8 @@ class StageBreakdown(L.Callback):
         """Mean ms per step of each part (and ``step``, the whole step) over the steps after the warm-up."""
         steps = self.steps[self.warmup:]
         mean = {k: 1e3 * sum(s.get(k, 0.0) for s in steps) / len(steps) for k in ("step", "schedule", "compute",
-                                                                                 "head+loss", "p2p wait", "p2p issue")}
+                                                                                 "head+loss", "p2p wait", "p2p issue",
+                                                                                 "log broadcast")}
         mean["schedule other"] = mean["schedule"] - mean["compute"] - mean["p2p wait"] - mean["p2p issue"]
         mean["outside schedule"] = mean["step"] - mean["schedule"]
         return mean
@@ -112,7 +116,7 @@ class StageBreakdown(L.Callback):
 
 def format_breakdown(side: str, ranks: list[dict[str, float]]) -> str:
     """One markdown table: a row per rank, a column per part (ms per step, and its share of the step)."""
-    lines = [f"{side}: ms per step by part (share of the step; head+loss is part of compute)", "",
+    lines = [f"{side}: ms per step by part (share of the step; head+loss is part of compute, log broadcast of outside schedule)", "",
              "| rank | step | " + " | ".join(PARTS) + " |", "| --- " * (len(PARTS) + 2) + "|"]
     for rank, parts in enumerate(ranks):
         cells = [f"{parts[p]:.1f} ({parts[p] / parts['step']:.0%})" for p in PARTS]

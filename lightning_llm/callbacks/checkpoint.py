@@ -36,6 +36,7 @@ from lightning_llm.callbacks.checkpoint_load import VerifiedLoad
 from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
+from lightning_llm.strategies.lightning_fallback import resume_background_writes
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,10 @@ class CheckpointRotation(ModelCheckpoint):
                            f"{trainer.world_size}: ranks beyond them keep their seeded generators.")
 
     @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        resume_background_writes()  # a single-file write held since the last save starts now that training has resumed
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
             self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * contract_of(trainer).layout.dp
@@ -281,6 +286,7 @@ class CheckpointRotation(ModelCheckpoint):
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        resume_background_writes()
         error = pending.error
         try:
             if pending.future is not None:

@@ -70,6 +70,9 @@ class HostCopy:
         return staged
 
 
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 class _Walk:
     """One pass over a collection: the rebuilt containers, and the (host, live) tensor pairs to copy."""
 
@@ -81,6 +84,8 @@ class _Walk:
 
     def rebuild(self, obj: Any) -> Any:
         kind = type(obj)
+        if kind in _ATOMS:  # most leaves (ids, step counts, hyper-parameters): checked first, by type alone
+            return obj
         if kind is dict or kind is OrderedDict:
             return kind((key, self.rebuild(value)) for key, value in obj.items())
         if isinstance(obj, torch.Tensor):

@@ -94,8 +94,9 @@ class LightningContract(WholeModelContract):
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)
             return completed()
         strategy = self.trainer.strategy
+        resume_background_writes()
         wait(_PENDING)  # the host buffers are reused: the previous write must have read them (errors are its caller's)
-        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy())
+        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy(), gate=_GATE)
         strategy.checkpoint_io = staged  # a public, settable attribute; restored right after this one save
         try:
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)  # rank 0 hands the dict to `staged`
@@ -162,8 +163,53 @@ class _ShortGilSlices:
 _GIL_SLICES = _ShortGilSlices()
 
 
-def _write_then_restore(inner: CheckpointIO, staged: dict[str, Any], path, storage_options: Any | None) -> None:
+class _WriteGate:
+    """Holds a background write back until training has resumed after its save.
+
+    Between a save's host copy and the next step, the training thread still runs Python (the rest of
+    Lightning's callbacks, fetching the batch). A writer started at once pickles meanwhile and the two
+    hand the GIL back and forth; measured on the 37 MB checkpoint of ``benchmarks/checkpoint_stall.py``
+    that was ~1 ms of a ~6 ms stall. So a write waits for :func:`resume_background_writes` (called by
+    CheckpointRotation when the next batch starts, and before anything waits for the write), or for
+    ``TIMEOUT`` seconds at most, so a write whose caller never resumes still happens.
+    """
+
+    TIMEOUT = 1.0  # seconds
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def wait(self) -> None:
+        self._open.wait(self.TIMEOUT)
+
+
+_GATE = _WriteGate()
+
+
+def resume_background_writes() -> None:
+    """Let a background checkpoint write held since its save start now (a no-op when none is held).
+
+    Example::
+
+        future = contract_of(trainer).save_checkpoint_async("step=4.ckpt")
+        ...                              # training goes on: the next batch starts
+        resume_background_writes()       # the write begins; future.result() waits for it
+    """
+    _GATE.release()
+
+
+def _write_then_restore(inner: CheckpointIO, staged: dict[str, Any], path, storage_options: Any | None,
+                        gate: _WriteGate | None) -> None:
     try:
+        if gate is not None:
+            gate.wait()
         inner.save_checkpoint(staged, path, storage_options=storage_options)
     finally:
         _GIL_SLICES.restore()
@@ -181,19 +227,25 @@ class StagedWrite(CheckpointIO):
         executor: where the write runs (one worker keeps saves in order).
         host_copy: copies the tensors to host buffers (reused across saves: the caller must not stage the
             next save before this one's ``future`` is done).
+        gate: if given, held at the save and the write starts once it is released (:class:`_WriteGate`).
     """
 
-    def __init__(self, inner: CheckpointIO, executor: Executor, host_copy: HostCopy | None = None) -> None:
-        self.inner, self.executor, self.host_copy = inner, executor, host_copy or HostCopy()
+    def __init__(self, inner: CheckpointIO, executor: Executor, host_copy: HostCopy | None = None,
+                 gate: _WriteGate | None = None) -> None:
+        self.inner, self.executor, self.host_copy, self.gate = inner, executor, host_copy or HostCopy(), gate
         self.future: Future | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         # The only stall: a point-in-time host copy, so training may change the live tensors meanwhile.
         staged = self.host_copy(checkpoint)
         _GIL_SLICES.shorten()
+        if self.gate is not None:
+            self.gate.hold()
         try:
-            self.future = self.executor.submit(_write_then_restore, self.inner, staged, path, storage_options)
+            self.future = self.executor.submit(_write_then_restore, self.inner, staged, path, storage_options, self.gate)
         except BaseException:
+            if self.gate is not None:
+                self.gate.release()
             _GIL_SLICES.restore()
             raise
 

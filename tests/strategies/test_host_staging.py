@@ -119,3 +119,67 @@ def test_gil_slices_are_restored_after_a_write_and_after_a_failed_one(tmp_path):
                 staged.future.result()
             assert sys.getswitchinterval() == before
     assert torch.equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], torch.ones(3))
+
+
+def test_a_gated_write_starts_only_once_released_or_after_the_timeout(tmp_path, monkeypatch):
+    """The writer holds off while training has not resumed, never forever."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_llm.strategies.lightning_fallback import StagedWrite, _WriteGate
+
+    started = threading.Event()
+
+    class Recording(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            started.set()
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    gate = _WriteGate()
+    with ThreadPoolExecutor(1) as executor:
+        staged = StagedWrite(Recording(), executor, gate=gate)
+        staged.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+        assert not started.wait(0.3)  # held: training has not resumed
+        gate.release()
+        staged.future.result(timeout=10)
+        assert started.is_set()
+
+        started.clear()
+        monkeypatch.setattr(_WriteGate, "TIMEOUT", 0.2)
+        begin = time.perf_counter()
+        staged = StagedWrite(Recording(), executor, gate=gate)
+        staged.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "b.ckpt")  # nobody releases it
+        staged.future.result(timeout=10)
+        assert 0.15 < time.perf_counter() - begin < 5
+    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], torch.zeros(3))
+
+
+def test_checkpoint_rotation_starts_a_held_write_when_the_next_batch_starts(tmp_path, monkeypatch):
+    """Under a trainer the write held at a save starts with the next batch, not at the next save or the timeout."""
+    from concurrent.futures import wait
+
+    import lightning as L
+
+    from lightning_llm.callbacks import CheckpointRotation
+    from lightning_llm.data import LLMDataModule
+    from lightning_llm.models import CausalLM
+    from lightning_llm.strategies import lightning_fallback
+
+    monkeypatch.setattr(lightning_fallback._WriteGate, "TIMEOUT", 60.0)  # a missed release would take a minute
+    rotation = CheckpointRotation(dirpath=tmp_path, every_n_train_steps=4, keep_last=2, async_save=True)
+    written_by_step: dict[int, bool] = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 6:  # two batches after the save at step 4, two before the next save
+                done, _ = wait([rotation._pending.future], timeout=20)
+                written_by_step[6] = bool(done)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[rotation, Probe()], limit_val_batches=0)
+    trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=5000, seq_len=16, batch_size=2))
+    assert written_by_step == {6: True}
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000004.ckpt", "step=00000008.ckpt"]
