@@ -9,6 +9,7 @@ median (min, max).
 
     python benchmarks/activation_checkpointing.py --preset small --batch 8 --seq-len 256 --rounds 7
     python benchmarks/activation_checkpointing.py --preset 125M --batch 8 --seq-len 1024 --device cuda
+    python benchmarks/activation_checkpointing.py --quick     # CI smoke: tiny preset, 2 rounds
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget-fraction", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads; 1 keeps ratios stable on a shared host")
+    parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, batch 2 x 32, 2 rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.preset, args.batch, args.seq_len, args.rounds = "tiny", 2, 32, 2
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batch = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=device)

@@ -17,6 +17,8 @@ p ranks on fewer than p cores are oversubscribed: their figures measure CPU cont
         --microbatches 8,16 --layers 8 --rounds 3
     python benchmarks/pipeline_throughput.py --schedules 1F1B,Interleaved1F1B --pp 2 --microbatches 8 --rounds 3 \\
         --contention --breakdown
+    python benchmarks/pipeline_throughput.py --schedules 1F1B,ZBVZeroBubble --pp 2 --microbatches 8 --seq-len 512 \\
+        --steps 10 --rounds 5 --contention      # micro-batches big enough to keep a rank busy
     python benchmarks/pipeline_throughput.py --quick     # CI smoke
 """
 

@@ -56,3 +56,15 @@ def test_strategy_overhead_quick_alternates_both_strategies():
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"ratio LLMParallelStrategy / hand-written: median [\d.]+ \(min [\d.]+, max [\d.]+, 2 rounds\)",
                      result.stdout), result.stdout
+
+
+def test_activation_checkpointing_quick_reports_every_mode_against_none():
+    result = subprocess.run([sys.executable, "benchmarks/activation_checkpointing.py", "--quick"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^(\S+)\s+([\d.]+) MiB\s+([\d.]+)\s+[\d.]+ ms\s+median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)",
+                      result.stdout, re.MULTILINE)
+    modes = {row[0]: row for row in rows}
+    assert "none" in modes and "full" in modes, result.stdout
+    assert float(modes["none"][2]) == 1.0 and float(modes["none"][3]) == 1.0  # none against itself
+    assert float(modes["full"][1]) < float(modes["none"][1])  # full checkpointing keeps fewer activations
