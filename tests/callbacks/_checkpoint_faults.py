@@ -3,15 +3,14 @@
 A parent process imports everything once and forks a trainer child per round (fork keeps each
 round to well under a second). Rounds alternate between synchronous saves and asynchronous ones
 (a background writer thread), both with keep_last=1, the setting that lost the only complete
-checkpoint in Megatron-Bridge #4678. After each kill the parent checks that complete checkpoints
-load, and that once any checkpoint was complete, at least one still is. The last round must
+checkpoint in Megatron-Bridge #4678. The rounds start from one complete checkpoint; after each kill
+the parent checks that complete checkpoints load and that at least one is left. The last round must
 resume from "last" and finish. Prints a JSON report. Run by tests/callbacks/test_checkpoint_faults.py.
 """
 
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -59,7 +58,10 @@ def _save_duration(directory: Path) -> float:
     """Seconds from a save's first written byte to its commit marker, measured on one uninterrupted run.
 
     The kills are spread over this span, so they land in every phase of a save (write, verification,
-    checksums, rename, marker, rotation) however fast or loaded the machine is.
+    checksums, rename, marker, rotation) however fast or loaded the machine is. The run's last checkpoint
+    stays: the rounds resume from it, and every kill must leave a complete checkpoint behind. (Starting
+    from an empty directory left that to chance: in some runs no killed round ever completed a save, so
+    there was nothing to protect and nothing to resume.)
     """
     started = time.time()
     pid = os.fork()
@@ -74,8 +76,6 @@ def _save_duration(directory: Path) -> float:
         time.sleep(0.002)
     duration = time.monotonic() - begun
     os.waitpid(pid, 0)
-    for entry in directory.iterdir():  # start the rounds from an empty directory
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return duration
 
 
@@ -85,11 +85,13 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
     window = 1.2 * _save_duration(directory)
     rng = random.Random(seed)
     report = {"kills": 0, "async_kills": 0, "killed_mid_save": 0, "violations": [], "max_complete": 0,
-              "resumed_to_step": None, "kill_window_s": round(window, 3)}
-    had_complete = False
+              "resumed_to_step": None, "kill_window_s": round(window, 3), "rounds_that_committed": 0}
+    had_complete = bool(complete_checkpoints(directory))
+    if not had_complete:
+        report["violations"].append("the uninterrupted run left no complete checkpoint")
     deadline = time.monotonic() + budget_s
     while report["kills"] < kills and time.monotonic() < deadline:
-        started = time.time()
+        started, before = time.time(), complete_checkpoints(directory)
         async_save = report["kills"] % 2 == 1
         pid = os.fork()
         if pid == 0:
@@ -118,6 +120,7 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
                 report["violations"].append(f"kill {report['kills']}: {Path(path).name} marked complete but {err}")
         if had_complete and not complete:
             report["violations"].append(f"kill {report['kills']}: no complete checkpoint left")
+        report["rounds_that_committed"] += bool(set(complete) - set(before))
         had_complete = had_complete or bool(complete)
         report["max_complete"] = max(report["max_complete"], len(complete))
     if not complete_checkpoints(directory):
