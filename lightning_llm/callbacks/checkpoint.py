@@ -36,7 +36,7 @@ from lightning_llm.callbacks.checkpoint_load import VerifiedLoad
 from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
-from lightning_llm.strategies.lightning_fallback import resume_background_writes
+from lightning_llm.strategies.write_gate import resume_background_writes
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        resume_background_writes()  # a single-file write held since the last save starts now that training has resumed
+        resume_background_writes()  # a write held since the last save starts now that training has resumed
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

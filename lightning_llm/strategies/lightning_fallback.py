@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.parallel.grad_norm import total_grad_norm
 from lightning_llm.strategies.host_staging import HostCopy
+from lightning_llm.strategies.write_gate import BACKGROUND_WRITES, WriteGate, resume_background_writes
 
 if TYPE_CHECKING:
     from lightning_llm.modeling.shape import ModelShape
@@ -96,7 +97,7 @@ class LightningContract(WholeModelContract):
         strategy = self.trainer.strategy
         resume_background_writes()
         wait(_PENDING)  # the host buffers are reused: the previous write must have read them (errors are its caller's)
-        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy(), gate=_GATE)
+        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy(), gate=BACKGROUND_WRITES)
         strategy.checkpoint_io = staged  # a public, settable attribute; restored right after this one save
         try:
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)  # rank 0 hands the dict to `staged`
@@ -163,50 +164,8 @@ class _ShortGilSlices:
 _GIL_SLICES = _ShortGilSlices()
 
 
-class _WriteGate:
-    """Holds a background write back until training has resumed after its save.
-
-    Between a save's host copy and the next step, the training thread still runs Python (the rest of
-    Lightning's callbacks, fetching the batch). A writer started at once pickles meanwhile and the two
-    hand the GIL back and forth; measured on the 37 MB checkpoint of ``benchmarks/checkpoint_stall.py``
-    that was ~1 ms of a ~6 ms stall. So a write waits for :func:`resume_background_writes` (called by
-    CheckpointRotation when the next batch starts, and before anything waits for the write), or for
-    ``TIMEOUT`` seconds at most, so a write whose caller never resumes still happens.
-    """
-
-    TIMEOUT = 1.0  # seconds
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-        self._open.set()
-
-    def hold(self) -> None:
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
-
-    def wait(self) -> None:
-        self._open.wait(self.TIMEOUT)
-
-
-_GATE = _WriteGate()
-
-
-def resume_background_writes() -> None:
-    """Let a background checkpoint write held since its save start now (a no-op when none is held).
-
-    Example::
-
-        future = contract_of(trainer).save_checkpoint_async("step=4.ckpt")
-        ...                              # training goes on: the next batch starts
-        resume_background_writes()       # the write begins; future.result() waits for it
-    """
-    _GATE.release()
-
-
 def _write_then_restore(inner: CheckpointIO, staged: dict[str, Any], path, storage_options: Any | None,
-                        gate: _WriteGate | None) -> None:
+                        gate: WriteGate | None) -> None:
     try:
         if gate is not None:
             gate.wait()
@@ -227,11 +186,11 @@ class StagedWrite(CheckpointIO):
         executor: where the write runs (one worker keeps saves in order).
         host_copy: copies the tensors to host buffers (reused across saves: the caller must not stage the
             next save before this one's ``future`` is done).
-        gate: if given, held at the save and the write starts once it is released (:class:`_WriteGate`).
+        gate: if given, held at the save and the write starts once it is released (:class:`~.write_gate.WriteGate`).
     """
 
     def __init__(self, inner: CheckpointIO, executor: Executor, host_copy: HostCopy | None = None,
-                 gate: _WriteGate | None = None) -> None:
+                 gate: WriteGate | None = None) -> None:
         self.inner, self.executor, self.host_copy, self.gate = inner, executor, host_copy or HostCopy(), gate
         self.future: Future | None = None
 

@@ -129,7 +129,8 @@ def test_a_gated_write_starts_only_once_released_or_after_the_timeout(tmp_path, 
 
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_llm.strategies.lightning_fallback import StagedWrite, _WriteGate
+    from lightning_llm.strategies.lightning_fallback import StagedWrite
+    from lightning_llm.strategies.write_gate import WriteGate
 
     started = threading.Event()
 
@@ -138,7 +139,7 @@ def test_a_gated_write_starts_only_once_released_or_after_the_timeout(tmp_path, 
             started.set()
             super().save_checkpoint(checkpoint, path, storage_options)
 
-    gate = _WriteGate()
+    gate = WriteGate()
     with ThreadPoolExecutor(1) as executor:
         staged = StagedWrite(Recording(), executor, gate=gate)
         staged.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
@@ -148,7 +149,7 @@ def test_a_gated_write_starts_only_once_released_or_after_the_timeout(tmp_path, 
         assert started.is_set()
 
         started.clear()
-        monkeypatch.setattr(_WriteGate, "TIMEOUT", 0.2)
+        monkeypatch.setattr(WriteGate, "TIMEOUT", 0.2)
         begin = time.perf_counter()
         staged = StagedWrite(Recording(), executor, gate=gate)
         staged.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "b.ckpt")  # nobody releases it
@@ -166,9 +167,9 @@ def test_checkpoint_rotation_starts_a_held_write_when_the_next_batch_starts(tmp_
     from lightning_llm.callbacks import CheckpointRotation
     from lightning_llm.data import LLMDataModule
     from lightning_llm.models import CausalLM
-    from lightning_llm.strategies import lightning_fallback
+    from lightning_llm.strategies.write_gate import WriteGate
 
-    monkeypatch.setattr(lightning_fallback._WriteGate, "TIMEOUT", 60.0)  # a missed release would take a minute
+    monkeypatch.setattr(WriteGate, "TIMEOUT", 60.0)  # a missed release would take a minute
     rotation = CheckpointRotation(dirpath=tmp_path, every_n_train_steps=4, keep_last=2, async_save=True)
     written_by_step: dict[int, bool] = {}
 
@@ -183,3 +184,45 @@ def test_checkpoint_rotation_starts_a_held_write_when_the_next_batch_starts(tmp_
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=5000, seq_len=16, batch_size=2))
     assert written_by_step == {6: True}
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000004.ckpt", "step=00000008.ckpt"]
+
+
+def _dtensor_copies(directory: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    weight = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    state = {"state_dict": {"w": weight, "step": torch.tensor(3.0)}, "meta": [1, "a"]}
+    at_save = weight.full_tensor().clone()
+    copy = HostCopy()
+    staged = copy(state)
+    host = staged["state_dict"]["w"]
+    with torch.no_grad():
+        weight.to_local().add_(1.0)  # training goes on: the live shard changes in place
+    checks = {
+        "is_dtensor": isinstance(host, DTensor),
+        "layout": host.placements == weight.placements and host.shape == weight.shape,
+        "point_in_time": torch.equal(host.full_tensor(), at_save),
+        "own_storage": host.to_local().data_ptr() != weight.to_local().data_ptr(),
+    }
+    dcp.save(staged, checkpoint_id=directory)  # what the background writer does with it
+    second = copy(state)["state_dict"]["w"]
+    checks["reused"] = second.to_local().data_ptr() == host.to_local().data_ptr()
+    checks["second_values"] = torch.equal(second.full_tensor(), weight.full_tensor())
+    loaded = {"state_dict": {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]), "step": torch.tensor(0.0)}}
+    dcp.load(loaded, checkpoint_id=directory)
+    checks["written"] = torch.equal(loaded["state_dict"]["w"].full_tensor(), at_save)
+    checks["scalar"] = float(loaded["state_dict"]["step"]) == 3.0
+    dist.barrier()
+    return checks
+
+
+def test_dtensor_shards_are_copied_point_in_time_into_reused_host_dtensors(tmp_path):
+    """Sharded (DCP) saves: host DTensors keep the layout, hold the values at save time and DCP writes them."""
+    from lightning_llm.testing import run_distributed
+
+    for checks in run_distributed(_dtensor_copies, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert all(checks.values()), checks
