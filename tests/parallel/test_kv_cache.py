@@ -53,8 +53,8 @@ def test_an_explicit_cache_is_refused_by_name_not_as_nondeterminism(mode):
     model = _llama()
     apply_activation_checkpointing(list(model.model.layers), mode=mode)
     disable_kv_cache(model)
-    with pytest.raises(ValueError, match=r"LlamaDecoderLayer is activation-checkpointed but received a KV cache "
-                                         r"\(past_key_values\).*use_cache=False"):
-        model(torch.randint(0, 64, (2, 12)), use_cache=True)
+    with torch.enable_grad(), pytest.raises(ValueError, match=r"LlamaDecoderLayer is activation-checkpointed but "
+                                                              r"received a KV cache \(past_key_values\).*use_cache=False"):
+        model(torch.randint(0, 64, (2, 12)), use_cache=True)  # training: autograd on, whatever ran before
     with torch.no_grad():  # generation (no backward, nothing recomputed) keeps its cache
         assert model(torch.randint(0, 64, (2, 12)), use_cache=True).past_key_values is not None
