@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 # Keyword arguments through which Hugging Face blocks receive the cache (the name changed across versions).
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# transformers 5.24 renamed it `cache` (`cache_params` in state-space models): names generic enough that
+# another model may use them for something else, so there only an object with Hugging Face's Cache interface counts.
+CACHE_OBJECT_ARGUMENTS = ("cache", "cache_params")
 
 
 def disable_kv_cache(module: nn.Module) -> list[str]:
@@ -44,8 +47,9 @@ def disable_kv_cache(module: nn.Module) -> list[str]:
 
 def refuse_cache_argument(block: nn.Module, kwargs: dict) -> None:
     """Raise if a checkpointed block is handed a KV cache (``use_cache=True`` passed explicitly)."""
-    for key in CACHE_ARGUMENTS:
-        if kwargs.get(key) is not None:
+    for key in (*CACHE_ARGUMENTS, *CACHE_OBJECT_ARGUMENTS):
+        value = kwargs.get(key)
+        if value is not None and (key in CACHE_ARGUMENTS or hasattr(value, "get_seq_length")):
             raise ValueError(
                 f"{type(block).__name__} is activation-checkpointed but received a KV cache ({key}); the recomputation "
                 "would append to it a second time. Train with use_cache=False (do not pass use_cache=True to the "

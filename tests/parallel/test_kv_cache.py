@@ -54,7 +54,21 @@ def test_an_explicit_cache_is_refused_by_name_not_as_nondeterminism(mode):
     apply_activation_checkpointing(list(model.model.layers), mode=mode)
     disable_kv_cache(model)
     with torch.enable_grad(), pytest.raises(ValueError, match=r"LlamaDecoderLayer is activation-checkpointed but "
-                                                              r"received a KV cache \(past_key_values\).*use_cache=False"):
+                                                              r"received a KV cache \((past_key_values|cache)\).*use_cache=False"):
         model(torch.randint(0, 64, (2, 12)), use_cache=True)  # training: autograd on, whatever ran before
     with torch.no_grad():  # generation (no backward, nothing recomputed) keeps its cache
         assert model(torch.randint(0, 64, (2, 12)), use_cache=True).past_key_values is not None
+
+
+def test_the_generic_cache_argument_is_refused_only_for_a_hugging_face_cache():
+    """transformers 5.24 hands blocks their cache as `cache=`: refused when it is a Cache, not for other values."""
+    from transformers import DynamicCache
+
+    from lightning_llm.parallel.kv_cache import refuse_cache_argument
+
+    block = torch.nn.Linear(2, 2)
+    refuse_cache_argument(block, {"cache": {"rotary": torch.ones(2)}})  # a model's own use of the name
+    refuse_cache_argument(block, {"cache": None, "past_key_values": None})
+    for key in ("cache", "cache_params", "past_key_values"):
+        with pytest.raises(ValueError, match=rf"Linear is activation-checkpointed but received a KV cache \({key}\)"):
+            refuse_cache_argument(block, {key: DynamicCache()})
