@@ -27,8 +27,6 @@ import statistics
 import tempfile
 import time
 
-from pathlib import Path
-
 import lightning as L
 import torch
 
@@ -91,7 +89,7 @@ def _size(entry: os.DirEntry) -> int:
     """Bytes of a checkpoint: one file, or a sharded checkpoint's directory."""
     if entry.is_file():
         return entry.stat().st_size
-    return sum(f.stat().st_size for root, _, names in os.walk(entry.path) for f in map(lambda n: Path(root, n), names))
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(entry.path) for name in names)
 
 
 def _launch(async_save: bool, args, shape: tuple[int, int]) -> dict:

@@ -12,7 +12,7 @@ directories through DCP's file writer and reader, URLs of other filesystems thro
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,7 @@ from lightning_llm.callbacks.checkpoint_checksums import refusal
 from lightning_llm.callbacks.checkpoint_fs import Location
 from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.host_staging import HostCopy, reusable_stager
-from lightning_llm.strategies.write_gate import BACKGROUND_WRITES, resume_background_writes
+from lightning_llm.strategies.write_gate import BACKGROUND_WRITES, background_writer, resume_background_writes
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 MODEL_PREFIX = "state_dict."  # DCP flattens {"state_dict": {name: tensor}} to "state_dict.<name>"
@@ -69,7 +69,6 @@ class AsyncSaver:
         self._cuda = torch.cuda.is_available()
         self._stager = reusable_stager() if self._cuda else None
         self._shard_copy, self._rest_copy = HostCopy(), HostCopy()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-writer")
 
     def save(self, checkpoint: dict[str, Any], path: Location, global_rank: int) -> Future:
         """Start writing ``checkpoint`` (Lightning's dict, with ``state_dict`` and ``optimizer_states``) to ``path``."""
@@ -84,7 +83,7 @@ class AsyncSaver:
             shards = partial(dcp.save, self._shard_copy(state), storage_writer=writer, process_group=self._group)
         rest = self._rest_copy(checkpoint) if global_rank == 0 else None
         BACKGROUND_WRITES.hold()
-        self._future = self._writer.submit(_finish, shards, rest, path)
+        self._future = background_writer().submit(_finish, shards, rest, path)
         return self._future
 
     def wait(self) -> None:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 
 def reusable_stager() -> DefaultStager:
@@ -49,12 +49,13 @@ class HostCopy:
     Why not torch's ``DefaultStager`` here: it spends ~20 us of Python per tensor (storage cache
     look-ups, a deep copy of every container), which for a small checkpoint of a few hundred tensors
     is more than the copy itself (measured on a 2-rank sharded save of 38 MB: 44 ms of stall with it,
-    26 ms with this copy). A DTensor gets a host DTensor with its mesh, placements and shape, made
-    once by torch's own ``DTensor.to("cpu")`` and reused, so only its local shard is copied. This keeps the previous save's host tensors by position in the
-    walk, reuses one wherever the tensor there has the same shape and dtype, and copies every tensor
+    26 ms with this copy). This keeps the previous save's host tensors by position in the walk,
+    reuses one wherever the tensor there has the same shape and dtype, and copies every tensor
     of a device in one ``torch._foreach_copy_`` call. Each host tensor has a storage of its own, so
     the written file is what ``torch.save`` of the live tensors would write; a tensor that appears
-    twice (tied weights) is copied once and stays shared.
+    twice (tied weights) is copied once and stays shared. A DTensor gets a host DTensor with its mesh,
+    placements and shape, made once by torch's own ``DTensor.to("cpu")`` and then reused, so only its
+    local shard is copied.
 
     Example::
 
@@ -125,7 +126,6 @@ class _Walk:
         self.targets.append(old)
         self.seen[key] = old
         return old
-
 
     def _host_dtensor(self, tensor: DTensor) -> DTensor:
         """A host DTensor with ``tensor``'s mesh, placements and shape; its local shard is what gets copied."""

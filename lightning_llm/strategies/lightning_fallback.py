@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -17,7 +17,12 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.parallel.grad_norm import total_grad_norm
 from lightning_llm.strategies.host_staging import HostCopy
-from lightning_llm.strategies.write_gate import BACKGROUND_WRITES, WriteGate, resume_background_writes
+from lightning_llm.strategies.write_gate import (
+    BACKGROUND_WRITES,
+    WriteGate,
+    background_writer,
+    resume_background_writes,
+)
 
 if TYPE_CHECKING:
     from lightning_llm.modeling.shape import ModelShape
@@ -97,7 +102,7 @@ class LightningContract(WholeModelContract):
         strategy = self.trainer.strategy
         resume_background_writes()
         wait(_PENDING)  # the host buffers are reused: the previous write must have read them (errors are its caller's)
-        staged = StagedWrite(strategy.checkpoint_io, _writer(), _host_copy(), gate=BACKGROUND_WRITES)
+        staged = StagedWrite(strategy.checkpoint_io, background_writer(), _host_copy(), gate=BACKGROUND_WRITES)
         strategy.checkpoint_io = staged  # a public, settable attribute; restored right after this one save
         try:
             self.trainer.save_checkpoint(filepath, weights_only=weights_only)  # rank 0 hands the dict to `staged`
@@ -107,17 +112,8 @@ class LightningContract(WholeModelContract):
         return staged.future or completed()  # ranks other than 0 write nothing
 
 
-_WRITER: ThreadPoolExecutor | None = None
 _HOST_COPY: HostCopy | None = None
 _PENDING: list[Future] = []
-
-
-def _writer() -> ThreadPoolExecutor:
-    # One worker for the process, so background saves are written in the order they were made.
-    global _WRITER
-    if _WRITER is None:
-        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-    return _WRITER
 
 
 def _host_copy() -> HostCopy:

@@ -1,4 +1,4 @@
-"""Holding a background checkpoint write back until training has resumed after its save.
+"""The process's background checkpoint writer: one thread, and a gate that holds a write until training resumes.
 
 Between a save's host copy and the next step, the training thread still runs Python (the rest of
 Lightning's callbacks, fetching the batch, the next step's collectives). A writer started at once
@@ -13,6 +13,7 @@ resumes still happens.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 
 class WriteGate:
@@ -55,3 +56,15 @@ def resume_background_writes() -> None:
         resume_background_writes()       # the write begins; future.result() waits for it
     """
     BACKGROUND_WRITES.release()
+
+
+_WRITER: ThreadPoolExecutor | None = None
+
+
+def background_writer() -> ThreadPoolExecutor:
+    """The one thread that writes checkpoints in the background (single files and sharded saves), so saves are
+    written in the order they were made."""
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+    return _WRITER
