@@ -56,6 +56,7 @@ class StageBreakdown(L.Callback):
 
     def _watch_head(self, stage, block) -> None:
         """Time the last stage's work after ``block``, its last: forward to the chunk's end, backward to its gradient."""
+
         def reached(grad) -> None:
             if "bwd" in self._marks:  # shape inference runs a backward of its own first: count the chunks' only
                 self._add("head+loss", time.perf_counter() - self._marks.pop("bwd"))
@@ -90,6 +91,7 @@ class StageBreakdown(L.Callback):
                 return fn(*args, **kwargs)
             finally:
                 self._add(part, time.perf_counter() - start)
+
         return timed
 
     def _wrap(self, obj, name: str, part: str) -> None:
@@ -105,10 +107,11 @@ class StageBreakdown(L.Callback):
 
     def result(self) -> dict[str, float]:
         """Mean ms per step of each part (and ``step``, the whole step) over the steps after the warm-up."""
-        steps = self.steps[self.warmup:]
-        mean = {k: 1e3 * sum(s.get(k, 0.0) for s in steps) / len(steps) for k in ("step", "schedule", "compute",
-                                                                                 "head+loss", "p2p wait", "p2p issue",
-                                                                                 "log broadcast")}
+        steps = self.steps[self.warmup :]
+        mean = {
+            k: 1e3 * sum(s.get(k, 0.0) for s in steps) / len(steps)
+            for k in ("step", "schedule", "compute", "head+loss", "p2p wait", "p2p issue", "log broadcast")
+        }
         mean["schedule other"] = mean["schedule"] - mean["compute"] - mean["p2p wait"] - mean["p2p issue"]
         mean["outside schedule"] = mean["step"] - mean["schedule"]
         return mean
@@ -116,8 +119,12 @@ class StageBreakdown(L.Callback):
 
 def format_breakdown(side: str, ranks: list[dict[str, float]]) -> str:
     """One markdown table: a row per rank, a column per part (ms per step, and its share of the step)."""
-    lines = [f"{side}: ms per step by part (share of the step; head+loss is part of compute, log broadcast of outside schedule)", "",
-             "| rank | step | " + " | ".join(PARTS) + " |", "| --- " * (len(PARTS) + 2) + "|"]
+    lines = [
+        f"{side}: ms per step by part (share of the step; head+loss is part of compute, log broadcast of outside schedule)",
+        "",
+        "| rank | step | " + " | ".join(PARTS) + " |",
+        "| --- " * (len(PARTS) + 2) + "|",
+    ]
     for rank, parts in enumerate(ranks):
         cells = [f"{parts[p]:.1f} ({parts[p] / parts['step']:.0%})" for p in PARTS]
         lines.append(f"| {rank} | {parts['step']:.1f} | " + " | ".join(cells) + " |")

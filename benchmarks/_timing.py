@@ -52,8 +52,10 @@ def ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[flo
 
 def spread(values: Sequence[float], digits: int = 3) -> str:
     """``median X (min A, max B, n rounds)``: how a per-round figure is quoted."""
-    return (f"median {statistics.median(values):.{digits}f} (min {min(values):.{digits}f}, "
-            f"max {max(values):.{digits}f}, {len(values)} rounds)")
+    return (
+        f"median {statistics.median(values):.{digits}f} (min {min(values):.{digits}f}, "
+        f"max {max(values):.{digits}f}, {len(values)} rounds)"
+    )
 
 
 def median_after_warmup(times: Sequence[float], warmup: int) -> float:

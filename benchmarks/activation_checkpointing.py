@@ -19,11 +19,11 @@ import statistics
 import time
 
 import torch
+from _timing import alternate, ratios, spread
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from _timing import alternate, ratios, spread
-from lightning_llm.models import CausalLM
 from lightning_llm.modeling.activations import measure_blocks
+from lightning_llm.models import CausalLM
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_llm.planning.activation_budget import predicted_peak
 
@@ -113,14 +113,18 @@ def main() -> None:
     for module in modules.values():
         step_time(module, batch)  # warm-up
     times = alternate(list(modules), lambda name: step_time(modules[name], batch), args.rounds)
-    base_time, base_peak = statistics.median(times["none"]), peaks["none"]
-    print(f"preset={args.preset}, batch {args.batch} x {args.seq_len}, {args.device} ({args.threads} CPU threads), "
-          f"{args.rounds} alternating rounds")
+    base_peak = peaks["none"]
+    print(
+        f"preset={args.preset}, batch {args.batch} x {args.seq_len}, {args.device} ({args.threads} CPU threads), "
+        f"{args.rounds} alternating rounds"
+    )
     print(f"{'mode':<30} {'peak activations':>17} {'vs none':>8} {'step time':>10}  step-time ratio to none")
     for name in modules:
         median = statistics.median(times[name])
-        print(f"{name:<30} {peaks[name] / 2**20:13.1f} MiB {peaks[name] / base_peak:8.2f} "
-              f"{median * 1e3:7.1f} ms  {spread(ratios(times[name], times['none']), 2)}")
+        print(
+            f"{name:<30} {peaks[name] / 2**20:13.1f} MiB {peaks[name] / base_peak:8.2f} "
+            f"{median * 1e3:7.1f} ms  {spread(ratios(times[name], times['none']), 2)}"
+        )
     auto = reports["auto"]
     print(f"auto: {auto.summary()}; policies {auto.policies}")
 

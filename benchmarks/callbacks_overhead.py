@@ -17,12 +17,11 @@ import time
 
 import lightning as L
 import torch
-
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
+
 from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-
 
 HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_before_optimizer_step")
 
@@ -48,11 +47,21 @@ def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> float:
     timer = StepTimer()
     callbacks = [timer]
     if monitored:
-        callbacks += [timed(c, spent) for c in (MFUMonitor(peak_flops=1e12), GradNormMonitor(),
-                                                LossSpikeGuard(action="skip"))]
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, log_every_n_steps=10, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        limit_val_batches=0, gradient_clip_val=1.0)
+        callbacks += [
+            timed(c, spent) for c in (MFUMonitor(peak_flops=1e12), GradNormMonitor(), LossSpikeGuard(action="skip"))
+        ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+    )
     trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=300_000, seq_len=128, batch_size=8))
     return median_after_warmup(timer.times, 3)
 
@@ -70,9 +79,13 @@ def main() -> None:
     times = alternate(["off", "on"], lambda side: run(args.preset, args.steps, side == "on", spent), args.rounds)
     off = statistics.median(times["off"])
     in_hooks = sum(spent) / args.rounds / args.steps
-    print(f"preset={args.preset}, CPU, {args.steps} steps per run, {args.rounds} rounds, "
-          "MFUMonitor + GradNormMonitor + LossSpikeGuard:")
-    print(f"  time inside the callbacks: {in_hooks * 1e3:.2f} ms per step = {1 + in_hooks / off:.4f}x of a {off * 1e3:.1f} ms step")
+    print(
+        f"preset={args.preset}, CPU, {args.steps} steps per run, {args.rounds} rounds, "
+        "MFUMonitor + GradNormMonitor + LossSpikeGuard:"
+    )
+    print(
+        f"  time inside the callbacks: {in_hooks * 1e3:.2f} ms per step = {1 + in_hooks / off:.4f}x of a {off * 1e3:.1f} ms step"
+    )
     print(f"  alternating runs, step-time ratio on/off: {spread(ratios(times['on'], times['off']))}")
 
 

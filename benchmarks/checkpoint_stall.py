@@ -29,8 +29,8 @@ import time
 
 import lightning as L
 import torch
-
 from _timing import alternate, ratios, spread
+
 from lightning_llm.callbacks import CheckpointRotation
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
@@ -58,8 +58,9 @@ class StallTimer(L.Callback):
 SHAPES = {37: (256, 4), 150: (768, 4), 600: (1024, 9)}
 
 
-def run(async_save: bool, saves: int, every: int, shape: tuple[int, int], directory: str | None = None,
-        ranks: int = 1) -> dict:
+def run(
+    async_save: bool, saves: int, every: int, shape: tuple[int, int], directory: str | None = None, ranks: int = 1
+) -> dict:
     """Stalls of each save but the last (the last has no next step to delay), plain step gaps, checkpoint MB.
 
     ``ranks`` > 1 (called on every rank, with a shared ``directory``): LLMParallelStrategy ZeRO 3, whose saves are
@@ -72,8 +73,16 @@ def run(async_save: bool, saves: int, every: int, shape: tuple[int, int], direct
     timer = StallTimer()
     rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=every, keep_last=2, async_save=async_save)
     parallel = {"devices": ranks, "strategy": LLMParallelStrategy(zero_stage=3)} if ranks > 1 else {}
-    trainer = L.Trainer(accelerator="cpu", max_steps=saves * every, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[rotation, timer], limit_val_batches=0, **parallel)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=saves * every,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rotation, timer],
+        limit_val_batches=0,
+        **parallel,
+    )
     config = LlamaConfig.from_name("small", dim=shape[0], n_layers=shape[1], n_heads=8, n_kv_heads=4)
     start = time.perf_counter()
     trainer.fit(CausalLM(config), LLMDataModule(num_tokens=100_000, seq_len=64, batch_size=4))
@@ -96,8 +105,9 @@ def _launch(async_save: bool, args, shape: tuple[int, int]) -> dict:
     if args.ranks == 1:
         return run(async_save, args.saves, args.every, shape)
     with tempfile.TemporaryDirectory() as directory:  # every rank's stall; training waits for the slowest
-        ranks = run_distributed(run, args.ranks, async_save, args.saves, args.every, shape, directory, args.ranks,
-                                timeout=1800)
+        ranks = run_distributed(
+            run, args.ranks, async_save, args.saves, args.every, shape, directory, args.ranks, timeout=1800
+        )
     return {**ranks[0], **{key: max(r[key] for r in ranks) for key in ("first", "stall", "plain", "total")}}
 
 
@@ -105,12 +115,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="37,150,600", help=f"checkpoint sizes in MB, of {sorted(SHAPES)}")
     parser.add_argument("--saves", type=int, default=4)
-    parser.add_argument("--every", type=int, default=6,
-                        help="steps between saves: enough for the previous background write to finish, else the "
-                             "next save waits for it and the stall includes that wait")
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=6,
+        help="steps between saves: enough for the previous background write to finish, else the "
+        "next save waits for it and the stall includes that wait",
+    )
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="more than 1: LLMParallelStrategy ZeRO 3 on that many CPU ranks (sharded DCP saves)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="more than 1: LLMParallelStrategy ZeRO 3 on that many CPU ranks (sharded DCP saves)",
+    )
     parser.add_argument("--quick", action="store_true", help="CI smoke: 37 MB, 3 saves, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -126,12 +144,14 @@ def main() -> None:
         mb = statistics.median(r["mb"] for r in results["sync"])
         first = statistics.median(r["first"] for r in results["async"])
         plain = max(r["plain"] for mode in results for r in results[mode])
-        print(f"{mb:.0f} MB checkpoints ({args.ranks} rank{'s' if args.ranks > 1 else ''}), {args.rounds} rounds of {args.saves} saves: stall per save sync "
-              f"{statistics.median(stalls['sync']) * 1e3:.0f} ms, async {statistics.median(stalls['async']) * 1e3:.1f} ms "
-              f"(first async save {first * 1e3:.0f} ms: it allocates the host buffers); async/sync "
-              f"{spread(ratios(stalls['async'], stalls['sync']))}; steps without a save {plain * 1e3:.1f} ms at most; "
-              f"whole run sync {statistics.median(r['total'] for r in results['sync']):.1f} s, async "
-              f"{statistics.median(r['total'] for r in results['async']):.1f} s")
+        print(
+            f"{mb:.0f} MB checkpoints ({args.ranks} rank{'s' if args.ranks > 1 else ''}), {args.rounds} rounds of {args.saves} saves: stall per save sync "
+            f"{statistics.median(stalls['sync']) * 1e3:.0f} ms, async {statistics.median(stalls['async']) * 1e3:.1f} ms "
+            f"(first async save {first * 1e3:.0f} ms: it allocates the host buffers); async/sync "
+            f"{spread(ratios(stalls['async'], stalls['sync']))}; steps without a save {plain * 1e3:.1f} ms at most; "
+            f"whole run sync {statistics.median(r['total'] for r in results['sync']):.1f} s, async "
+            f"{statistics.median(r['total'] for r in results['async']):.1f} s"
+        )
 
 
 if __name__ == "__main__":

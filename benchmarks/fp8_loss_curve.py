@@ -47,9 +47,17 @@ def run(args, fp8: bool) -> Recorder:
     args.vocab = config.vocab_size
     recorder = Recorder(device)
     trainer = L.Trainer(
-        accelerator=device.type, devices=1, strategy=LLMParallelStrategy(fp8=fp8, compile_blocks=args.compile),
-        precision="bf16-mixed", max_steps=args.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], limit_val_batches=0,
+        accelerator=device.type,
+        devices=1,
+        strategy=LLMParallelStrategy(fp8=fp8, compile_blocks=args.compile),
+        precision="bf16-mixed",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        limit_val_batches=0,
     )
     tokens = args.steps * args.batch * (args.seq_len + 1) * 2
     data = LLMDataModule(num_tokens=tokens, vocab_size=args.vocab, seq_len=args.seq_len, batch_size=args.batch, seed=1)
@@ -71,7 +79,10 @@ def main() -> None:
     tail = max(1, args.steps // 4)
     diffs = [abs(a - b) for a, b in zip(bf16.losses[-tail:], fp8.losses[-tail:])]
     tokens = args.batch * args.seq_len
-    speed = {name: tokens / statistics.median(r.times[len(r.times) // 5:] or r.times) for name, r in (("bf16", bf16), ("fp8", fp8))}
+    speed = {
+        name: tokens / statistics.median(r.times[len(r.times) // 5 :] or r.times)
+        for name, r in (("bf16", bf16), ("fp8", fp8))
+    }
     print(f"size={args.size}, {args.device}, {args.steps} steps, batch {args.batch} x {args.seq_len}")
     print(f"final loss: bf16 {bf16.losses[-1]:.4f}  fp8 {fp8.losses[-1]:.4f}")
     print(f"|loss difference| over the last {tail} steps: mean {statistics.mean(diffs):.4f}  max {max(diffs):.4f}")
@@ -81,11 +92,15 @@ def main() -> None:
         new = not os.path.exists(args.markdown)
         with open(args.markdown, "a") as f:
             if new:
-                f.write("| device | size | steps | final loss bf16 | final loss fp8 | mean abs diff (last quarter) "
-                        "| max abs diff | bf16 tokens/s | fp8 tokens/s | speed-up |\n" + "|---" * 10 + "|\n")
-            f.write(f"| {name} | {args.size} | {args.steps} | {bf16.losses[-1]:.4f} | {fp8.losses[-1]:.4f} | "
-                    f"{statistics.mean(diffs):.4f} | {max(diffs):.4f} | {speed['bf16']:.0f} | {speed['fp8']:.0f} | "
-                    f"{speed['fp8'] / speed['bf16']:.3f} |\n")
+                f.write(
+                    "| device | size | steps | final loss bf16 | final loss fp8 | mean abs diff (last quarter) "
+                    "| max abs diff | bf16 tokens/s | fp8 tokens/s | speed-up |\n" + "|---" * 10 + "|\n"
+                )
+            f.write(
+                f"| {name} | {args.size} | {args.steps} | {bf16.losses[-1]:.4f} | {fp8.losses[-1]:.4f} | "
+                f"{statistics.mean(diffs):.4f} | {max(diffs):.4f} | {speed['bf16']:.0f} | {speed['fp8']:.0f} | "
+                f"{speed['fp8'] / speed['bf16']:.3f} |\n"
+            )
 
 
 if __name__ == "__main__":

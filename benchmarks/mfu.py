@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_llm.callbacks import MFUMonitor
+from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_llm.parallel.float8 import apply_fp8
-from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.planning.flops import device_peak_flops
 from lightning_llm.strategies import LLMParallelStrategy
 
@@ -67,14 +67,26 @@ def lightning_run(args, config: LlamaConfig, device: torch.device) -> list[float
     module = CausalLM(config, learning_rate=3e-4, warmup_steps=10)
     strategy = LLMParallelStrategy(activation_checkpointing=args.ac, compile_blocks=args.compile, fp8=args.fp8)
     trainer = L.Trainer(
-        accelerator=device.type, devices=1, strategy=strategy, precision=args.precision, max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer, MFUMonitor(log_every_n_steps=args.steps, peak_flops=args.peak_flops)], limit_val_batches=0,
+        accelerator=device.type,
+        devices=1,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, MFUMonitor(log_every_n_steps=args.steps, peak_flops=args.peak_flops)],
+        limit_val_batches=0,
     )
-    loader = torch.utils.data.DataLoader(RandomTokens(config.vocab_size, args.seq_len), batch_size=args.batch,
-                                         num_workers=2 if device.type == "cuda" else 0, pin_memory=device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        RandomTokens(config.vocab_size, args.seq_len),
+        batch_size=args.batch,
+        num_workers=2 if device.type == "cuda" else 0,
+        pin_memory=device.type == "cuda",
+    )
     trainer.fit(module, loader)
-    return timer.times[args.warmup:]
+    return timer.times[args.warmup :]
 
 
 def raw_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
@@ -86,8 +98,9 @@ def raw_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
     if args.compile:
         for block in model.layers:
             block.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
     dtype = torch.bfloat16 if args.precision.startswith("bf16") else None
     data = RandomTokens(config.vocab_size, args.seq_len)
     times, start = [], None
@@ -103,7 +116,7 @@ def raw_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return times[args.warmup:]
+    return times[args.warmup :]
 
 
 def main() -> None:
@@ -137,8 +150,10 @@ def main() -> None:
         flops_per_token = ModelShape.of(Llama(config)).flops_per_token(args.seq_len)
     peak = args.peak_flops or device_peak_flops(device, args.precision)  # bf16 peak also for --fp8 (see above)
     tokens = args.batch * args.seq_len
-    print(f"size={args.size} ({config.n_layers} layers, dim {config.dim}), {args.device}, {args.precision}, ac={args.ac}, "
-          f"compile={args.compile}, batch {args.batch} x {args.seq_len}")
+    print(
+        f"size={args.size} ({config.n_layers} layers, dim {config.dim}), {args.device}, {args.precision}, ac={args.ac}, "
+        f"compile={args.compile}, batch {args.batch} x {args.seq_len}"
+    )
     for name, values in times.items():
         step = statistics.median(values)
         mfu = f"{tokens / step * flops_per_token / peak:.4g}" if peak else "n/a (no peak FLOP/s for this device)"
@@ -146,8 +161,15 @@ def main() -> None:
     ratio = statistics.median(times["lightning"]) / statistics.median(times["raw"])
     print(f"ratio (Lightning step time / raw step time): {ratio:.3f}")
     if args.markdown:
-        write_row(args, device, {n: tokens / statistics.median(v) for n, v in times.items()}, flops_per_token, peak,
-                  memory, ratio)
+        write_row(
+            args,
+            device,
+            {n: tokens / statistics.median(v) for n, v in times.items()},
+            flops_per_token,
+            peak,
+            memory,
+            ratio,
+        )
 
 
 def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) -> None:
@@ -155,17 +177,21 @@ def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) 
     import os
     import subprocess
 
-    header = ("| device | commit | size | precision | fp8 | AC | compile | batch x seq | tokens/s | MFU | raw tokens/s "
-              "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n")
+    header = (
+        "| device | commit | size | precision | fp8 | AC | compile | batch x seq | tokens/s | MFU | raw tokens/s "
+        "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n"
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
     def mfu(n):
         return f"{tokens_per_s[n] * flops_per_token / peak:.1%}" if peak else "n/a"
 
-    row = (f"| {name} | {commit or '?'} | {args.size} | {args.precision} | {args.fp8} | {args.ac} | {args.compile} | "
-           f"{args.batch} x {args.seq_len} | {tokens_per_s['lightning']:.0f} | {mfu('lightning')} | "
-           f"{tokens_per_s['raw']:.0f} | {mfu('raw')} | {ratio:.3f} | {memory['lightning']:.1f} | {memory['raw']:.1f} |\n")
+    row = (
+        f"| {name} | {commit or '?'} | {args.size} | {args.precision} | {args.fp8} | {args.ac} | {args.compile} | "
+        f"{args.batch} x {args.seq_len} | {tokens_per_s['lightning']:.0f} | {mfu('lightning')} | "
+        f"{tokens_per_s['raw']:.0f} | {mfu('raw')} | {ratio:.3f} | {memory['lightning']:.1f} | {memory['raw']:.1f} |\n"
+    )
     new = not os.path.exists(args.markdown)
     with open(args.markdown, "a") as f:
         f.write((header if new else "") + row)

@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import lightning as L
 import torch
-
 from _pipeline_breakdown import StageBreakdown, format_breakdown
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
+
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
@@ -42,21 +42,41 @@ from lightning_llm.testing import run_distributed
 WARMUP = 3
 
 
-def fit(world_size: int, config: LlamaConfig, schedule: str, microbatches: int, steps: int, batch: int,
-        seq_len: int, accumulate: int = 1, breakdown: bool = False) -> float | dict:
+def fit(
+    world_size: int,
+    config: LlamaConfig,
+    schedule: str,
+    microbatches: int,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    accumulate: int = 1,
+    breakdown: bool = False,
+) -> float | dict:
     """Median optimizer-step time of one launch (``accumulate`` > 1: one rank doing micro-batches in turn);
     with ``breakdown``, this rank's step by part instead (:mod:`_pipeline_breakdown`)."""
     torch.manual_seed(0)
     strategy = (
-        LLMParallelStrategy(pipeline_parallel_size=world_size, pipeline_schedule=schedule, num_microbatches=microbatches)
-        if world_size > 1 else LLMParallelStrategy()
+        LLMParallelStrategy(
+            pipeline_parallel_size=world_size, pipeline_schedule=schedule, num_microbatches=microbatches
+        )
+        if world_size > 1
+        else LLMParallelStrategy()
     )
     timer = StepTimer()
     parts = StageBreakdown(WARMUP) if breakdown else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, *([parts] if parts else [])],
-        limit_val_batches=0, accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, *([parts] if parts else [])],
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(CausalLM(config), LLMDataModule(num_tokens=400_000, seq_len=seq_len, batch_size=batch // accumulate))
     if parts is not None:
@@ -99,12 +119,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--contention", action="store_true",
-                        help="also time two independent one-rank runs at once: the slow-down of each is the cost of "
-                             "sharing the machine, which no schedule can remove")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="after the rounds, one more launch of each pipeline with timers: each rank's step split "
-                             "into compute, head+loss, p2p wait, schedule and Lightning work (not in the timed rounds)")
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="also time two independent one-rank runs at once: the slow-down of each is the cost of "
+        "sharing the machine, which no schedule can remove",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after the rounds, one more launch of each pipeline with timers: each rank's step split "
+        "into compute, head+loss, p2p wait, schedule and Lightning work (not in the timed rounds)",
+    )
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny preset, 6 steps, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -117,32 +143,41 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     tokens = args.batch * args.seq_len
-    print(f"preset={args.preset} ({config.n_layers} blocks), global batch {args.batch} x {args.seq_len} tokens, "
-          f"one thread per rank, {cores} cores, {args.rounds} rounds, {args.steps} steps per launch")
+    print(
+        f"preset={args.preset} ({config.n_layers} blocks), global batch {args.batch} x {args.seq_len} tokens, "
+        f"one thread per rank, {cores} cores, {args.rounds} rounds, {args.steps} steps per launch"
+    )
     one = statistics.median(times["one"])
     print(f"one rank: {one * 1e3:.1f} ms/step, {tokens / one:.0f} tokens/s (median)")
     for m in ms:  # cutting the batch costs matmul efficiency before any pipelining: p ranks reach at most p * T1 / T1m
         cut = ratios(times["one"], times[f"one/m{m}"])
-        print(f"one rank, {m} micro-batches in turn: {statistics.median(times[f'one/m{m}']) * 1e3:.1f} ms/step; "
-              f"T1/T1m {spread(cut, 3)}")
+        print(
+            f"one rank, {m} micro-batches in turn: {statistics.median(times[f'one/m{m}']) * 1e3:.1f} ms/step; "
+            f"T1/T1m {spread(cut, 3)}"
+        )
     if args.contention:
         for m in ms:
             slowdown = ratios(times[f"pair/m{m}"], times[f"one/m{m}"])
-            print(f"two one-rank runs at once (m={m}): each {spread(slowdown, 2)}x slower than alone, so p=2 ranks "
-                  f"can reach at most {2 / statistics.median(slowdown):.2f}x before any bubble")
+            print(
+                f"two one-rank runs at once (m={m}): each {spread(slowdown, 2)}x slower than alone, so p=2 ranks "
+                f"can reach at most {2 / statistics.median(slowdown):.2f}x before any bubble"
+            )
     for side in pipelines:
         pp, schedule, m = int(side.split("/")[0][2:]), side.split("/")[1], int(side.split("/")[2][1:])
         step = statistics.median(times[side])
         bubble = [1 - t1m / (pp * t) for t1m, t in zip(times[f"one/m{m}"], times[side], strict=True)]
         note = "  (oversubscribed: more ranks than cores)" if pp > cores else ""
-        print(f"{side}: {step * 1e3:.1f} ms/step, {tokens / step:.0f} tokens/s; speed-up over one rank "
-              f"{spread(ratios(times['one'], times[side]), 2)}; bubble {spread(bubble, 3)}, ideal "
-              f"{_ideal_bubble(pp, m, schedule):.3f}{note}")
+        print(
+            f"{side}: {step * 1e3:.1f} ms/step, {tokens / step:.0f} tokens/s; speed-up over one rank "
+            f"{spread(ratios(times['one'], times[side]), 2)}; bubble {spread(bubble, 3)}, ideal "
+            f"{_ideal_bubble(pp, m, schedule):.3f}{note}"
+        )
     if args.breakdown:
         for side in pipelines:
             pp, schedule, m = int(side.split("/")[0][2:]), side.split("/")[1], int(side.split("/")[2][1:])
-            ranks = run_distributed(fit, pp, pp, config, schedule, m, args.steps, args.batch, args.seq_len, 1, True,
-                                    timeout=1200)
+            ranks = run_distributed(
+                fit, pp, pp, config, schedule, m, args.steps, args.batch, args.seq_len, 1, True, timeout=1200
+            )
             print("\n" + format_breakdown(side, ranks))
             print(f"blocks per rank's stages: {[r['stages'] for r in ranks]}")
 

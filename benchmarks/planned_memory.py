@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.modeling.activations import activation_bytes, parameter_counts
+from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.planning.memory import model_state_bytes
 
 
@@ -31,14 +31,22 @@ def main() -> None:
         module = CausalLM(LlamaConfig.from_name(args.size, max_seq_len=args.seq_len))
         module.configure_model()
     total, largest, _ = parameter_counts(module)
-    params, grads, optimizer = model_state_bytes(total, zero_stage=0, dp=1, precision=args.precision,
-                                                 largest_block_params=largest)
+    params, grads, optimizer = model_state_bytes(
+        total, zero_stage=0, dp=1, precision=args.precision, largest_block_params=largest
+    )
     # The planner plans "selective" at its "none" value (an upper bound); "full" is measured as such.
-    activations = activation_bytes(module, micro_batch_size=args.batch, seq_len=args.seq_len,
-                                   activation_checkpointing=args.ac, precision=args.precision)
+    activations = activation_bytes(
+        module,
+        micro_batch_size=args.batch,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.ac,
+        precision=args.precision,
+    )
     gib = 2**30
-    print(f"planned: params {params / gib:.2f} GiB, grads {grads / gib:.2f} GiB, optimizer {optimizer / gib:.2f} GiB, "
-          f"activations {activations / gib:.2f} GiB, total {(params + grads + optimizer + activations) / gib:.2f} GiB")
+    print(
+        f"planned: params {params / gib:.2f} GiB, grads {grads / gib:.2f} GiB, optimizer {optimizer / gib:.2f} GiB, "
+        f"activations {activations / gib:.2f} GiB, total {(params + grads + optimizer + activations) / gib:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import argparse
 
 import lightning as L
 import torch
+from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
-from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -40,11 +40,21 @@ def _fit(kind: str, world_size: int, preset: str, steps: int) -> float:
     if kind == "ours":
         model, strategy = CausalLM(preset), LLMParallelStrategy(zero_stage=3)
     else:
-        model, strategy = HandParallelCausalLM(preset), ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        model, strategy = (
+            HandParallelCausalLM(preset),
+            ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
+        )
     timer = StepTimer()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
         limit_val_batches=0,
     )
     trainer.fit(model, LLMDataModule(num_tokens=200_000, seq_len=128, batch_size=4))
@@ -68,8 +78,10 @@ def main() -> None:
         args.preset, args.steps, args.rounds = "tiny", 8, 2
     times = run_distributed(rounds, args.ranks, args.ranks, args.preset, args.steps, args.rounds, timeout=1800)[0]
     print(f"{args.ranks} CPU ranks, preset={args.preset}, ZeRO-3, {args.steps} steps per run, {args.rounds} rounds")
-    print(f"median step per round, ms: LLMParallelStrategy {[round(t * 1e3, 1) for t in times['ours']]}, "
-          f"ModelParallelStrategy + hand-written FSDP2 {[round(t * 1e3, 1) for t in times['lightning']]}")
+    print(
+        f"median step per round, ms: LLMParallelStrategy {[round(t * 1e3, 1) for t in times['ours']]}, "
+        f"ModelParallelStrategy + hand-written FSDP2 {[round(t * 1e3, 1) for t in times['lightning']]}"
+    )
     print(f"ratio LLMParallelStrategy / hand-written: {spread(ratios(times['ours'], times['lightning']))}")
 
 

@@ -35,12 +35,16 @@ def main() -> None:
     formula = {0: 16 * psi, 1: 4 * psi + 4 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
     rows = run_distributed(sweep, n, n, args.preset, timeout=600)[0]
     print(f"preset={args.preset} Ψ={psi:,} parameters, {n} ranks, fp32 AdamW; MiB per rank after the optimizer step")
-    print(f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} {'ZeRO formula':>13} {'params fwd->bwd':>16}")
+    print(
+        f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} {'ZeRO formula':>13} {'params fwd->bwd':>16}"
+    )
     for stage, row in enumerate(rows):
         mib = {k: v / 2**20 for k, v in row.items()}
         total = mib["params"] + mib["grads"] + mib["optimizer"]
-        print(f"{stage:>5} {mib['params']:8.2f} {mib['grads']:8.2f} {mib['optimizer']:8.2f} {total:8.2f} "
-              f"{formula[stage] / 2**20:13.2f} {mib['params_in_backward']:16.2f}")
+        print(
+            f"{stage:>5} {mib['params']:8.2f} {mib['grads']:8.2f} {mib['optimizer']:8.2f} {total:8.2f} "
+            f"{formula[stage] / 2**20:13.2f} {mib['params_in_backward']:16.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,13 @@ Example::
 from importlib.metadata import PackageNotFoundError, version
 
 from lightning_llm.callbacks import (
-    CheckpointRotation, GradNormMonitor, LossSpikeError, LossSpikeGuard, MFUMonitor, RankUnresponsiveError, RankWatchdog,
+    CheckpointRotation,
+    GradNormMonitor,
+    LossSpikeError,
+    LossSpikeGuard,
+    MFUMonitor,
+    RankUnresponsiveError,
+    RankWatchdog,
 )
 from lightning_llm.contract import ParallelLayout, StrategyContract, contract_of
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
@@ -23,7 +29,17 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "CheckpointRotation", "GradNormMonitor", "LLMDeepSpeedStrategy", "LLMParallelStrategy", "LossSpikeError",
-    "LossSpikeGuard", "MFUMonitor", "ParallelLayout", "RankUnresponsiveError", "RankWatchdog", "StrategyContract",
-    "__version__", "contract_of",
+    "CheckpointRotation",
+    "GradNormMonitor",
+    "LLMDeepSpeedStrategy",
+    "LLMParallelStrategy",
+    "LossSpikeError",
+    "LossSpikeGuard",
+    "MFUMonitor",
+    "ParallelLayout",
+    "RankUnresponsiveError",
+    "RankWatchdog",
+    "StrategyContract",
+    "__version__",
+    "contract_of",
 ]

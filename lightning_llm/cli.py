@@ -28,25 +28,29 @@ from jsonargparse import Namespace, lazy_instance
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
+from lightning_llm.checkpointing.resume_path import check_checkpoint_path
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-from lightning_llm.preflight import check_checkpoint_path
 from lightning_llm.validation import check_float, check_int
 from lightning_llm.wandb_mode import default_to_offline
 
-
-_EPILOG = ("More subcommands: `lightning-llm plan --config CONFIG [--devices N --device_memory 80GB]` prints the "
-           "memory plan and ZeRO decision for a config without training or allocating (see `lightning-llm plan --help`). "
-           "`lightning-llm prepare FILES --output_dir data [--tokenizer tokenizer.json | --vocab_size N]` tokenizes "
-           ".txt/.jsonl files into the token files `--data.source tokens` reads (see `lightning-llm prepare --help`). "
-           "`lightning-llm export CKPT OUT --format hf|torch [--dtype bfloat16]` writes a trained checkpoint of any "
-           "layout as a Hugging Face directory or one torch file (see `lightning-llm export --help`).")
+_EPILOG = (
+    "More subcommands: `lightning-llm plan --config CONFIG [--devices N --device_memory 80GB]` prints the "
+    "memory plan and ZeRO decision for a config without training or allocating (see `lightning-llm plan --help`). "
+    "`lightning-llm prepare FILES --output_dir data [--tokenizer tokenizer.json | --vocab_size N]` tokenizes "
+    ".txt/.jsonl files into the token files `--data.source tokens` reads (see `lightning-llm prepare --help`). "
+    "`lightning-llm export CKPT OUT --format hf|torch [--dtype bfloat16]` writes a trained checkpoint of any "
+    "layout as a Hugging Face directory or one torch file (see `lightning-llm export --help`)."
+)
 _DEFAULT_CLASSES = {"model": CausalLM, "data": LLMDataModule}
 _DEFAULTS = {key: lazy_instance(cls) for key, cls in _DEFAULT_CLASSES.items()}
 # W&B by default (its mode resolved as W&B resolves it: see lightning_llm.wandb_mode), and the LR in it.
 _DEFAULT_LOGGER = "lightning.pytorch.loggers.WandbLogger"
-_DEFAULT_CALLBACKS = [("lightning.pytorch.callbacks.LearningRateMonitor", {"logging_interval": "step"}),
-                      ("lightning_llm.callbacks.MemoryMonitor", {}), ("lightning_llm.callbacks.RunInfoLogger", {})]
+_DEFAULT_CALLBACKS = [
+    ("lightning.pytorch.callbacks.LearningRateMonitor", {"logging_interval": "step"}),
+    ("lightning_llm.callbacks.MemoryMonitor", {}),
+    ("lightning_llm.callbacks.RunInfoLogger", {}),
+]
 
 
 class ConfigToLoggers(SaveConfigCallback):
@@ -82,14 +86,18 @@ class LLMCLI(LightningCLI):
         silently take CausalLM's defaults instead of ``my.Module``'s own.
         """
         super().parse_arguments(parser, args)
-        config = self.config.get(self.config.get("subcommand"), self.config) if "subcommand" in self.config else self.config
-        replaced = {key: None for key, cls in _DEFAULT_CLASSES.items()
-                    if config.get(key) is not None and _import(config[key].class_path) is not cls}
+        config = (
+            self.config.get(self.config.get("subcommand"), self.config) if "subcommand" in self.config else self.config
+        )
+        replaced = {
+            key: None
+            for key, cls in _DEFAULT_CLASSES.items()
+            if config.get(key) is not None and _import(config[key].class_path) is not cls
+        }
         if replaced:
             for each in self._parsers_with_defaults:
                 each.set_defaults(replaced)
             super().parse_arguments(parser, args)
-
 
     def before_instantiate_classes(self) -> None:
         """Defaults for what the config leaves unset: a W&B logger named after the config
@@ -105,7 +113,9 @@ class LLMCLI(LightningCLI):
         if trainer.get("logger") is None:
             trainer.logger = Namespace(class_path=_DEFAULT_LOGGER, init_args=Namespace(project="lightning-llm"))
         if not trainer.get("callbacks"):
-            trainer.callbacks = [Namespace(class_path=path, init_args=Namespace(**args)) for path, args in _DEFAULT_CALLBACKS]
+            trainer.callbacks = [
+                Namespace(class_path=path, init_args=Namespace(**args)) for path, args in _DEFAULT_CALLBACKS
+            ]
         logger = trainer.get("logger")
         if getattr(logger, "class_path", "").endswith("WandbLogger") and not logger.init_args.get("name"):
             logger.init_args.name = run_name(config)
@@ -179,20 +189,27 @@ def plan(args: list[str]) -> str:
     backend = options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native")
     hparams = cli.datamodule.hparams
     settings = dict(
-        device_memory=parse_size(options.device_memory), world_size=devices * nodes,
-        tp=strategy.tensor_parallel_size if native else 1, pp=strategy.pipeline_parallel_size if native else 1,
-        micro_batch_size=hparams.get("batch_size", 1), seq_len=hparams.get("seq_len", 2048),
-        precision=str(cli.trainer.precision), activation_checkpointing=strategy.activation_checkpointing if native else "none",
-        backend=backend, margin=options.margin,
+        device_memory=parse_size(options.device_memory),
+        world_size=devices * nodes,
+        tp=strategy.tensor_parallel_size if native else 1,
+        pp=strategy.pipeline_parallel_size if native else 1,
+        micro_batch_size=hparams.get("batch_size", 1),
+        seq_len=hparams.get("seq_len", 2048),
+        precision=str(cli.trainer.precision),
+        activation_checkpointing=strategy.activation_checkpointing if native else "none",
+        backend=backend,
+        margin=options.margin,
     )
     try:
         _check_layout(module, settings["world_size"], settings["tp"], settings["pp"])
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     params = sum(p.numel() for p in module.parameters())
-    header = (f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
-              f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']}; micro-batch "
-              f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}")
+    header = (
+        f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
+        f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']}; micro-batch "
+        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}"
+    )
     try:
         decision = choose_zero_stage(module, **settings)
         report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
@@ -213,7 +230,11 @@ def _planning_config(config: dict) -> dict:
     trainer = {k: v for k, v in (config.get("trainer") or {}).items() if k not in ("logger", "callbacks")}
     # Nothing random is drawn while planning; LightningCLI's default seeding would only warn "No seed found".
     seed = config.get("seed_everything", False)
-    return {**config, "seed_everything": seed, "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1}}
+    return {
+        **config,
+        "seed_everything": seed,
+        "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1},
+    }
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from lightning_llm.checkpoint import DTYPES
+from lightning_llm.checkpointing.consolidate import DTYPES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,16 +25,23 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-llm export",
         description="Write a trained checkpoint (a sharded directory saved by LLMParallelStrategy under any tp/pp/ZeRO "
-                    "layout, or a .ckpt file) as a Hugging Face directory or one torch file.",
+        "layout, or a .ckpt file) as a Hugging Face directory or one torch file.",
     )
     parser.add_argument("checkpoint", help="checkpoint directory (DCP) or .ckpt file")
     parser.add_argument("output", help="output directory (--format hf) or file (--format torch)")
-    parser.add_argument("--format", choices=("hf", "torch"), default="hf",
-                        help="hf: config.json + model.safetensors for transformers' from_pretrained; torch: one file "
-                             "with Lightning's full checkpoint (state_dict, optimizer, loops) for torch.load")
+    parser.add_argument(
+        "--format",
+        choices=("hf", "torch"),
+        default="hf",
+        help="hf: config.json + model.safetensors for transformers' from_pretrained; torch: one file "
+        "with Lightning's full checkpoint (state_dict, optimizer, loops) for torch.load",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: as saved)")
-    parser.add_argument("--hf_config", help="Hugging Face directory or config.json of the model, for checkpoints that "
-                                            "do not record it (saved by another strategy); --format hf only")
+    parser.add_argument(
+        "--hf_config",
+        help="Hugging Face directory or config.json of the model, for checkpoints that "
+        "do not record it (saved by another strategy); --format hf only",
+    )
     parser.add_argument("--max_shard_size", default="5GB", help="split model.safetensors above this size (--format hf)")
     return parser
 
@@ -74,12 +81,17 @@ def main(args: list[str]) -> Path:
 
 def _export(options: argparse.Namespace) -> Path:
     if options.format == "torch":
-        from lightning_llm.checkpoint import consolidate_checkpoint
+        from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 
         return consolidate_checkpoint(options.checkpoint, options.output, options.dtype)
     from lightning_llm.hf.export import export_hf
 
     logging.getLogger("lightning_llm").setLevel(logging.WARNING)
     with _quiet():
-        return export_hf(options.checkpoint, options.output, dtype=options.dtype, hf_config=options.hf_config,
-                         max_shard_size=options.max_shard_size)
+        return export_hf(
+            options.checkpoint,
+            options.output,
+            dtype=options.dtype,
+            hf_config=options.hf_config,
+            max_shard_size=options.max_shard_size,
+        )

@@ -21,8 +21,14 @@ from numbers import Integral, Real
 from typing import Any
 
 
-def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None,
-              optional: bool = False, hint: str = "") -> int | None:
+def check_int(
+    name: str,
+    value: Any,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    optional: bool = False,
+    hint: str = "",
+) -> int | None:
     """``value`` as an int within ``[minimum, maximum]``; ``None`` passes when ``optional``.
 
     Rejects bools, floats and strings ("2" from a hand-written dict is a TypeError here, not a
@@ -31,16 +37,27 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | 
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}, got "
-                        f"{type(value).__name__}{_or_none(optional)}.{_hint(hint)}")
+        raise TypeError(
+            f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}, got "
+            f"{type(value).__name__}{_or_none(optional)}.{_hint(hint)}"
+        )
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}"
-                         f"{_or_none(optional)}.{_hint(hint)}")
+        raise ValueError(
+            f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}{_or_none(optional)}.{_hint(hint)}"
+        )
     return int(value)
 
 
-def check_float(name: str, value: Any, minimum: float | None = None, maximum: float | None = None,
-                inclusive: bool = True, optional: bool = False, allow_inf: bool = False, hint: str = "") -> float | None:
+def check_float(
+    name: str,
+    value: Any,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    inclusive: bool = True,
+    optional: bool = False,
+    allow_inf: bool = False,
+    hint: str = "",
+) -> float | None:
     """``value`` as a finite float within the bounds (open bounds when not ``inclusive``).
 
     NaN is always refused (every comparison with it is False, so a NaN threshold silently
@@ -49,16 +66,21 @@ def check_float(name: str, value: Any, minimum: float | None = None, maximum: fl
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}={value!r} must be a number{_bounds(minimum, maximum, inclusive)}, got "
-                        f"{type(value).__name__}{_or_none(optional)}.{_hint(hint)}")
+        raise TypeError(
+            f"{name}={value!r} must be a number{_bounds(minimum, maximum, inclusive)}, got "
+            f"{type(value).__name__}{_or_none(optional)}.{_hint(hint)}"
+        )
     given, value = value, float(value)
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name}={given!r} must be a finite number{_bounds(minimum, maximum, inclusive)}.{_hint(hint)}")
+        raise ValueError(
+            f"{name}={given!r} must be a finite number{_bounds(minimum, maximum, inclusive)}.{_hint(hint)}"
+        )
     low = minimum is not None and (value < minimum if inclusive else value <= minimum)
     high = maximum is not None and (value > maximum if inclusive else value >= maximum)
     if low or high:
-        raise ValueError(f"{name}={given!r} must be a number{_bounds(minimum, maximum, inclusive)}"
-                         f"{_or_none(optional)}.{_hint(hint)}")
+        raise ValueError(
+            f"{name}={given!r} must be a number{_bounds(minimum, maximum, inclusive)}{_or_none(optional)}.{_hint(hint)}"
+        )
     return value
 
 
@@ -84,11 +106,13 @@ def check_timeout(name: str, value: Any, optional: bool = False) -> timedelta | 
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     else:
-        seconds = check_float(name, value, minimum=0, inclusive=False, optional=optional,
-                              hint="give a timedelta or a number of seconds")
+        seconds = check_float(
+            name, value, minimum=0, inclusive=False, optional=optional, hint="give a timedelta or a number of seconds"
+        )
     if not seconds > 0:
-        raise ValueError(f"{name}={value!r} must be a positive duration (a timedelta or seconds), e.g. "
-                         "timedelta(minutes=10).")
+        raise ValueError(
+            f"{name}={value!r} must be a positive duration (a timedelta or seconds), e.g. timedelta(minutes=10)."
+        )
     return timedelta(seconds=seconds)
 
 
@@ -105,7 +129,9 @@ def check_memory_size(name: str, value: Any) -> None:
 
 def _bounds(minimum, maximum, inclusive: bool = True) -> str:
     low, high = (">=", "<=") if inclusive else (">", "<")
-    parts = ([f"{low} {minimum}"] if minimum is not None else []) + ([f"{high} {maximum}"] if maximum is not None else [])
+    parts = ([f"{low} {minimum}"] if minimum is not None else []) + (
+        [f"{high} {maximum}"] if maximum is not None else []
+    )
     return f" {' and '.join(parts)}" if parts else ""
 
 

@@ -46,8 +46,10 @@ def default_to_offline() -> str | None:
     if wandb_configuration() is not None:
         return None
     os.environ["WANDB_MODE"] = "offline"
-    return ("W&B is not configured here (no WANDB_API_KEY, no `wandb login`, no WANDB_MODE): logging offline "
-            "to ./wandb. Run `wandb login` (or set WANDB_MODE) to choose otherwise; `wandb sync` uploads offline runs.")
+    return (
+        "W&B is not configured here (no WANDB_API_KEY, no `wandb login`, no WANDB_MODE): logging offline "
+        "to ./wandb. Run `wandb login` (or set WANDB_MODE) to choose otherwise; `wandb sync` uploads offline runs."
+    )
 
 
 def _settings() -> tuple[str | None, str | None]:

@@ -17,7 +17,11 @@ import pytest
 import yaml
 
 from lightning_llm.callbacks import (
-    CheckpointRotation, GradNormMonitor, LossSpikeGuard, MFUMonitor, RankWatchdog,
+    CheckpointRotation,
+    GradNormMonitor,
+    LossSpikeGuard,
+    MFUMonitor,
+    RankWatchdog,
 )
 from lightning_llm.cli import LLMCLI, main
 from lightning_llm.data import LLMDataModule
@@ -94,8 +98,9 @@ CONSTRUCTOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("factory, kwargs, named", CONSTRUCTOR_CASES,
-                         ids=[f"{f.__name__}-{named}" for f, _, named in CONSTRUCTOR_CASES])
+@pytest.mark.parametrize(
+    "factory, kwargs, named", CONSTRUCTOR_CASES, ids=[f"{f.__name__}-{named}" for f, _, named in CONSTRUCTOR_CASES]
+)
 def test_constructor_refuses(factory, kwargs, named):
     with pytest.raises((TypeError, ValueError)) as error:
         factory(**kwargs)
@@ -139,19 +144,29 @@ FIT_CASES = {
     "token id >= vocab (file)": (lambda d: {"source": "tokens", "path": _token_file(d)}, None, "token id 299"),
     "seq_len > max_seq_len": (lambda d: {"seq_len": 300}, None, "seq_len=300"),
     "empty text file": (lambda d: {"source": "text", "path": _write(d / "empty.txt", b"")}, None, "empty.txt"),
-    "non-UTF-8 text file": (lambda d: {"source": "text", "path": _write(d / "latin1.txt", "café".encode("latin-1") * 99)},
-                            None, "latin1.txt"),
+    "non-UTF-8 text file": (
+        lambda d: {"source": "text", "path": _write(d / "latin1.txt", "café".encode("latin-1") * 99)},
+        None,
+        "latin1.txt",
+    ),
     "missing text file": (lambda d: {"source": "text", "path": str(d / "nowhere.txt")}, None, "nowhere.txt"),
 }
 
 
 @pytest.mark.parametrize("case", list(FIT_CASES))
 def test_fit_refuses_before_the_first_step(case, tmp_path):
-    data_kwargs, ckpt, named = FIT_CASES[case]
+    data_kwargs, _ckpt, named = FIT_CASES[case]
     steps = _CountSteps()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[steps],
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[steps],
+        default_root_dir=tmp_path,
+    )
     data = LLMDataModule(**{"num_tokens": 2_000, "seq_len": 32, "batch_size": 2, **data_kwargs(tmp_path)})
     with pytest.raises((TypeError, ValueError, FileNotFoundError)) as error:
         trainer.fit(CausalLM("tiny"), data)
@@ -177,15 +192,27 @@ PLAN_CASES = {
     "margin nan": (lambda d: ["--config", _config(d), "--margin", "nan"], "--margin=nan", 2),
     "device_memory -80GB": (lambda d: ["--config", _config(d), "--device_memory=-80GB"], "-80GB", 2),
     "3 devices with tp 2": (lambda d: ["--config", _config(d), "--devices", "3"], "3 devices", 2),
-    "tp 3 for 4 heads": (lambda d: ["--config", _config(d, tensor_parallel_size=3), "--devices", "3"],
-                         "tensor_parallel_size=3", 2),
-    "tp 64": (lambda d: ["--config", _config(d, tensor_parallel_size=64), "--devices", "64"],
-              "tensor_parallel_size=64", 2),
-    "pp 100 on 2 blocks": (lambda d: ["--config", _config(d, tensor_parallel_size=1, sequence_parallel=False,
-                                                         pipeline_parallel_size=100),
-                                      "--devices", "100"], "pipeline_parallel_size=100", 2),
-    "nothing fits": (lambda d: ["--config", _config(d), "--devices", "2", "--device_memory", "1MB"],
-                     "1MB", 1),
+    "tp 3 for 4 heads": (
+        lambda d: ["--config", _config(d, tensor_parallel_size=3), "--devices", "3"],
+        "tensor_parallel_size=3",
+        2,
+    ),
+    "tp 64": (
+        lambda d: ["--config", _config(d, tensor_parallel_size=64), "--devices", "64"],
+        "tensor_parallel_size=64",
+        2,
+    ),
+    "pp 100 on 2 blocks": (
+        lambda d: [
+            "--config",
+            _config(d, tensor_parallel_size=1, sequence_parallel=False, pipeline_parallel_size=100),
+            "--devices",
+            "100",
+        ],
+        "pipeline_parallel_size=100",
+        2,
+    ),
+    "nothing fits": (lambda d: ["--config", _config(d), "--devices", "2", "--device_memory", "1MB"], "1MB", 1),
 }
 
 
@@ -207,8 +234,10 @@ FIT_CLI_CASES = {
 }
 
 
-CKPT_CASES = {"garbage directory": (_garbage_directory, "garbage.ckpt"),
-              "sharded checkpoint, single device": (_fake_sharded_checkpoint, "dcp.ckpt")}
+CKPT_CASES = {
+    "garbage directory": (_garbage_directory, "garbage.ckpt"),
+    "sharded checkpoint, single device": (_fake_sharded_checkpoint, "dcp.ckpt"),
+}
 
 
 @pytest.mark.parametrize("case", list(CKPT_CASES))
@@ -217,9 +246,24 @@ def test_cli_fit_refuses_a_checkpoint_directory_it_cannot_read(case, tmp_path, m
     make, named = CKPT_CASES[case]
     steps = _CountSteps()
     with pytest.raises(ValueError, match=named):
-        LLMCLI(args=["fit", "--trainer.logger", "false", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
-                     "--data.num_tokens", "2000", "--data.seq_len", "32", "--ckpt_path", make(tmp_path)],
-               trainer_defaults={"callbacks": [steps]})
+        LLMCLI(
+            args=[
+                "fit",
+                "--trainer.logger",
+                "false",
+                "--trainer.max_steps",
+                "1",
+                "--trainer.accelerator",
+                "cpu",
+                "--data.num_tokens",
+                "2000",
+                "--data.seq_len",
+                "32",
+                "--ckpt_path",
+                make(tmp_path),
+            ],
+            trainer_defaults={"callbacks": [steps]},
+        )
     assert steps.steps == 0
 
 

@@ -10,9 +10,32 @@ ROOT = Path(__file__).parents[1]
 
 def test_mfu_benchmark_cpu_smoke():
     result = subprocess.run(
-        [sys.executable, "benchmarks/mfu.py", "--size", "tiny", "--device", "cpu", "--precision", "32-true",
-         "--seq-len", "64", "--batch", "4", "--steps", "6", "--warmup", "2", "--rounds", "1", "--peak-flops", "1e12"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "benchmarks/mfu.py",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--precision",
+            "32-true",
+            "--seq-len",
+            "64",
+            "--batch",
+            "4",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--rounds",
+            "1",
+            "--peak-flops",
+            "1e12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -41,8 +64,13 @@ def test_alternate_runs_every_side_once_per_round_in_shuffled_orders():
 
 
 def test_checkpoint_stall_quick_reports_the_spread_of_per_round_ratios():
-    result = subprocess.run([sys.executable, "benchmarks/checkpoint_stall.py", "--quick"], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint_stall.py", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"async/sync median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)", result.stdout)
     assert match, result.stdout
@@ -51,19 +79,33 @@ def test_checkpoint_stall_quick_reports_the_spread_of_per_round_ratios():
 
 
 def test_strategy_overhead_quick_alternates_both_strategies():
-    result = subprocess.run([sys.executable, "benchmarks/strategy_overhead.py", "--quick"], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/strategy_overhead.py", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"ratio LLMParallelStrategy / hand-written: median [\d.]+ \(min [\d.]+, max [\d.]+, 2 rounds\)",
-                     result.stdout), result.stdout
+    assert re.search(
+        r"ratio LLMParallelStrategy / hand-written: median [\d.]+ \(min [\d.]+, max [\d.]+, 2 rounds\)", result.stdout
+    ), result.stdout
 
 
 def test_activation_checkpointing_quick_reports_every_mode_against_none():
-    result = subprocess.run([sys.executable, "benchmarks/activation_checkpointing.py", "--quick"], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/activation_checkpointing.py", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = re.findall(r"^(\S+)\s+([\d.]+) MiB\s+([\d.]+)\s+[\d.]+ ms\s+median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)",
-                      result.stdout, re.MULTILINE)
+    rows = re.findall(
+        r"^(\S+)\s+([\d.]+) MiB\s+([\d.]+)\s+[\d.]+ ms\s+median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)",
+        result.stdout,
+        re.MULTILINE,
+    )
     modes = {row[0]: row for row in rows}
     assert "none" in modes and "full" in modes, result.stdout
     assert float(modes["none"][2]) == 1.0 and float(modes["none"][3]) == 1.0  # none against itself

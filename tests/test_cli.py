@@ -57,10 +57,26 @@ def test_fit_through_console_entry_point_logs_to_wandb_offline(tmp_path):
     # A fresh process (W&B writes a second run of one process lazily, if at all), on a machine with no W&B setup.
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_llm.cli", "fit", "--config", str(TINY), "--trainer.max_steps", "30",
-         "--trainer.val_check_interval", "30", "--trainer.limit_val_batches", "2",
-         "--trainer.enable_progress_bar", "false"],
-        cwd=tmp_path, env={**env, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "lightning_llm.cli",
+            "fit",
+            "--config",
+            str(TINY),
+            "--trainer.max_steps",
+            "30",
+            "--trainer.val_check_interval",
+            "30",
+            "--trainer.limit_val_batches",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=tmp_path,
+        env={**env, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -81,14 +97,24 @@ def test_user_classes_keep_their_own_defaults(form, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if form == "yaml":
         config = tmp_path / "user.yaml"
-        config.write_text(yaml.safe_dump({
-            "model": {"class_path": "tests._cli_user_classes.UserModule", "init_args": {"warmup_steps": 9}},
-            "data": {"class_path": "tests._cli_user_classes.UserData"},
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "model": {"class_path": "tests._cli_user_classes.UserModule", "init_args": {"warmup_steps": 9}},
+                    "data": {"class_path": "tests._cli_user_classes.UserData"},
+                }
+            )
+        )
         args = ["--config", str(config)]
     else:
-        args = ["--model", "tests._cli_user_classes.UserModule", "--data", "tests._cli_user_classes.UserData",
-                "--model.warmup_steps", "9"]
+        args = [
+            "--model",
+            "tests._cli_user_classes.UserModule",
+            "--data",
+            "tests._cli_user_classes.UserData",
+            "--model.warmup_steps",
+            "9",
+        ]
     cli = LLMCLI(args=[*args, "--trainer.logger", "false"], run=False)
     assert type(cli.model).__name__ == "UserModule" and type(cli.datamodule).__name__ == "UserData"
     assert (cli.model.hparams.learning_rate, cli.model.hparams.warmup_steps) == (1e-3, 9)
@@ -106,9 +132,24 @@ def test_help_names_the_plan_subcommand(capsys):
 @pytest.mark.parametrize("config", ["tiny.yaml", "llama7b.yaml"])  # llama7b has no seed_everything
 def test_plan_prints_its_table_and_nothing_else(config):
     # A fresh process, so Lightning's log handlers write to the captured stderr.
-    result = subprocess.run([sys.executable, "-m", "lightning_llm.cli", "plan", "--config", f"configs/{config}",
-                             "--devices", "8", "--device_memory", "80GB"],
-                            capture_output=True, text=True, timeout=300, cwd=Path(TINY).parents[1])
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_llm.cli",
+            "plan",
+            "--config",
+            f"configs/{config}",
+            "--devices",
+            "8",
+            "--device_memory",
+            "80GB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(TINY).parents[1],
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Chosen: ZeRO" in result.stdout
     for noise in ("GPU available", "TPU available", "LightningCLI's args", "Tip:", "No seed found"):
@@ -117,9 +158,12 @@ def test_plan_prints_its_table_and_nothing_else(config):
 
 def test_plan_imports_neither_wandb_nor_deepspeed():
     # The 7B config names a WandbLogger and the DeepSpeed strategy is registered: plan needs neither module.
-    code = ("import sys; from lightning_llm.cli import plan; plan(['--config', 'configs/llama7b.yaml']); "
-            "print(sorted(m for m in ('wandb', 'deepspeed') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).parents[1])
+    code = (
+        "import sys; from lightning_llm.cli import plan; plan(['--config', 'configs/llama7b.yaml']); "
+        "print(sorted(m for m in ('wandb', 'deepspeed') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

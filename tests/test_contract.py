@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from lightning_llm.callbacks import CheckpointRotation, GradNormMonitor, MFUMonitor
-from lightning_llm.callbacks.checkpoint_files import complete_checkpoints, read_marker
+from lightning_llm.checkpointing.files import complete_checkpoints, read_marker
 from lightning_llm.contract import ParallelLayout, contract_of, implements_contract
+from lightning_llm.contract.lightning import LightningContract
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
-from lightning_llm.strategies.lightning_fallback import LightningContract
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import data, make_model
 
@@ -38,10 +38,20 @@ class TorchNorm(L.Callback):
 
 def _fit(tmp: str, devices: int, callbacks: list) -> L.Trainer:
     model = make_model("reference")
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=4,
-                        logger=False, log_every_n_steps=1, enable_checkpointing=any(isinstance(c, CheckpointRotation) for c in callbacks),
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=callbacks, limit_val_batches=0, default_root_dir=tmp)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=4,
+        logger=False,
+        log_every_n_steps=1,
+        enable_checkpointing=any(isinstance(c, CheckpointRotation) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        limit_val_batches=0,
+        default_root_dir=tmp,
+    )
     trainer.fit(model, data(8 // devices))
     return trainer
 
@@ -53,13 +63,20 @@ def _under_ddp(world_size: int, tmp: str) -> dict:
     from tests.callbacks.test_mfu import FakeClock
 
     mfu.time = types.SimpleNamespace(perf_counter=FakeClock().perf_counter)  # every logging window lasts 1 s
-    monitors = [GradNormMonitor(), MFUMonitor(log_every_n_steps=2, peak_flops=1e12),
-                CheckpointRotation(dirpath=tmp, every_n_train_steps=2, keep_last=1, async_save=True)]
+    monitors = [
+        GradNormMonitor(),
+        MFUMonitor(log_every_n_steps=2, peak_flops=1e12),
+        CheckpointRotation(dirpath=tmp, every_n_train_steps=2, keep_last=1, async_save=True),
+    ]
     trainer = _fit(tmp, world_size, monitors)
     metrics = trainer.callback_metrics
-    return {"layout": contract_of(trainer).layout, "norm": metrics["grad_norm/total"].item(),
-            "samples_per_sec": metrics["throughput/samples_per_sec"].item(),
-            "tokens_per_sec": metrics["throughput/tokens_per_sec"].item(), "tokens_seen": monitors[2].tokens_seen}
+    return {
+        "layout": contract_of(trainer).layout,
+        "norm": metrics["grad_norm/total"].item(),
+        "samples_per_sec": metrics["throughput/samples_per_sec"].item(),
+        "tokens_per_sec": metrics["throughput/tokens_per_sec"].item(),
+        "tokens_seen": monitors[2].tokens_seen,
+    }
 
 
 @pytest.mark.distributed
@@ -72,7 +89,9 @@ def test_callbacks_under_lightnings_ddp_use_the_fallback(tmp_path):
         # DDP averages the two half-batches' gradients: the norm of the full batch's gradient, on every rank.
         assert result["norm"] == pytest.approx(oracle.norms[-1], rel=1e-5)
         # Both replicas' samples count: 8 per step globally, 2 steps per one-second window, 32 tokens each.
-        assert result["samples_per_sec"] == pytest.approx(2 * 8) and result["tokens_per_sec"] == pytest.approx(2 * 8 * SEQ)
+        assert result["samples_per_sec"] == pytest.approx(2 * 8) and result["tokens_per_sec"] == pytest.approx(
+            2 * 8 * SEQ
+        )
         assert result["tokens_seen"] == 4 * 8 * SEQ
     (newest,) = complete_checkpoints(tmp_path)
     meta = read_marker(newest)

@@ -9,11 +9,11 @@ import importlib.util
 import os
 import pkgutil
 import re
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.version import Version
 
 import lightning_llm
@@ -49,6 +49,8 @@ def test_the_minimum_versions_job_pins_every_floor():
     floors = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(floors)
     pins, unfloored = floors.pins(PYPROJECT)
-    exact = [r.replace(" ", "") for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["dev"] if "==" in r]
+    exact = [
+        r.replace(" ", "") for r in PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["dev"] if "==" in r
+    ]
     assert sorted(pins) == sorted({f"{name.lower()}=={floor}" for name, floor in _floors()} | set(exact))
     assert unfloored == ["numpy", "psutil", "tqdm"]

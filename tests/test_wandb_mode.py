@@ -29,7 +29,9 @@ def test_unconfigured_machine_logs_offline_and_says_how_to_change_it(bare, monke
     assert os.environ["WANDB_MODE"] == "offline"
 
 
-@pytest.mark.parametrize("variable", [("WANDB_MODE", "online"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)])
+@pytest.mark.parametrize(
+    "variable", [("WANDB_MODE", "online"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "x" * 40)]
+)
 def test_environment_is_respected(bare, monkeypatch, variable):
     monkeypatch.setenv(*variable)
     assert default_to_offline() is None
@@ -47,8 +49,14 @@ def test_wandb_login_netrc_is_respected(bare, monkeypatch):
 
 def test_wandb_offline_command_is_respected(bare, tmp_path):
     # W&B's own CLI writes its settings file; reading it back is what W&B does too.
-    result = subprocess.run([sys.executable, "-m", "wandb", "offline"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "HOME": str(bare)})
+    result = subprocess.run(
+        [sys.executable, "-m", "wandb", "offline"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(bare)},
+    )
     assert result.returncode == 0, result.stderr
     assert wandb_configuration() == "W&B settings (mode = offline)"
     assert default_to_offline() is None

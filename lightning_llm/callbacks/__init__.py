@@ -7,5 +7,14 @@ from lightning_llm.callbacks.mfu import MFUMonitor
 from lightning_llm.callbacks.spike import LossSpikeError, LossSpikeGuard
 from lightning_llm.callbacks.watchdog import RankUnresponsiveError, RankWatchdog
 
-__all__ = ["CheckpointRotation", "GradNormMonitor", "LossSpikeError", "LossSpikeGuard", "MFUMonitor", "MemoryMonitor",
-           "RankUnresponsiveError", "RankWatchdog", "RunInfoLogger"]
+__all__ = [
+    "CheckpointRotation",
+    "GradNormMonitor",
+    "LossSpikeError",
+    "LossSpikeGuard",
+    "MFUMonitor",
+    "MemoryMonitor",
+    "RankUnresponsiveError",
+    "RankWatchdog",
+    "RunInfoLogger",
+]

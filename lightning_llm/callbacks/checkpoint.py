@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Literal
@@ -13,30 +14,31 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_llm.callbacks import checkpoint_errors as errors
-from lightning_llm.callbacks import checkpoint_files as files
-from lightning_llm.callbacks import checkpoint_fs as cfs
-from lightning_llm.callbacks.checkpoint_commit import (
-    Pending,
+from lightning_llm.callbacks.checkpoint_options import (
     can_save_async,
     check_remote,
-    check_writable,
-    commit,
-    committed_after,
     default_dirpath,
-    last_candidate,
     metadata,
-    newest_verified,
-    rotate,
     staging_location,
     validate_options,
 )
-from lightning_llm.callbacks.checkpoint_errors import GuardedWrite
-from lightning_llm.callbacks.checkpoint_load import VerifiedLoad
-from lightning_llm.callbacks.rng_state import gather_rng_states, set_rng_state
+from lightning_llm.checkpointing import errors, files
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.commit import (
+    Pending,
+    check_writable,
+    commit,
+    committed_after,
+    last_candidate,
+    newest_verified,
+    rotate,
+)
+from lightning_llm.checkpointing.errors import GuardedWrite
+from lightning_llm.checkpointing.rng_state import gather_rng_states, set_rng_state
+from lightning_llm.checkpointing.verified_load import VerifiedLoad
+from lightning_llm.checkpointing.write_gate import resume_background_writes
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
-from lightning_llm.strategies.write_gate import resume_background_writes
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class CheckpointRotation(ModelCheckpoint):
     ``dirpath`` may be a URL of any fsspec filesystem (``s3://bucket/run``, ``gs://``, ``memory://``,
     ``file://``), as with Lightning's ModelCheckpoint; every file operation goes through fsspec. Where
     the filesystem has no atomic rename (object stores), the data is written in place and the marker,
-    written last in one request, is the commit (:mod:`lightning_llm.callbacks.checkpoint_fs` says what
+    written last in one request, is the commit (:mod:`lightning_llm.checkpointing.fs` says what
     is atomic where). Single files (single device, DDP) and LLMParallelStrategy's sharded checkpoints
     (torch's fsspec writer) can go to a URL, asynchronously too; other strategies refuse one at setup.
 
@@ -113,8 +115,14 @@ class CheckpointRotation(ModelCheckpoint):
         validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
         location = cfs.normalize(dirpath) if dirpath is not None else None  # ValueError naming an unknown protocol
         super().__init__(
-            dirpath=dirpath, monitor=monitor, mode=mode, save_top_k=-1, save_last=False,
-            every_n_train_steps=None, train_time_interval=None, save_on_train_epoch_end=False,
+            dirpath=dirpath,
+            monitor=monitor,
+            mode=mode,
+            save_top_k=-1,
+            save_last=False,
+            every_n_train_steps=None,
+            train_time_interval=None,
+            save_on_train_epoch_end=False,
         )
         self._dirpath_arg, self.dirpath = dirpath, location  # Lightning's realpath would mangle a file:// URL
         self.save_every_n_steps, self.every_n_minutes = every_n_train_steps, every_n_minutes
@@ -189,8 +197,10 @@ class CheckpointRotation(ModelCheckpoint):
         if trainer.global_rank < len(states):
             self._rng_to_restore = states[trainer.global_rank]
         elif states:
-            rank_zero_warn(f"The checkpoint holds random generator states of {len(states)} ranks, this run has "
-                           f"{trainer.world_size}: ranks beyond them keep their seeded generators.")
+            rank_zero_warn(
+                f"The checkpoint holds random generator states of {len(states)} ranks, this run has "
+                f"{trainer.world_size}: ranks beyond them keep their seeded generators."
+            )
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -198,10 +208,8 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        try:
+        with contextlib.suppress(TypeError):  # a batch without a (batch, seq_len) tensor: tokens are not counted
             self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * contract_of(trainer).layout.dp
-        except TypeError:
-            pass  # a batch without a (batch, seq_len) tensor: tokens are not counted
         step = trainer.global_step
         stepped, self._last_step_seen = step != self._last_step_seen, step
         if not stepped or step == self._last_saved_step:  # accumulating, or saved already
@@ -243,7 +251,9 @@ class CheckpointRotation(ModelCheckpoint):
             if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
                 pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
                 if trainer.is_global_zero and self.verify_mode != "load":
-                    pending.future = committed_after(pending.future, pending, lambda: self._rotate(pending.resumed_from))
+                    pending.future = committed_after(
+                        pending.future, pending, lambda: self._rotate(pending.resumed_from)
+                    )
             elif type(strategy).save_checkpoint is Strategy.save_checkpoint:
                 strategy.checkpoint_io = guard = GuardedWrite(strategy.checkpoint_io)
                 try:
@@ -268,10 +278,12 @@ class CheckpointRotation(ModelCheckpoint):
         logged = sorted(trainer.callback_metrics)
         if not trainer.strategy.broadcast(self.monitor not in logged):  # rank 0 decides for all
             return
-        message = (f"CheckpointRotation(monitor={self.monitor!r}): no metric {self.monitor!r} was logged by step "
-                   f"{trainer.global_step}; the logged metrics are {logged}. Log it with "
-                   f"self.log({self.monitor!r}, value) in the LightningModule, or correct the name (or pass "
-                   "require_monitor=False to save checkpoints without a score).")
+        message = (
+            f"CheckpointRotation(monitor={self.monitor!r}): no metric {self.monitor!r} was logged by step "
+            f"{trainer.global_step}; the logged metrics are {logged}. Log it with "
+            f"self.log({self.monitor!r}, value) in the LightningModule, or correct the name (or pass "
+            "require_monitor=False to save checkpoints without a score)."
+        )
         if trainer.enable_validation and not self._validated:
             rank_zero_warn(message + " Validation has not run yet: this checkpoint is saved without a score.")
             return
@@ -309,8 +321,11 @@ class CheckpointRotation(ModelCheckpoint):
         error = trainer.strategy.broadcast(error)
         if error is not None:
             complete = files.complete_checkpoints(self.directory)
-            kept = (f"the newest complete checkpoint, {complete[-1]}, is kept" if complete
-                    else "no earlier checkpoint exists")
+            kept = (
+                f"the newest complete checkpoint, {complete[-1]}, is kept"
+                if complete
+                else "no earlier checkpoint exists"
+            )
             raise RuntimeError(
                 f"CheckpointRotation could not save checkpoint {cfs.name(pending.final)} in {self.dirpath}: {error}. "
                 f"Nothing was committed and {kept}. Free space or fix the permissions under {self.dirpath}, then "
@@ -322,8 +337,14 @@ class CheckpointRotation(ModelCheckpoint):
         self.last_model_path = str(pending.final)
 
     def _rotate(self, resumed_from: str | None) -> None:
-        best = rotate(self.directory, keep_last=self.keep_last, keep_best=self.keep_best, monitor=self.monitor,
-                      mode=self.mode, resumed_from=resumed_from)
+        best = rotate(
+            self.directory,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            monitor=self.monitor,
+            mode=self.mode,
+            resumed_from=resumed_from,
+        )
         if best is not None:
             self.best_model_path, self.best_model_score = str(best[0]), torch.tensor(best[1])
 

@@ -37,7 +37,11 @@ class GradNormMonitor(L.Callback):
     """
 
     def __init__(
-        self, log_every_n_steps: int | None = None, norm_type: float = 2.0, per_block: bool = False, per_param_group: bool = False
+        self,
+        log_every_n_steps: int | None = None,
+        norm_type: float = 2.0,
+        per_block: bool = False,
+        per_param_group: bool = False,
     ) -> None:
         check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_float("norm_type", norm_type, allow_inf=True)
@@ -77,8 +81,11 @@ class GradNormMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not isinstance(trainer.strategy, DeepSpeedStrategy) or not cadence.due(trainer, self.log_every_n_steps, counted=True) \
-                or step == self._read_at:
+        if (
+            not isinstance(trainer.strategy, DeepSpeedStrategy)
+            or not cadence.due(trainer, self.log_every_n_steps, counted=True)
+            or step == self._read_at
+        ):
             return  # not DeepSpeed, not due, or a micro-batch that accumulated without a step
         self._read_at = step
         norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()

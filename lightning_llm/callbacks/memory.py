@@ -64,7 +64,9 @@ class MemoryMonitor(L.Callback):
         self._last_step = -1  # an accumulation micro-batch ends with global_step unchanged: log once per step
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if self._last_step != trainer.global_step and cadence.due(trainer, None, counted=True):
             self._last_step = trainer.global_step
             for name, value in memory_metrics(trainer.strategy.root_device).items():

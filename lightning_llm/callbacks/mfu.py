@@ -92,7 +92,9 @@ class MFUMonitor(L.Callback):
         if self.peak_flops is None:
             self.peak_flops = device_peak_flops(strategy.root_device, str(trainer.precision))
             if self.peak_flops is None:
-                rank_zero_warn(f"MFUMonitor: no peak FLOP/s known for {strategy.root_device}; pass peak_flops to log MFU.")
+                rank_zero_warn(
+                    f"MFUMonitor: no peak FLOP/s known for {strategy.root_device}; pass peak_flops to log MFU."
+                )
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -131,7 +133,9 @@ class MFUMonitor(L.Callback):
             metrics["throughput/device/mfu"] = model_flops / self.peak_flops
             if self._shape is not None and any(p == "full" for p in self._policies):
                 recompute = self._shape.recompute_flops_per_token(self._seq_len, self._policies)
-                metrics["throughput/device/hfu"] = tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
+                metrics["throughput/device/hfu"] = (
+                    tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
+                )
         for name, value in metrics.items():
             shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/device/mfu")
             pl_module.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -62,8 +62,9 @@ class LossSpikeGuard(L.Callback):
     ) -> None:
         check_choice("action", action, ACTIONS)
         window = check_int("window", window, minimum=2, hint="a standard deviation needs at least 2 steps")
-        threshold = check_float("threshold", threshold, minimum=0, inclusive=False,
-                                hint="standard deviations above the mean, e.g. 6.0")
+        threshold = check_float(
+            "threshold", threshold, minimum=0, inclusive=False, hint="standard deviations above the mean, e.g. 6.0"
+        )
         warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         check_bool("check_gradients", check_gradients)
         self.action, self.threshold, self.warmup_steps = action, threshold, warmup_steps

@@ -12,7 +12,17 @@ from lightning_llm.data.token_files import TokenFileInfo, read_offsets, read_tok
 from lightning_llm.data.tokenizer import ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer", "LLMDataModule", "PackedDocuments", "ResumableDistributedSampler", "TokenFileInfo", "TokenWindows",
-    "document_causal_mask", "entropy_floor", "markov_corpus", "read_offsets", "read_token_file",
-    "read_token_info", "token_dtype_for",
+    "ByteTokenizer",
+    "LLMDataModule",
+    "PackedDocuments",
+    "ResumableDistributedSampler",
+    "TokenFileInfo",
+    "TokenWindows",
+    "document_causal_mask",
+    "entropy_floor",
+    "markov_corpus",
+    "read_offsets",
+    "read_token_file",
+    "read_token_info",
+    "token_dtype_for",
 ]

@@ -9,12 +9,12 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_llm.data.datasets import TokenWindows, read_text_files
+from lightning_llm.data.model_limits import check_data_fits_model
 from lightning_llm.data.packing import PackedDocuments, split_offsets
 from lightning_llm.data.sampler import ResumableDistributedSampler
 from lightning_llm.data.synthetic import entropy_floor, markov_corpus
 from lightning_llm.data.token_files import TokenFileInfo, load_token_files
 from lightning_llm.data.tokenizer import ByteTokenizer
-from lightning_llm.preflight import check_data_fits_model
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
 SOURCES = ("synthetic", "text", "tokens")
@@ -87,8 +87,21 @@ class LLMDataModule(L.LightningDataModule):
         return_document_ids: bool = False,
     ) -> None:
         super().__init__()
-        _validate(source, path, seq_len, batch_size, token_dtype, val_fraction, num_tokens, vocab_size, markov_order,
-                  branching, seed, shuffle, num_workers)
+        _validate(
+            source,
+            path,
+            seq_len,
+            batch_size,
+            token_dtype,
+            val_fraction,
+            num_tokens,
+            vocab_size,
+            markov_order,
+            branching,
+            seed,
+            shuffle,
+            num_workers,
+        )
         _validate_files(source, val_path, return_document_ids)
         self.save_hyperparameters()
         self.train_set: TokenWindows | None = None
@@ -162,7 +175,10 @@ class LLMDataModule(L.LightningDataModule):
 
     def _loader(self, dataset, sampler) -> DataLoader:
         return DataLoader(
-            dataset, batch_size=self.hparams.batch_size, sampler=sampler, num_workers=self.hparams.num_workers,
+            dataset,
+            batch_size=self.hparams.batch_size,
+            sampler=sampler,
+            num_workers=self.hparams.num_workers,
             drop_last=True,
         )
 
@@ -228,21 +244,42 @@ def _as_list(paths: str | list[str] | None) -> list[str]:
 def _validate_files(source: str, val_path, return_document_ids: bool) -> None:
     check_bool("return_document_ids", return_document_ids)
     if return_document_ids and source != "tokens":
-        raise ValueError(f"return_document_ids=True needs source='tokens' (files from `lightning-llm prepare` with their "
-                         f".idx document offsets), got source={source!r}.")
+        raise ValueError(
+            f"return_document_ids=True needs source='tokens' (files from `lightning-llm prepare` with their "
+            f".idx document offsets), got source={source!r}."
+        )
     if val_path is not None:
         if source == "synthetic":
-            raise ValueError(f"val_path={val_path!r} is for file sources; source='synthetic' draws its own validation "
-                             "stream. Set source='tokens' or 'text', or drop val_path.")
+            raise ValueError(
+                f"val_path={val_path!r} is for file sources; source='synthetic' draws its own validation "
+                "stream. Set source='tokens' or 'text', or drop val_path."
+            )
         paths = _as_list(val_path)
         if not paths or not all(isinstance(p, str) and p for p in paths):
             raise ValueError(f"val_path={val_path!r} must be a file or a list of files.")
 
 
-def _validate(source, path, seq_len, batch_size, token_dtype, val_fraction, num_tokens, vocab_size, markov_order,
-              branching, seed, shuffle, num_workers) -> None:
-    check_choice("source", source, SOURCES, hint="parquet, JSON and the like: tokenize to a uint16/uint32 file and "
-                 "use source='tokens'")
+def _validate(
+    source,
+    path,
+    seq_len,
+    batch_size,
+    token_dtype,
+    val_fraction,
+    num_tokens,
+    vocab_size,
+    markov_order,
+    branching,
+    seed,
+    shuffle,
+    num_workers,
+) -> None:
+    check_choice(
+        "source",
+        source,
+        SOURCES,
+        hint="parquet, JSON and the like: tokenize to a uint16/uint32 file and use source='tokens'",
+    )
     if source in ("text", "tokens"):
         paths = [path] if isinstance(path, str) else path
         if not paths or not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):

@@ -48,7 +48,7 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
         elif entry.suffix not in SUFFIXES:
             raise ValueError(
                 f"Input {str(entry)!r} has suffix {entry.suffix!r}; supported are {', '.join(SUFFIXES)} "
-                "(convert other formats to JSON Lines with one {\"text\": ...} object per line)."
+                '(convert other formats to JSON Lines with one {"text": ...} object per line).'
             )
         else:
             files.append(entry)
@@ -109,5 +109,7 @@ def _utf8_lines(lines, path: Path) -> Iterator[str]:
     try:
         yield from lines
     except UnicodeDecodeError as err:
-        raise ValueError(f"{str(path)!r} is not UTF-8 ({err.reason} at byte {err.start} of a read block); convert "
-                         "it, e.g. `iconv -t UTF-8`.") from None
+        raise ValueError(
+            f"{str(path)!r} is not UTF-8 ({err.reason} at byte {err.start} of a read block); convert "
+            "it, e.g. `iconv -t UTF-8`."
+        ) from None

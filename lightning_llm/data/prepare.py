@@ -30,7 +30,11 @@ import numpy as np
 
 from lightning_llm.data.documents import expand_inputs, iter_documents
 from lightning_llm.data.token_files import (
-    TokenFileInfo, offsets_path, sidecar_path, token_dtype_for, write_token_info,
+    TokenFileInfo,
+    offsets_path,
+    sidecar_path,
+    token_dtype_for,
+    write_token_info,
 )
 from lightning_llm.validation import check_float, check_int
 
@@ -88,8 +92,10 @@ def prepare(
         return iter_documents(inputs, text_key=text_key, txt_split=txt_split)
 
     if next(documents(), None) is None:
-        raise ValueError(f"No documents in {[str(p) for p in inputs]}: every file is empty or whitespace only "
-                         "(or, for .jsonl, every record's text is). Give inputs with some text.")
+        raise ValueError(
+            f"No documents in {[str(p) for p in inputs]}: every file is empty or whitespace only "
+            "(or, for .jsonl, every record's text is). Give inputs with some text."
+        )
     tok, tokenizer_path = _tokenizer(tokenizer, vocab_size, documents, out)
     eos_id = _eos_id(tok, tokenizer_path, eos_token)
     dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
@@ -100,13 +106,23 @@ def prepare(
     if "val" in writers and writers["val"].documents == 0:
         total = writers["train"].documents
         _remove(writers.values())
-        raise ValueError(f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
-                         f"(no validation split) or at least {1 / total:.3g}.")
+        raise ValueError(
+            f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
+            f"(no validation split) or at least {1 / total:.3g}."
+        )
     inside = tokenizer_path.is_relative_to(out.resolve())
     relative = os.path.relpath(tokenizer_path, out.resolve()) if inside else str(tokenizer_path)
-    infos = {name: TokenFileInfo(dtype=dtype, vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=eos_id,
-                                 tokenizer=relative, num_documents=w.documents, num_tokens=w.tokens)
-             for name, w in writers.items()}
+    infos = {
+        name: TokenFileInfo(
+            dtype=dtype,
+            vocab_size=tok.get_vocab_size(with_added_tokens=True),
+            eos_id=eos_id,
+            tokenizer=relative,
+            num_documents=w.documents,
+            num_tokens=w.tokens,
+        )
+        for name, w in writers.items()
+    }
     for name, info in infos.items():
         write_token_info(writers[name].path, info)
     return infos
@@ -118,8 +134,10 @@ def _tokenizer(given: str | Path | None, vocab_size: int, documents, out: Path):
     if given is not None:
         path = Path(given)
         if not path.is_file():
-            raise FileNotFoundError(f"Tokenizer not found: tokenizer={str(path)!r}. Pass a Hugging Face tokenizer.json "
-                                    "file, or leave --tokenizer out to train a byte-level BPE on the inputs.")
+            raise FileNotFoundError(
+                f"Tokenizer not found: tokenizer={str(path)!r}. Pass a Hugging Face tokenizer.json "
+                "file, or leave --tokenizer out to train a byte-level BPE on the inputs."
+            )
         try:
             return Tokenizer.from_file(str(path)), path.resolve()
         except Exception as err:  # the Rust side raises a bare Exception for a malformed file
@@ -144,8 +162,12 @@ def train_bpe(documents: Iterable[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[TRAINED_EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     return tok
 
@@ -157,10 +179,14 @@ def _eos_id(tok, path: Path, eos_token: str | None) -> int:
             return found
     added = [t.content for t in tok.get_added_tokens_decoder().values()]
     if eos_token is not None:
-        raise ValueError(f"eos_token={eos_token!r} is not in the tokenizer {str(path)!r}; its special tokens are "
-                         f"{added}. Pass one of them with --eos_token.")
-    raise ValueError(f"The tokenizer {str(path)!r} has none of {list(EOS_CANDIDATES)}; its special tokens are {added}. "
-                     "Name the document separator with --eos_token.")
+        raise ValueError(
+            f"eos_token={eos_token!r} is not in the tokenizer {str(path)!r}; its special tokens are "
+            f"{added}. Pass one of them with --eos_token."
+        )
+    raise ValueError(
+        f"The tokenizer {str(path)!r} has none of {list(EOS_CANDIDATES)}; its special tokens are {added}. "
+        "Name the document separator with --eos_token."
+    )
 
 
 def _assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tuple[str, str]]:
@@ -281,18 +307,32 @@ def command(args: list[str]) -> dict[str, TokenFileInfo]:
     parser.add_argument("--vocab_size", type=int, default=32000, help="size of the trained BPE (default 32000)")
     parser.add_argument("--eos_token", help=f"document separator of --tokenizer (default: first of {EOS_CANDIDATES})")
     parser.add_argument("--text_key", default="text", help="key of the text in .jsonl records (default: text)")
-    parser.add_argument("--txt_split", choices=("file", "blank_line"), default="file",
-                        help="a .txt file is one document (file), or documents are separated by blank lines")
+    parser.add_argument(
+        "--txt_split",
+        choices=("file", "blank_line"),
+        default="file",
+        help="a .txt file is one document (file), or documents are separated by blank lines",
+    )
     parser.add_argument("--val_fraction", type=float, default=0.0, help="share of documents written to val.bin")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
     options = parser.parse_args(args)
     try:
-        infos = prepare(options.inputs, options.output_dir, tokenizer=options.tokenizer,
-                        vocab_size=options.vocab_size, eos_token=options.eos_token, text_key=options.text_key,
-                        txt_split=options.txt_split, val_fraction=options.val_fraction, workers=options.workers)
+        infos = prepare(
+            options.inputs,
+            options.output_dir,
+            tokenizer=options.tokenizer,
+            vocab_size=options.vocab_size,
+            eos_token=options.eos_token,
+            text_key=options.text_key,
+            txt_split=options.txt_split,
+            val_fraction=options.val_fraction,
+            workers=options.workers,
+        )
     except (FileNotFoundError, TypeError, ValueError) as err:
         parser.error(str(err))
     for name, info in infos.items():
-        print(f"{Path(options.output_dir) / name}.bin: {info.num_documents} documents, {info.num_tokens} tokens "
-              f"({info.dtype}, vocab {info.vocab_size}, eos {info.eos_id}, tokenizer {info.tokenizer})")
+        print(
+            f"{Path(options.output_dir) / name}.bin: {info.num_documents} documents, {info.num_tokens} tokens "
+            f"({info.dtype}, vocab {info.vocab_size}, eos {info.eos_id}, tokenizer {info.tokenizer})"
+        )
     return infos

@@ -80,11 +80,15 @@ def read_token_info(token_file: str | Path) -> TokenFileInfo | None:
         fields = json.loads(path.read_text())
         info = TokenFileInfo(**fields)
     except (json.JSONDecodeError, TypeError) as err:
-        raise ValueError(f"{str(path)!r} is not a token-file sidecar written by `lightning-llm prepare` ({err}); "
-                         "remove it or prepare the data again.") from None
+        raise ValueError(
+            f"{str(path)!r} is not a token-file sidecar written by `lightning-llm prepare` ({err}); "
+            "remove it or prepare the data again."
+        ) from None
     if info.format != FORMAT:
-        raise ValueError(f"{str(path)!r} has format {info.format!r}; this version reads {FORMAT!r}. Prepare the data "
-                         "again with this version's `lightning-llm prepare`.")
+        raise ValueError(
+            f"{str(path)!r} has format {info.format!r}; this version reads {FORMAT!r}. Prepare the data "
+            "again with this version's `lightning-llm prepare`."
+        )
     return info
 
 
@@ -130,8 +134,10 @@ def load_token_files(
     arrays = [read_token_file(p, dtype) for p in paths]
     for (path, info), array in zip(zip(paths, infos), arrays):
         if info is not None and len(array) != info.num_tokens:
-            raise ValueError(f"{path} holds {len(array)} tokens but its sidecar says {info.num_tokens}; the file was "
-                             "truncated or replaced. Prepare it again.")
+            raise ValueError(
+                f"{path} holds {len(array)} tokens but its sidecar says {info.num_tokens}; the file was "
+                "truncated or replaced. Prepare it again."
+            )
     tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     offsets = None
     if with_offsets:
@@ -143,7 +149,9 @@ def load_token_files(
     if described:
         first = described[0][1]
         combined = dataclasses.replace(
-            first, vocab_size=max(i.vocab_size for _, i in described),
-            num_documents=sum(i.num_documents for _, i in described), num_tokens=len(tokens),
+            first,
+            vocab_size=max(i.vocab_size for _, i in described),
+            num_documents=sum(i.num_documents for _, i in described),
+            num_tokens=len(tokens),
         )
     return tokens, offsets, combined

@@ -1,6 +1,6 @@
 """Trained weights out: a Lightning checkpoint of any layout -> a Hugging Face directory ``from_pretrained`` loads.
 
-The checkpoint is read whole in one process (:func:`lightning_llm.checkpoint.read_model_state`: a DCP
+The checkpoint is read whole in one process (:func:`lightning_llm.checkpointing.consolidate.read_model_state`: a DCP
 directory saved under ZeRO-3, tensor or pipeline parallelism, or a ``.ckpt`` file). Its tensors go
 into the Hugging Face model class, built on the meta device from the config the checkpoint names
 (:mod:`lightning_llm.hf.export_info`), and ``save_pretrained`` writes ``config.json``,
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_llm.checkpoint import cast_floats, parse_dtype, read_model_state
+from lightning_llm.checkpointing.consolidate import cast_floats, parse_dtype, read_model_state
 from lightning_llm.hf import llama_map
 from lightning_llm.hf.export_info import ModelSource, resolve_source
 from lightning_llm.hf.load import _match
@@ -29,9 +29,11 @@ def _own_tensors(state: dict[str, torch.Tensor], prefix: str | None, names: list
     if prefix is None:
         prefix, mapping = _match(list(state), set(names))
         return {mapping[k]: v for k, v in state.items() if k in mapping}
-    own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not own:
-        raise ValueError(f"The checkpoint holds no tensor under the model's prefix {prefix!r} (e.g. {sorted(state)[:3]}).")
+        raise ValueError(
+            f"The checkpoint holds no tensor under the model's prefix {prefix!r} (e.g. {sorted(state)[:3]})."
+        )
     return own
 
 

@@ -45,8 +45,16 @@ class ModelSource:
 
 def _transformers_class(module: nn.Module) -> type | None:
     """The ``transformers`` class of ``module`` (FSDP2 wraps it in a subclass of its own, ``FSDPLlamaForCausalLM``)."""
-    return next((cls for cls in type(module).__mro__ if cls.__module__.startswith("transformers.")
-                 and hasattr(cls, "config_class") and cls.__name__ != "PreTrainedModel"), None)
+    return next(
+        (
+            cls
+            for cls in type(module).__mro__
+            if cls.__module__.startswith("transformers.")
+            and hasattr(cls, "config_class")
+            and cls.__name__ != "PreTrainedModel"
+        ),
+        None,
+    )
 
 
 def describe_model(module: nn.Module) -> dict[str, Any] | None:
@@ -67,8 +75,12 @@ def describe_model(module: nn.Module) -> dict[str, Any] | None:
             cls = _transformers_class(sub)
             if cls is None:
                 continue
-            return {"kind": "transformers", "prefix": prefix, "class": f"{cls.__module__}.{cls.__qualname__}",
-                    "config": sub.config.to_json_string(use_diff=False)}
+            return {
+                "kind": "transformers",
+                "prefix": prefix,
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "config": sub.config.to_json_string(use_diff=False),
+            }
         if isinstance(sub, Llama):
             return {"kind": "reference_llama", "prefix": prefix, "config": asdict(sub.config)}
     return None
@@ -101,7 +113,7 @@ def _from_hf_config(path: str | Path) -> ModelSource:
 def resolve_source(rest: dict[str, Any], hf_config: str | Path | None = None) -> ModelSource:
     """Which model the checkpoint's tensors belong to: ``hf_config`` if given, else the checkpoint's own entry.
 
-    ``rest`` is the checkpoint without its tensors (see :func:`lightning_llm.checkpoint.read_model_state`).
+    ``rest`` is the checkpoint without its tensors (see :func:`lightning_llm.checkpointing.consolidate.read_model_state`).
     Raises ``ValueError`` naming the ways out when neither says.
     """
     if hf_config is not None:
@@ -122,4 +134,3 @@ def resolve_source(rest: dict[str, Any], hf_config: str | Path | None = None) ->
         "Face config it was built from: `lightning-llm export CKPT OUT --format hf --hf_config DIR` (a directory "
         "with config.json, e.g. the one the model was loaded from), or export_hf(..., hf_config=DIR)."
     )
-

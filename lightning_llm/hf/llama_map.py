@@ -41,8 +41,10 @@ _NAMES = {
 
 
 def _compile(patterns: dict[str, str]) -> list[tuple[re.Pattern, str]]:
-    return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst.replace("{i}", r"\1"))
-            for src, dst in patterns.items()]
+    return [
+        (re.compile("^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst.replace("{i}", r"\1"))
+        for src, dst in patterns.items()
+    ]
 
 
 _TO_HF = _compile(_NAMES)
@@ -98,14 +100,27 @@ def to_hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.ffn_hidden_dim,
-        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, hidden_act="silu",
-        attention_bias=False, mlp_bias=False, tie_word_embeddings=config.tie_embeddings,
-        initializer_range=config.init_std, architectures=["LlamaForCausalLM"], dtype=dtype,
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.ffn_hidden_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=config.tie_embeddings,
+        initializer_range=config.init_std,
+        architectures=["LlamaForCausalLM"],
+        dtype=dtype,
         # The reference model knows no tokenizer: no special-token ids (LlamaConfig's defaults are Llama 2's 1 and 2).
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
 
 
@@ -136,11 +151,17 @@ def from_hf_config(hf_config) -> LlamaConfig:
             "checkpoint into transformers.LlamaForCausalLM instead."
         )
     return LlamaConfig(
-        vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-        n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
-        ffn_hidden_dim=hf_config.intermediate_size, max_seq_len=hf_config.max_position_embeddings,
-        rope_theta=_rope_theta(hf_config), norm_eps=hf_config.rms_norm_eps,
-        tie_embeddings=bool(hf_config.tie_word_embeddings), init_std=hf_config.initializer_range,
+        vocab_size=hf_config.vocab_size,
+        dim=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads,
+        ffn_hidden_dim=hf_config.intermediate_size,
+        max_seq_len=hf_config.max_position_embeddings,
+        rope_theta=_rope_theta(hf_config),
+        norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        init_std=hf_config.initializer_range,
     )
 
 

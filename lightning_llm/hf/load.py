@@ -44,10 +44,12 @@ def checkpoint_files(hf_dir: str | Path) -> dict[str, Path]:
 
 def _match(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, dict[str, str]]:
     """The prefix that, stripped from the module's names, gives the checkpoint's names; and the mapping."""
-    for candidate in sorted({n[: len(n) - len(c)] for n in module_names for c in checkpoint_names if n.endswith(c)}, key=len):
+    for candidate in sorted(
+        {n[: len(n) - len(c)] for n in module_names for c in checkpoint_names if n.endswith(c)}, key=len
+    ):
         if candidate and not candidate.endswith("."):
             continue
-        mapping = {n: n[len(candidate):] for n in module_names if n.startswith(candidate)}
+        mapping = {n: n[len(candidate) :] for n in module_names if n.startswith(candidate)}
         if sum(v in checkpoint_names for v in mapping.values()) * 2 >= len(module_names):
             return candidate, mapping
     raise ValueError(
@@ -60,7 +62,9 @@ def _reference_llama(module: nn.Module) -> tuple[str, nn.Module] | None:
     """(prefix, model) of the outermost reference Llama inside ``module``, if any."""
     from lightning_llm.models.llama import Llama
 
-    return next(((f"{name}." if name else "", sub) for name, sub in module.named_modules() if isinstance(sub, Llama)), None)
+    return next(
+        ((f"{name}." if name else "", sub) for name, sub in module.named_modules() if isinstance(sub, Llama)), None
+    )
 
 
 def _llama_mapping(module: nn.Module, all_names: list[str], files: dict[str, Path], hf_dir: str | Path):
@@ -75,9 +79,12 @@ def _llama_mapping(module: nn.Module, all_names: list[str], files: dict[str, Pat
     prefix, llama = found
     llama_map.check_same_function(llama.config, transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
     ours = [n for n in all_names if n.startswith(prefix)]
-    mapping = {n: llama_map.to_hf_name(n[len(prefix):]) for n in ours}
-    transforms = {n: (lambda t, ref=n[len(prefix):]: llama_map.from_hf_tensor(ref, t, llama.config))
-                  for n in ours if n.endswith(("q_proj.weight", "k_proj.weight"))}
+    mapping = {n: llama_map.to_hf_name(n[len(prefix) :]) for n in ours}
+    transforms = {
+        n: (lambda t, ref=n[len(prefix) :]: llama_map.from_hf_tensor(ref, t, llama.config))
+        for n in ours
+        if n.endswith(("q_proj.weight", "k_proj.weight"))
+    }
     return prefix, mapping, transforms
 
 
@@ -96,7 +103,7 @@ def _read(file_handle, key: str, target: torch.Tensor, transform: Callable | Non
             rows = target.shape[0]
             per_rank = -(-rows // target.device_mesh.size())
             start = min(rows, per_rank * target.device_mesh.get_local_rank())
-            return file_handle.get_slice(key)[start:min(rows, start + per_rank)]
+            return file_handle.get_slice(key)[start : min(rows, start + per_rank)]
         full = file_handle.get_tensor(key)
         return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
     return file_handle.get_tensor(key)
@@ -125,7 +132,7 @@ def _read_partition(file_handle, key: str, param: torch.Tensor, transform: Calla
         return (transform(full) if transform is not None else full).reshape(-1)[low:high]
     row = numel // shape[0]
     first, last = low // row, -(-high // row)
-    return file_handle.get_slice(key)[first:last].reshape(-1)[low - first * row:high - first * row]
+    return file_handle.get_slice(key)[first:last].reshape(-1)[low - first * row : high - first * row]
 
 
 def _copy_into(param: torch.Tensor, file_handle, key: str, transform: Callable | None) -> None:

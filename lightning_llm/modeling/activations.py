@@ -142,7 +142,9 @@ def _counting(blocks: Sequence[nn.Module], tally: _BlockTally, saves_output: Cal
             post = block.register_forward_hook(lambda m, a, o: tally.leave())
             stack.callback(pre.remove)
             stack.callback(post.remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack))
+        stack.enter_context(
+            torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
+        )
         stack.enter_context(torch.enable_grad())
         if saves_output is not None:
             stack.enter_context(_SavedOutputs(tally, saves_output))
@@ -199,8 +201,13 @@ def measure_block_activations(
 
 
 def activation_bytes(
-    module: nn.Module, *, micro_batch_size: int, seq_len: int, activation_checkpointing: str = "none",
-    batch_fn=None, precision: str = "32-true",
+    module: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: str = "none",
+    batch_fn=None,
+    precision: str = "32-true",
 ) -> float:
     """Bytes autograd keeps for one micro-batch, measured on fake tensors.
 
@@ -210,12 +217,18 @@ def activation_bytes(
     runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
     every saved activation in 16 bits).
     """
-    return activation_bytes_by_mode(module, micro_batch_size=micro_batch_size, seq_len=seq_len, batch_fn=batch_fn,
-                                    precision=precision)[activation_checkpointing == "full"]
+    return activation_bytes_by_mode(
+        module, micro_batch_size=micro_batch_size, seq_len=seq_len, batch_fn=batch_fn, precision=precision
+    )[activation_checkpointing == "full"]
 
 
 def activation_bytes_by_mode(
-    module: nn.Module, *, micro_batch_size: int, seq_len: int, batch_fn=None, precision: str = "32-true",
+    module: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    batch_fn=None,
+    precision: str = "32-true",
 ) -> tuple[float, float]:
     """(without checkpointing, with full checkpointing) bytes of :func:`activation_bytes`, from one fake forward.
 
@@ -227,7 +240,11 @@ def activation_bytes_by_mode(
         none, full = activation_bytes_by_mode(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     device = next(module.parameters()).device
-    batch = batch_fn(micro_batch_size, seq_len) if batch_fn else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
+    batch = (
+        batch_fn(micro_batch_size, seq_len)
+        if batch_fn
+        else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
+    )
     name, blocks = find_blocks(module)
     step = lambda: module.training_step(batch, 0)  # noqa: E731
     with redirected_log(module):
@@ -239,7 +256,9 @@ def activation_bytes_by_mode(
     return scale * sum(s.saved for s in sizes), scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
 
 
-def measure_activations(module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object]) -> list[BlockActivations]:
+def measure_activations(
+    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object]
+) -> list[BlockActivations]:
     """:func:`measure_block_activations` (fake tensors), or one real forward where a kernel has no fake version.
 
     Some kernels lack a fake implementation for some dtypes (torch's grouped_mm, which Hugging Face MoE experts

@@ -43,7 +43,10 @@ def identical_blocks(blocks: Sequence[nn.Module]) -> bool:
 
 
 def _signature(block: nn.Module) -> list:
-    return [(name, type(m), _tensors(m._parameters), _tensors(m._buffers), _settings(m)) for name, m in block.named_modules()]
+    return [
+        (name, type(m), _tensors(m._parameters), _tensors(m._buffers), _settings(m))
+        for name, m in block.named_modules()
+    ]
 
 
 def _tensors(tensors: dict) -> tuple:
@@ -51,7 +54,9 @@ def _tensors(tensors: dict) -> tuple:
 
 
 def _settings(module: nn.Module) -> tuple:
-    return tuple((k, _value(v)) for k, v in sorted(vars(module).items()) if not k.startswith("_") and k not in _INDEX_NAMES)
+    return tuple(
+        (k, _value(v)) for k, v in sorted(vars(module).items()) if not k.startswith("_") and k not in _INDEX_NAMES
+    )
 
 
 def _value(value):
@@ -87,11 +92,13 @@ def measure_repeated(module: nn.Module, name: str, blocks: Sequence[nn.Module], 
     if len(blocks) <= SAMPLED_BLOCKS or not identical_blocks(blocks):
         return None
     sample, calls = list(blocks[:SAMPLED_BLOCKS]), [0] * SAMPLED_BLOCKS
-    hooks = [b.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i, b in enumerate(sample)]
+    hooks = [
+        b.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i, b in enumerate(sample)
+    ]
     try:
         with first_blocks(module, name, SAMPLED_BLOCKS):
             first, second = measure(sample)
-    except Exception as error:  # noqa: BLE001 - the full measurement below gives the model's own error, if any
+    except Exception as error:
         log.debug("measuring %d of %d blocks failed (%s); measuring all of them", SAMPLED_BLOCKS, len(blocks), error)
         return None
     finally:

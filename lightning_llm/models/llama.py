@@ -86,15 +86,28 @@ PRESETS: dict[str, LlamaConfig] = {
     "125M": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
     # Llama-3.2-1B shapes.
     "1B": LlamaConfig(
-        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
-        max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True,
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden_dim=8192,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+        tie_embeddings=True,
     ),
     # Llama-2-7B shapes.
     "7B": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden_dim=11008, max_seq_len=4096),
     # Llama-3-70B shapes.
     "70B": LlamaConfig(
-        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
 }
 

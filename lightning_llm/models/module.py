@@ -61,7 +61,7 @@ class CausalLM(L.LightningModule):
     def configure_model(self) -> None:
         # Built here rather than in __init__ so the strategy's init context decides the device: under
         # LLMParallelStrategy it is the meta device, and each rank later allocates only its shards and runs
-        # Llama.reset_parameters on them (lightning_llm.parallel.materialize). Under other strategies it
+        # Llama.reset_parameters on them (lightning_llm.parallel.init.materialize). Under other strategies it
         # is built eagerly on the host, unless wrapped in `trainer.init_module(empty_init=True)`.
         if self.model is None:
             self.model = Llama(self.config)
@@ -70,7 +70,9 @@ class CausalLM(L.LightningModule):
         return self.model(tokens) if document_ids is None else self.model(tokens, document_ids)
 
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
-        tokens, documents = (batch["input_ids"], batch.get("document_ids")) if isinstance(batch, dict) else (batch, None)
+        tokens, documents = (
+            (batch["input_ids"], batch.get("document_ids")) if isinstance(batch, dict) else (batch, None)
+        )
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits = self(inputs) if documents is None else self(inputs, documents[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

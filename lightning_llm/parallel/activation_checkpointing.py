@@ -44,8 +44,10 @@ _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.badd
 _ATTENTION = {
     getattr(_aten, name).default
     for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_fused_attention_overrideable",
     )
     if hasattr(_aten, name)
@@ -135,9 +137,13 @@ class ACReport:
     def summary(self, selective: str = "op") -> str:
         label = f"selective {selective}" if self.mode == "selective" else self.mode
         if self.mode == "auto" and self.budget_bytes is not None:
-            counts = ", ".join(f"{self.policies.count(p)} {p}" for p in ("op", "full") if p in self.policies) or "nothing"
-            label += (f": {counts}; predicted {self.predicted_bytes / 2**20:.1f} MiB within "
-                      f"{self.budget_bytes / 2**20:.1f} MiB")
+            counts = (
+                ", ".join(f"{self.policies.count(p)} {p}" for p in ("op", "full") if p in self.policies) or "nothing"
+            )
+            label += (
+                f": {counts}; predicted {self.predicted_bytes / 2**20:.1f} MiB within "
+                f"{self.budget_bytes / 2**20:.1f} MiB"
+            )
         return f"Applied activation checkpointing ({label}) to {self.checkpointed} of {len(self.policies)} blocks"
 
 
@@ -155,14 +161,19 @@ def validate_options(mode: str, selective: str = "op", every_n_layers: int = 2) 
 
 
 def block_policies(
-    mode: str, indices: Sequence[int], selective: str = "op", every_n_layers: int = 2,
+    mode: str,
+    indices: Sequence[int],
+    selective: str = "op",
+    every_n_layers: int = 2,
     auto_policies: Sequence[str] | None = None,
 ) -> list[str]:
     """The policy ("none", "op" or "full") of the blocks at model positions ``indices``."""
     validate_options(mode, selective, every_n_layers)
     if mode == "auto":
         if auto_policies is None or len(auto_policies) != len(indices):
-            raise ValueError("activation_checkpointing='auto' needs one planned policy per block (see plan_for_budget).")
+            raise ValueError(
+                "activation_checkpointing='auto' needs one planned policy per block (see plan_for_budget)."
+            )
         unknown = set(auto_policies) - {"none", "op", "full"}
         if unknown:
             raise ValueError(f"Planned policies {sorted(unknown)} are not policies; use 'none', 'op' or 'full'.")
@@ -216,7 +227,9 @@ def apply_activation_checkpointing(
         raise ValueError("apply_activation_checkpointing got no blocks; pass the model's nn.ModuleList of blocks.")
     if mode == "auto" and auto_policies is None:
         if measure_fn is None:
-            raise ValueError("activation_checkpointing='auto' needs measure_fn: a callable running one forward of the model.")
+            raise ValueError(
+                "activation_checkpointing='auto' needs measure_fn: a callable running one forward of the model."
+            )
         validate_budget(budget)
     indices = list(block_indices) if block_indices is not None else list(range(len(blocks)))
     if len(indices) != len(blocks):
@@ -279,6 +292,18 @@ class ACOptions:
 
 
 __all__ = [
-    "ACOptions", "ACReport", "MODES", "SELECTIVE_POLICIES", "apply_activation_checkpointing", "block_policies", "checkpoint_block", "is_checkpointed",
-    "plan_for_budget", "predicted_peak", "resolve_budget", "saves_output", "validate_budget", "validate_options",
+    "MODES",
+    "SELECTIVE_POLICIES",
+    "ACOptions",
+    "ACReport",
+    "apply_activation_checkpointing",
+    "block_policies",
+    "checkpoint_block",
+    "is_checkpointed",
+    "plan_for_budget",
+    "predicted_peak",
+    "resolve_budget",
+    "saves_output",
+    "validate_budget",
+    "validate_options",
 ]

@@ -89,7 +89,10 @@ def apply_data_parallel(
             fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
     log.info(
         "Applied ZeRO stage %d (%s) over %d data-parallel ranks to %d blocks",
-        zero_stage, "replicate" if zero_stage == 0 else "fully_shard", dp_mesh.size(), len(blocks),
+        zero_stage,
+        "replicate" if zero_stage == 0 else "fully_shard",
+        dp_mesh.size(),
+        len(blocks),
     )
 
 

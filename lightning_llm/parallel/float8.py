@@ -74,8 +74,13 @@ def fp8_filter(blocks_name: str, exclude: Sequence[str] = ()) -> Callable[[nn.Mo
 
 
 def apply_fp8(
-    module: nn.Module, *, blocks_name: str, recipe: str = "tensorwise", exclude: Sequence[str] = (),
-    fsdp_float8_all_gather: bool = False, emulate: bool = False,
+    module: nn.Module,
+    *,
+    blocks_name: str,
+    recipe: str = "tensorwise",
+    exclude: Sequence[str] = (),
+    fsdp_float8_all_gather: bool = False,
+    emulate: bool = False,
 ) -> list[str]:
     """Swap the eligible Linear layers of ``module`` for torchao's ``Float8Linear`` in place; return their names.
 

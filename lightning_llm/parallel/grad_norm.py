@@ -60,8 +60,11 @@ def total_grad_norm(
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-    pipeline_group: dist.ProcessGroup | None = None, counted_elsewhere: Iterable[torch.Tensor] = (),
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: dist.ProcessGroup | None = None,
+    counted_elsewhere: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping.
 

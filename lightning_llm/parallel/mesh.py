@@ -55,7 +55,13 @@ class ParallelDims:
 
     @classmethod
     def for_world(
-        cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | str = "auto", dp_replicate: int = 1,
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | str = "auto",
+        dp_replicate: int = 1,
         replicate_all: bool = False,
     ) -> ParallelDims:
         """The degrees for ``world_size`` ranks given tp, pp and the data-parallel size (``"auto"``: what is left).

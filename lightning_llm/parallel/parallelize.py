@@ -16,13 +16,13 @@ from torch import nn
 
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
-from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
+from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
-from lightning_llm.parallel.pipeline import StageChunk, outer_modules, prune_to_stages
-from lightning_llm.parallel.pipeline_costs import stage_costs
-from lightning_llm.parallel.pipeline_split import balanced_split, explicit_split, stage_to_rank, validate_schedule
-from lightning_llm.parallel.tensor_parallel import (
+from lightning_llm.parallel.pipeline.costs import stage_costs
+from lightning_llm.parallel.pipeline.gates import StageChunk, outer_modules, prune_to_stages
+from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank, validate_schedule
+from lightning_llm.parallel.tp.apply import (
     apply_tensor_parallel,
     check_head_counts,
     resolve_plan,
@@ -69,7 +69,9 @@ def plan_tensor_parallel(
     """Resolve and validate the TP plan before anything is changed, so bad input fails early."""
     hook = getattr(module, "tensor_parallel_plan", None)
     module_plan = hook() if callable(hook) and not user_plan else None
-    plan, source = resolve_plan(module, blocks_name=blocks_name, blocks=blocks, user_plan=user_plan, module_plan=module_plan)
+    plan, source = resolve_plan(
+        module, blocks_name=blocks_name, blocks=blocks, user_plan=user_plan, module_plan=module_plan
+    )
     plan = with_region_parameters(plan, blocks_name, blocks[0])
     validate_plan(module, plan, tp)
     check_head_counts(module, blocks, tp)
@@ -78,7 +80,7 @@ def plan_tensor_parallel(
 
 @dataclass
 class PipelineSpec:
-    """How to cut the model into pipeline stages (see :mod:`lightning_llm.parallel.pipeline`)."""
+    """How to cut the model into pipeline stages (see :mod:`lightning_llm.parallel.pipeline.gates`)."""
 
     schedule: str = "1F1B"
     num_microbatches: int | None = None
@@ -102,7 +104,8 @@ def assign_stages(module: nn.Module, blocks_name: str, blocks: nn.ModuleList, di
     pp_rank = dims.mesh["pp"].get_local_rank()
     chunks = [
         StageChunk(index=s, blocks=ranges[s], is_first=s == 0, is_last=s == num_stages - 1)
-        for s in range(num_stages) if ranks[s] == pp_rank
+        for s in range(num_stages)
+        if ranks[s] == pp_rank
     ]
     return chunks, ranks
 
@@ -152,12 +155,19 @@ def parallelize(
     if fp8 is not None:
         shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
         report.fp8_layers = apply_fp8(
-            module, blocks_name=blocks_name, recipe=fp8, exclude=fp8_exclude or (),
+            module,
+            blocks_name=blocks_name,
+            recipe=fp8,
+            exclude=fp8_exclude or (),
             fsdp_float8_all_gather=shards and fp8 == "tensorwise",
         )
     if dims.tp > 1:
         apply_tensor_parallel(
-            module, report.tp_plan, tp_mesh=dims.mesh["tp"], blocks=owned_blocks, sequence_parallel=sequence_parallel,
+            module,
+            report.tp_plan,
+            tp_mesh=dims.mesh["tp"],
+            blocks=owned_blocks,
+            sequence_parallel=sequence_parallel,
             blocks_name=blocks_name,
         )
     if activation_checkpointing is not None:
@@ -166,9 +176,15 @@ def parallelize(
         for block in owned_blocks:
             block.compile()
     if dims.dp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
-        dp_mesh = dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
+        dp_mesh = (
+            dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
+        )
         apply_data_parallel(
-            roots if roots is not None else data_parallel_roots(module, blocks_name), owned_blocks, dp_mesh=dp_mesh,
-            zero_stage=zero_stage, mp_policy=mixed_precision_policy(precision), cpu_offload=cpu_offload,
+            roots if roots is not None else data_parallel_roots(module, blocks_name),
+            owned_blocks,
+            dp_mesh=dp_mesh,
+            zero_stage=zero_stage,
+            mp_policy=mixed_precision_policy(precision),
+            cpu_offload=cpu_offload,
         )
     return report

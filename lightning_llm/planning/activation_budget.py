@@ -14,15 +14,16 @@ def validate_budget(budget) -> None:
     """Refuse a budget that is neither positive bytes (int) nor a fraction in (0, 1] (float)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
-            f"budget={budget!r} must be bytes (int) or a fraction of device memory (float in (0, 1]); "
-            "'auto' needs one."
+            f"budget={budget!r} must be bytes (int) or a fraction of device memory (float in (0, 1]); 'auto' needs one."
         )
     if isinstance(budget, int) and budget <= 0:
         raise ValueError(f"budget={budget} bytes must be positive.")
     if isinstance(budget, float) and not 0 < budget <= 1:
         raise ValueError(
             f"budget={budget} as a float is a fraction of device memory and must lie in (0, 1]; pass bytes as an int "
-            f"(e.g. budget={int(budget)})." if budget > 1 else f"budget={budget} as a fraction must lie in (0, 1]."
+            f"(e.g. budget={int(budget)})."
+            if budget > 1
+            else f"budget={budget} as a fraction must lie in (0, 1]."
         )
 
 
@@ -100,7 +101,7 @@ def _best_upgrade(saved, kept, policies, levels, level, level_kept, budget) -> i
     for i, policy in enumerate(policies):
         if levels.index(policy) >= levels.index(level):
             continue
-        trial = kept[:i] + [level_kept[i]] + kept[i + 1:]
+        trial = [*kept[:i], level_kept[i], *kept[i + 1 :]]
         gain = (now - _excess(saved, trial, budget), kept[i] - level_kept[i])
         if gain[0] > 0 and gain > best_gain:
             best, best_gain = i, gain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+
 import torch
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' datasheets: NVIDIA A100 (2020), H100
@@ -27,9 +28,19 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 # Device-name patterns (as torch.cuda.get_device_name reports them), most specific first.
 _NAME_PATTERNS = [
-    (r"H100.*NVL", "H100 NVL"), (r"H100.*PCIe", "H100 PCIe"), (r"H100", "H100 SXM"), (r"H200.*NVL", "H200 NVL"),
-    (r"H200", "H200"), (r"GB200", "GB200"), (r"B200", "B200"), (r"A100", "A100"), (r"L40S", "L40S"), (r"\bL4\b", "L4"),
-    (r"A10G", "A10G"), (r"MI325", "MI325X"), (r"MI300X", "MI300X"),
+    (r"H100.*NVL", "H100 NVL"),
+    (r"H100.*PCIe", "H100 PCIe"),
+    (r"H100", "H100 SXM"),
+    (r"H200.*NVL", "H200 NVL"),
+    (r"H200", "H200"),
+    (r"GB200", "GB200"),
+    (r"B200", "B200"),
+    (r"A100", "A100"),
+    (r"L40S", "L40S"),
+    (r"\bL4\b", "L4"),
+    (r"A10G", "A10G"),
+    (r"MI325", "MI325X"),
+    (r"MI300X", "MI300X"),
 ]
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 # (parameter, gradient, optimizer-state) bytes per parameter, and fp32 master bytes, per precision.
 _BYTES = {
     "32-true": (4, 4, 8, 0),
@@ -75,8 +74,15 @@ class MemoryEstimate:
 
 
 def model_state_bytes(
-    num_params: float, *, zero_stage: int, dp: int, precision: str = "32-true", backend: str = "native",
-    offload: str = "none", largest_block_params: float = 0.0, root_params: float = 0.0,
+    num_params: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    precision: str = "32-true",
+    backend: str = "native",
+    offload: str = "none",
+    largest_block_params: float = 0.0,
+    root_params: float = 0.0,
 ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state incl. master weights) bytes per rank for ``num_params`` per model-parallel rank.
 

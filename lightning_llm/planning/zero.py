@@ -32,8 +32,18 @@ class ZeroDecision:
 
 
 def estimate_options(
-    num_params: int, largest_block: int, activations: float, *, outside_blocks: int = 0, world_size: int, tp: int = 1, pp: int = 1,
-    dp_replicate: int = 1, precision: str = "32-true", backend: str = "native", allow_offload: bool = True,
+    num_params: int,
+    largest_block: int,
+    activations: float,
+    *,
+    outside_blocks: int = 0,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    dp_replicate: int = 1,
+    precision: str = "32-true",
+    backend: str = "native",
+    allow_offload: bool = True,
     usable: float | None = None,
 ) -> list[MemoryEstimate]:
     """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes."""
@@ -47,8 +57,14 @@ def estimate_options(
         if offload != "none" and not allow_offload:
             continue
         params, grads, optimizer = model_state_bytes(
-            per_rank_params, zero_stage=stage, dp=1 if stage == 0 else shard, precision=precision, backend=backend,
-            offload=offload, largest_block_params=per_rank_block, root_params=root,
+            per_rank_params,
+            zero_stage=stage,
+            dp=1 if stage == 0 else shard,
+            precision=precision,
+            backend=backend,
+            offload=offload,
+            largest_block_params=per_rank_block,
+            root_params=root,
         )
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / tp)
@@ -105,10 +121,18 @@ def plan_zero_stage(
     """
     activations = footprint.full_activations if activation_checkpointing == "full" else footprint.activations
     usable = device_memory * (1 - margin)
-    common = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision, backend=backend,
-                  outside_blocks=footprint.outside_blocks)
-    rows = estimate_options(footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload,
-                            usable=usable, **common)
+    common = dict(
+        world_size=world_size,
+        tp=tp,
+        pp=pp,
+        dp_replicate=dp_replicate,
+        precision=precision,
+        backend=backend,
+        outside_blocks=footprint.outside_blocks,
+    )
+    rows = estimate_options(
+        footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload, usable=usable, **common
+    )
     chosen = next((row for row in rows if row.fits), None)
     table = render_table(rows, usable, chosen)
     if chosen is None:
@@ -120,11 +144,33 @@ def plan_zero_stage(
     return ZeroDecision(chosen.zero_stage, chosen.offload, rows, table)
 
 
-def _what_would_fit(footprint: ModelFootprint, activations, usable, allow_offload, activation_checkpointing, *,
-                    world_size, tp, pp, dp_replicate, precision, backend, outside_blocks) -> list[str]:
+def _what_would_fit(
+    footprint: ModelFootprint,
+    activations,
+    usable,
+    allow_offload,
+    activation_checkpointing,
+    *,
+    world_size,
+    tp,
+    pp,
+    dp_replicate,
+    precision,
+    backend,
+    outside_blocks,
+) -> list[str]:
     def fits(**changes) -> bool:
-        settings = dict(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, precision=precision,
-                        backend=backend, allow_offload=allow_offload, usable=usable, outside_blocks=outside_blocks)
+        settings = dict(
+            world_size=world_size,
+            tp=tp,
+            pp=pp,
+            dp_replicate=dp_replicate,
+            precision=precision,
+            backend=backend,
+            allow_offload=allow_offload,
+            usable=usable,
+            outside_blocks=outside_blocks,
+        )
         acts = changes.pop("activations", activations)
         settings.update(changes)
         return any(r.fits for r in estimate_options(footprint.num_params, footprint.largest_block, acts, **settings))
@@ -157,11 +203,25 @@ def parse_size(text: str | int | float) -> int:
     """Bytes from "80GB", "80GiB", "24G", "512MB" or a number of bytes."""
     if isinstance(text, (int, float)):
         return int(text)
-    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 2**10,
+        "KB": 10**3,
+        "KIB": 2**10,
+        "M": 2**20,
+        "MB": 10**6,
+        "MIB": 2**20,
+        "G": 2**30,
+        "GB": 10**9,
+        "GIB": 2**30,
+        "T": 2**40,
+        "TB": 10**12,
+        "TIB": 2**40,
+    }
     stripped = text.strip().upper()
     number = stripped.rstrip("KMGTIB")
-    unit = stripped[len(number):]
+    unit = stripped[len(number) :]
     try:
         return int(float(number) * units[unit])
     except (KeyError, ValueError):

@@ -20,14 +20,22 @@ from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.activation_checkpointing import ACOptions, apply_activation_checkpointing, block_policies
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.parallel.kv_cache import disable_kv_cache
-from lightning_llm.parallel.pipeline_stages import split_microbatches
+from lightning_llm.parallel.pipeline.stages import split_microbatches
 from lightning_llm.planning.activation_budget import plan_for_budget, resolve_budget
 from lightning_llm.strategies.zero_auto import example_batch
 
 
 def plan_checkpointing(
-    trainer: L.Trainer, module: nn.Module, blocks: nn.ModuleList, *, mode: str, options: ACOptions, tp: int,
-    sequence_parallel: bool, num_microbatches: int | None, device: torch.device,
+    trainer: L.Trainer,
+    module: nn.Module,
+    blocks: nn.ModuleList,
+    *,
+    mode: str,
+    options: ACOptions,
+    tp: int,
+    sequence_parallel: bool,
+    num_microbatches: int | None,
+    device: torch.device,
 ) -> tuple[list[str], Callable[[list[nn.Module]], None] | None]:
     """(policy per block, the function that checkpoints a rank's blocks) for ``mode``; ``(["none"...], None)`` if off."""
     if mode == "none":
@@ -35,17 +43,29 @@ def plan_checkpointing(
     disable_kv_cache(module)  # before "auto" measures: a cache would grow in the measuring forward too
     auto = None
     if mode == "auto":
-        auto = _auto_policies(trainer, module, list(blocks), options=options, tp=tp, sequence_parallel=sequence_parallel,
-                              num_microbatches=num_microbatches, device=device)
+        auto = _auto_policies(
+            trainer,
+            module,
+            list(blocks),
+            options=options,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            num_microbatches=num_microbatches,
+            device=device,
+        )
     policies = block_policies(mode, list(range(len(blocks))), options.selective, options.every_n_layers, auto)
     index_of = {id(block): i for i, block in enumerate(blocks)}
 
     def apply(owned_blocks: list[nn.Module]) -> None:
         indices = [index_of[id(b)] for b in owned_blocks]
         apply_activation_checkpointing(
-            owned_blocks, mode=mode, selective=options.selective, every_n_layers=options.every_n_layers,
+            owned_blocks,
+            mode=mode,
+            selective=options.selective,
+            every_n_layers=options.every_n_layers,
             recompute_every_other_matmul=options.recompute_every_other_matmul,
-            auto_policies=[auto[i] for i in indices] if auto is not None else None, block_indices=indices,
+            auto_policies=[auto[i] for i in indices] if auto is not None else None,
+            block_indices=indices,
         )
 
     return policies, apply

@@ -1,6 +1,6 @@
 """The checkpoint hooks of LLMParallelStrategy (a mixin): sharded DCP saves and loads, async saves, strict loading.
 
-Saves go through :mod:`lightning_llm.strategies.dcp_checkpoint` (one shard per rank, optimizer state keyed by
+Saves go through :mod:`lightning_llm.checkpointing.dcp` (one shard per rank, optimizer state keyed by
 parameter name), or Lightning's full-state file with ``save_distributed_checkpoint=False``; both carry the
 model's class and config for a Hugging Face export (:mod:`lightning_llm.hf.export_info`); a failed write
 raises the same error on every rank. Loads are strict both ways unless the module sets ``strict_loading=False``,
@@ -16,12 +16,12 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_llm.callbacks import checkpoint_fs as cfs
-from lightning_llm.callbacks.checkpoint_errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
-from lightning_llm.callbacks.checkpoint_files import checkpoint_of
+from lightning_llm.checkpointing import dcp as dcp_checkpoint
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
+from lightning_llm.checkpointing.files import checkpoint_of
+from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
-from lightning_llm.strategies import dcp_checkpoint
-from lightning_llm.strategies.checkpoint_keys import matching_keys
 from lightning_llm.strategies.parallel_contract import AsyncSave
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ShardedCheckpointHooks:
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.strategies.dcp_checkpoint`)."""
+        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         return dcp_checkpoint.optimizer_state(self.model, optimizer)
@@ -70,11 +70,11 @@ class ShardedCheckpointHooks:
 
         A full single file (``save_distributed_checkpoint=False``) goes through Lightning's loader. Both are
         strict both ways unless ``strict_loading=False``, and a checkpoint committed by CheckpointRotation is
-        first checked against its checksums (:mod:`lightning_llm.strategies.dcp_checkpoint`).
+        first checked against its checksums (:mod:`lightning_llm.checkpointing.dcp`).
         """
         self._saver.wait()
         # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
-        # by time for ckpt_path="last" (lightning_llm.callbacks.checkpoint_commit.last_candidate).
+        # by time for ckpt_path="last" (lightning_llm.checkpointing.commit.last_candidate).
         path = checkpoint_of(self.broadcast(str(checkpoint_path)))
         dcp_checkpoint.refuse_unverified(self, path)
         strict = self.lightning_module.strict_loading

@@ -9,25 +9,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from typing_extensions import override
 
-from lightning_llm.callbacks.checkpoint_errors import save_on_every_rank
+from lightning_llm.checkpointing.dcp import refuse_unverified
+from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes
+from lightning_llm.checkpointing.errors import save_on_every_rank
+from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.contract import ParallelLayout, completed
-from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.contract.lightning import WholeModelContract
 from lightning_llm.hf.load import load_pretrained
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
+from lightning_llm.parallel.init.zero3_init import initialize_partitioned
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
-from lightning_llm.parallel.zero3_build import partition_meta_model, partitions_directly, zero_init
-from lightning_llm.parallel.zero3_init import initialize_partitioned
-from lightning_llm.strategies.deepspeed_config import check_precision, default_config, merge_config, read_config, validate_args
-from lightning_llm.strategies.checkpoint_keys import matching_keys
-from lightning_llm.strategies.dcp_checkpoint import refuse_unverified
-from lightning_llm.strategies.deepspeed_checkpoint import KeepWriteErrors, saved_param_shapes
-from lightning_llm.strategies.lightning_fallback import WholeModelContract
+from lightning_llm.strategies.deepspeed_config import (
+    check_precision,
+    default_config,
+    merge_config,
+    read_config,
+    validate_args,
+)
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int, check_memory_size
@@ -109,12 +114,15 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         # Until "auto" is resolved in setup() the config holds stage 2: it shards no parameters, so the
         # model is built whole by configure_model, which runs before setup().
         stage = 2 if zero_stage == "auto" else zero_stage
-        super().__init__(config=self._build_config(stage, "none" if offload == "auto" else offload),
-                         process_group_backend=process_group_backend)
+        super().__init__(
+            config=self._build_config(stage, "none" if offload == "auto" else offload),
+            process_group_backend=process_group_backend,
+        )
 
     def _build_config(self, stage: int, offload: str) -> dict[str, Any]:
-        base = default_config(zero_stage=stage, offload=offload, offload_device=self.offload_device,
-                              nvme_path=self.nvme_path)
+        base = default_config(
+            zero_stage=stage, offload=offload, offload_device=self.offload_device, nvme_path=self.nvme_path
+        )
         return merge_config(base, self.user_config)
 
     @property
@@ -149,8 +157,8 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @override
     def model_sharded_context(self):
         """Under ZeRO 3, the model of ``configure_model`` is built on the meta device (nothing allocated); :meth:`setup`
-        then gives each parameter only this rank's partition (:mod:`lightning_llm.parallel.zero3_build`) and runs the
-        model's own init into the partitions (:func:`lightning_llm.parallel.zero3_init.initialize_partitioned`), from
+        then gives each parameter only this rank's partition (:mod:`lightning_llm.parallel.init.zero3_build`) and runs the
+        model's own init into the partitions (:func:`lightning_llm.parallel.init.zero3_init.initialize_partitioned`), from
         the random state kept here. Configurations that module does not support (NVMe parameter offload, hpZ,
         quantized weights) build under Lightning's ``deepspeed.zero.Init`` instead, module by module."""
         self._rng_before_model = torch.get_rng_state()
@@ -202,9 +210,17 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         # The micro-batch shape comes from the strategy's arguments, else the datamodule's batch_size/seq_len.
         inputs = planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len)
         self.decision = decide_and_report(
-            trainer, self.lightning_module, name="LLMDeepSpeedStrategy", world_size=self.world_size, tp=1, pp=1,
-            activation_checkpointing="none", backend="deepspeed", allow_offload=self.requested_offload == "auto",
-            margin=0.1, **inputs,
+            trainer,
+            self.lightning_module,
+            name="LLMDeepSpeedStrategy",
+            world_size=self.world_size,
+            tp=1,
+            pp=1,
+            activation_checkpointing="none",
+            backend="deepspeed",
+            allow_offload=self.requested_offload == "auto",
+            margin=0.1,
+            **inputs,
         )
         # offload is "none" whenever it was not "auto"
         self.config = self._build_config(self.decision.stage, self.decision.offload)
@@ -215,14 +231,19 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @property
     def layout(self) -> ParallelLayout:
         """Data parallel over every rank, sharded by ZeRO."""
-        return ParallelLayout(strategy=type(self).__name__, world_size=self.world_size, num_nodes=self.num_nodes,
-                              dp_shard=self.world_size, dp_rank=self.global_rank, zero_stage=self.zero_stage)
+        return ParallelLayout(
+            strategy=type(self).__name__,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            dp_shard=self.world_size,
+            dp_rank=self.global_rank,
+            zero_stage=self.zero_stage,
+        )
 
     @property
     def model_shape(self) -> ModelShape | None:
         """The model's shape, read in ``setup`` before DeepSpeed partitions the parameters."""
         return self._model_shape
-
 
     @property
     def supports_async_save(self) -> bool:
@@ -231,8 +252,10 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The engine's global gradient norm of the last step (DeepSpeed owns the partitions: all parameters only)."""
         if parameters is not None or norm_type != 2.0:
-            raise ValueError("Under DeepSpeed only the engine's global 2-norm of all gradients is available "
-                             "(parameters=None, norm_type=2.0); the engine owns the gradient partitions.")
+            raise ValueError(
+                "Under DeepSpeed only the engine's global 2-norm of all gradients is available "
+                "(parameters=None, norm_type=2.0); the engine owns the gradient partitions."
+            )
         norm = self.deepspeed_engine.get_global_grad_norm()
         return torch.as_tensor(float("nan") if norm is None else float(norm))
 
@@ -244,7 +267,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """DeepSpeed's save; a write that fails on any rank raises the same ``SaveFailed`` on every rank
-        (see :class:`lightning_llm.strategies.deepspeed_checkpoint.KeepWriteErrors`)."""
+        (see :class:`lightning_llm.checkpointing.deepspeed.KeepWriteErrors`)."""
         engine = self.deepspeed_engine
         guard = engine.checkpoint_engine = KeepWriteErrors(engine.checkpoint_engine)
 
@@ -275,8 +298,11 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         if not isinstance(self.accelerator, CPUAccelerator):
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         engine, deepspeed_optimizer, _, _ = self._cpu_initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer, lr_scheduler=lr_scheduler, config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=self.config,
         )
         return engine, deepspeed_optimizer
 
@@ -290,16 +316,18 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         if self.zero_stage == 3:
             config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
         remove_module_hooks(model)
-        self.model, _, _, _ = self._cpu_initialize(model=model, model_parameters=[], optimizer=None,
-                                                   lr_scheduler=None, config=config)
+        self.model, _, _, _ = self._cpu_initialize(
+            model=model, model_parameters=[], optimizer=None, lr_scheduler=None, config=config
+        )
 
     def _cpu_initialize(self, **kwargs: Any):
         import deepspeed
 
         # Bypass: Lightning passes ``root_device.index`` as DeepSpeed's device rank, which is None on CPU
         # and fails DeepSpeed's ``device_rank >= 0``; its CPU accelerator takes the local rank.
-        return deepspeed.initialize(args=argparse.Namespace(device_rank=self.local_rank), dist_init_required=False,
-                                    **kwargs)
+        return deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), dist_init_required=False, **kwargs
+        )
 
     @classmethod
     @override
@@ -316,4 +344,3 @@ def _require_deepspeed_cpu_accelerator() -> None:
             f"Trainer(accelerator='cpu') with LLMDeepSpeedStrategy needs DeepSpeed's CPU accelerator, but DeepSpeed "
             f"selected {name!r}. Set the environment variable DS_ACCELERATOR=cpu before Python starts."
         )
-

@@ -46,8 +46,9 @@ def default_config(
     if zero_stage == 3:
         # Parameters under 100k elements (norms, biases) stay whole on every rank: gathering them costs
         # more latency than the memory they would save.
-        zero.update(stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5,
-                    stage3_max_live_parameters=1e9)
+        zero.update(
+            stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5, stage3_max_live_parameters=1e9
+        )
     device = {"device": offload_device, "pin_memory": True, **({"nvme_path": nvme_path} if nvme_path else {})}
     # The optimizer comes from LightningModule.configure_optimizers (usually torch AdamW), not the config.
     config: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
@@ -88,24 +89,32 @@ def check_precision(config: dict[str, Any], precision: str) -> None:
 def validate_args(zero_stage, offload, offload_device, nvme_path, user_config: dict) -> None:
     """Refuse contradictory or unknown DeepSpeed strategy arguments, naming the value and the fix."""
     if zero_stage not in DEEPSPEED_ZERO_STAGE_CHOICES or isinstance(zero_stage, bool):
-        raise ValueError(f"zero_stage={zero_stage!r} is not supported: choose 1, 2, 3 or 'auto' (DeepSpeed's "
-                         "stage 0 is plain data parallelism: use strategy='ddp').")
+        raise ValueError(
+            f"zero_stage={zero_stage!r} is not supported: choose 1, 2, 3 or 'auto' (DeepSpeed's "
+            "stage 0 is plain data parallelism: use strategy='ddp')."
+        )
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r} is unknown: choose one of {', '.join(map(repr, OFFLOADS))}.")
     if (offload == "auto") != (zero_stage == "auto") and offload != "none":
-        raise ValueError(f"zero_stage={zero_stage!r} with offload={offload!r}: the planner chooses the stage and the "
-                         "offload together. Set both to 'auto' (offload='none' to forbid offloading), or neither.")
+        raise ValueError(
+            f"zero_stage={zero_stage!r} with offload={offload!r}: the planner chooses the stage and the "
+            "offload together. Set both to 'auto' (offload='none' to forbid offloading), or neither."
+        )
     if offload == "optimizer+params" and zero_stage != 3:
-        raise ValueError(f"offload='optimizer+params' needs zero_stage=3 (got {zero_stage!r}): only stage 3 "
-                         "partitions parameters. Use offload='optimizer' with stages 1 and 2.")
+        raise ValueError(
+            f"offload='optimizer+params' needs zero_stage=3 (got {zero_stage!r}): only stage 3 "
+            "partitions parameters. Use offload='optimizer' with stages 1 and 2."
+        )
     if offload_device not in ("cpu", "nvme"):
         raise ValueError(f"offload_device={offload_device!r} is unknown: choose 'cpu' or 'nvme'.")
     if offload_device == "nvme" and not nvme_path:
         raise ValueError("offload_device='nvme' needs nvme_path=<a directory on a fast local disk>.")
     stage_in_config = user_config.get("zero_optimization", {}).get("stage")
     if stage_in_config is not None and stage_in_config != zero_stage:
-        raise ValueError(f"The DeepSpeed config sets zero_optimization.stage={stage_in_config} but "
-                         f"zero_stage={zero_stage!r}: remove the stage from the config and set it with zero_stage.")
+        raise ValueError(
+            f"The DeepSpeed config sets zero_optimization.stage={stage_in_config} but "
+            f"zero_stage={zero_stage!r}: remove the stage from the config and set it with zero_stage."
+        )
 
 
 def read_config(config: dict | str | None) -> dict[str, Any]:

@@ -21,25 +21,25 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_llm.checkpointing import dcp as dcp_checkpoint
+from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
-from lightning_llm.hf.load import load_pretrained
 from lightning_llm.parallel.float8 import check_fp8_device, precompute_fp8_scales, validate_fp8
-from lightning_llm.parallel.materialize import materialize, record_init
+from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
-from lightning_llm.strategies import dcp_checkpoint
 from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_llm.strategies.parallel_contract import ParallelContract
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, validate_arguments
-from lightning_llm.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_llm.strategies.pipeline_hooks import PipelineHooks
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
-from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
+from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int, check_timeout
 
@@ -129,15 +129,25 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
         load_pretrained: str | None = None,
     ) -> None:
-        validate_arguments(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
-                           data_parallel_replicate_size, zero_stage, sequence_parallel, num_microbatches,
-                           virtual_stages, device_memory)
+        validate_arguments(
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            data_parallel_size,
+            data_parallel_replicate_size,
+            zero_stage,
+            sequence_parallel,
+            num_microbatches,
+            virtual_stages,
+            device_memory,
+        )
         timeout = check_timeout("timeout", timeout)
         check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
         check_int("seq_len", seq_len, minimum=1, optional=True)
         super().__init__(
-            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self.zero_stage = zero_stage
@@ -192,8 +202,12 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
 
     def _parallel_dims(self) -> ParallelDims:
         return ParallelDims.for_world(
-            self.world_size, tp=self._tensor_parallel_size, pp=self.pipeline_parallel_size, dp=self._data_parallel_size,
-            dp_replicate=self.data_parallel_replicate_size, replicate_all=self.zero_stage == 0,
+            self.world_size,
+            tp=self._tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            dp=self._data_parallel_size,
+            dp_replicate=self.data_parallel_replicate_size,
+            replicate_all=self.zero_stage == 0,
         )
 
     @contextmanager
@@ -203,7 +217,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
 
         Nothing is allocated until :meth:`setup` has split and sharded the model; each rank then
         allocates its own shards and runs the model's own init on them (see
-        :mod:`lightning_llm.parallel.materialize`). ``trainer.init_module(empty_init=False)`` keeps eager init.
+        :mod:`lightning_llm.parallel.init.materialize`). ``trainer.init_module(empty_init=False)`` keeps eager init.
         """
         with super().tensor_init_context(empty_init=True if empty_init is None else empty_init):
             yield
@@ -229,20 +243,34 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             self._choose_zero_stage(trainer, module)
         pipelined = self.pipeline_parallel_size > 1
         self._ac_policies, checkpointing = plan_checkpointing(
-            trainer, module, find_blocks(module, self.blocks)[1], mode=self.activation_checkpointing,
-            options=self.ac_options, tp=self._tensor_parallel_size, sequence_parallel=self.sequence_parallel,
-            num_microbatches=self.pipeline.num_microbatches if pipelined else None, device=self.root_device,
+            trainer,
+            module,
+            find_blocks(module, self.blocks)[1],
+            mode=self.activation_checkpointing,
+            options=self.ac_options,
+            tp=self._tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+            num_microbatches=self.pipeline.num_microbatches if pipelined else None,
+            device=self.root_device,
         )
         if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
             hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
             self.pipeline.seq_len = self.seq_len or hparams.get("seq_len")
         init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
         self.report = parallelize(
-            module, self.parallel_dims, zero_stage=self.zero_stage, precision=str(trainer.precision),
-            sequence_parallel=self.sequence_parallel, tensor_parallel_plan=self.tensor_parallel_plan,
-            blocks=self.blocks, cpu_offload=self.cpu_offload, compile_blocks=self.compile_blocks,
-            pipeline=self.pipeline if pipelined else None, activation_checkpointing=checkpointing,
-            fp8=check_fp8_device(self.fp8, self.root_device), fp8_exclude=self.fp8_exclude,
+            module,
+            self.parallel_dims,
+            zero_stage=self.zero_stage,
+            precision=str(trainer.precision),
+            sequence_parallel=self.sequence_parallel,
+            tensor_parallel_plan=self.tensor_parallel_plan,
+            blocks=self.blocks,
+            cpu_offload=self.cpu_offload,
+            compile_blocks=self.compile_blocks,
+            pipeline=self.pipeline if pipelined else None,
+            activation_checkpointing=checkpointing,
+            fp8=check_fp8_device(self.fp8, self.root_device),
+            fp8_exclude=self.fp8_exclude,
         )
         if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
             materialize(module, self.root_device, init_fills)
@@ -253,8 +281,12 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             self.model_to_device()
         if pipelined:
             self._pipelined = build_pipelined_steps(
-                module, self.report, self.parallel_dims, schedule=self.pipeline.schedule,
-                num_microbatches=self.pipeline.num_microbatches, device=self.root_device,
+                module,
+                self.report,
+                self.parallel_dims,
+                schedule=self.pipeline.schedule,
+                num_microbatches=self.pipeline.num_microbatches,
+                device=self.root_device,
                 sequence_parallel=self.sequence_parallel,
             )
         self.barrier()
@@ -279,7 +311,8 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         rank_zero_info(
             f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
             f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
-            f"{self.report.blocks_name!r}" + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
+            f"{self.report.blocks_name!r}"
+            + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
             + (f"; fp8 ({self.fp8}) in {len(self.report.fp8_layers)} Linear layers" if self.fp8 else "")
         )
 
@@ -287,9 +320,17 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         """Plan memory for every stage and take the least-communication one that fits (before training)."""
         dims = self.parallel_dims
         self.decision = decision = decide_and_report(
-            trainer, module, name="LLMParallelStrategy", world_size=dims.world_size, tp=dims.tp, pp=dims.pp,
-            dp_replicate=dims.dp_replicate, activation_checkpointing=self.activation_checkpointing, backend="native",
-            allow_offload=True, **planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len),
+            trainer,
+            module,
+            name="LLMParallelStrategy",
+            world_size=dims.world_size,
+            tp=dims.tp,
+            pp=dims.pp,
+            dp_replicate=dims.dp_replicate,
+            activation_checkpointing=self.activation_checkpointing,
+            backend="native",
+            allow_offload=True,
+            **planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len),
         )
         self.zero_stage, self.cpu_offload = decision.stage, decision.offload != "none"
 

@@ -24,8 +24,14 @@ class ParallelContract:
         """The parallel layout of this run (valid from ``setup_environment`` on)."""
         dims = self.parallel_dims
         return ParallelLayout(
-            strategy=type(self).__name__, world_size=dims.world_size, num_nodes=self.num_nodes, tp=dims.tp, pp=dims.pp,
-            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, dp_rank=dims.dp_rank(),
+            strategy=type(self).__name__,
+            world_size=dims.world_size,
+            num_nodes=self.num_nodes,
+            tp=dims.tp,
+            pp=dims.pp,
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            dp_rank=dims.dp_rank(),
             zero_stage=None if self.zero_stage == "auto" else self.zero_stage,
         )
 
@@ -36,7 +42,7 @@ class ParallelContract:
 
     @property
     def activation_checkpointing_policies(self) -> list[str]:
-        """"none", "full" or "op" per transformer block."""
+        """ "none", "full" or "op" per transformer block."""
         return list(self._ac_policies)
 
     @property

@@ -11,8 +11,9 @@ from lightning_llm.validation import check_bool, check_choice, check_int, check_
 TRAINING_TIMEOUT = timedelta(minutes=10)
 
 
-def validate_arguments(tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches=None,
-                       virtual_stages=None, device_memory=None) -> None:
+def validate_arguments(
+    tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches=None, virtual_stages=None, device_memory=None
+) -> None:
     """Refuse impossible LLMParallelStrategy arguments before any process starts, naming the value and the fix."""
     check_int("tensor_parallel_size", tp, minimum=1)
     check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")

@@ -38,7 +38,9 @@ class PipelineHooks:
             return getattr(super(), name)(*args, **kwargs)
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with context():
-            self._pipelined.evaluation_step(self.lightning_module, getattr(self.lightning_module, name), batch, batch_idx)
+            self._pipelined.evaluation_step(
+                self.lightning_module, getattr(self.lightning_module, name), batch, batch_idx
+            )
         return None
 
     @override

@@ -14,22 +14,27 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
 from torch.distributed.tensor import Shard
 
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport
-from lightning_llm.parallel.pipeline import PipelineState
-from lightning_llm.parallel.pipeline_stages import build_stages, make_schedule, split_microbatches
+from lightning_llm.parallel.pipeline.gates import PipelineState
+from lightning_llm.parallel.pipeline.stages import build_stages, make_schedule, split_microbatches
 
 
 class PipelinedSteps:
     """The pipeline side of LLMParallelStrategy for one rank."""
 
-    def __init__(self, state: PipelineState, schedule, stage_ranks: list[int], pp_group: dist.ProcessGroup,
-                 tied_peers: list[tuple[torch.nn.Parameter, int]]) -> None:
+    def __init__(
+        self,
+        state: PipelineState,
+        schedule,
+        stage_ranks: list[int],
+        pp_group: dist.ProcessGroup,
+        tied_peers: list[tuple[torch.nn.Parameter, int]],
+    ) -> None:
         self.state = state
         self.schedule = schedule
         self.pp_group = pp_group
@@ -44,7 +49,9 @@ class PipelinedSteps:
         try:
             size = extract_batch_size(batch)  # Lightning's walker: the first tensor's dim 0 in any collection
         except MisconfigurationException as err:
-            raise TypeError(f"Cannot find the batch size of a {type(batch).__name__} batch for pipeline micro-batching.") from err
+            raise TypeError(
+                f"Cannot find the batch size of a {type(batch).__name__} batch for pipeline micro-batching."
+            ) from err
         if size % self.state.num_microbatches:
             raise ValueError(
                 f"The batch size per data-parallel rank is {size}, not divisible by num_microbatches="
@@ -115,8 +122,13 @@ class PipelinedSteps:
         if self.has_last:
             names = {n for logs in self.state.logs.values() for n in logs}
             payload[0] = {
-                "logs": {n: (_mean([logs[n][0] for logs in self.state.logs.values() if n in logs]),
-                             next(logs[n][1] for logs in self.state.logs.values() if n in logs)) for n in names},
+                "logs": {
+                    n: (
+                        _mean([logs[n][0] for logs in self.state.logs.values() if n in logs]),
+                        next(logs[n][1] for logs in self.state.logs.values() if n in logs),
+                    )
+                    for n in names
+                },
                 "loss": _mean([loss.detach() / loss_scale for loss in losses]) if losses else None,
             }
         # One small object broadcast a step: the last stage's metrics reach every pipeline rank.
@@ -134,8 +146,10 @@ class PipelinedSteps:
             grad = local_tensor(param.grad)
             incoming = torch.empty_like(grad)
             peer_global = dist.get_global_rank(self.pp_group, peer)
-            ops = [dist.P2POp(dist.isend, grad.contiguous(), peer_global, self.pp_group),
-                   dist.P2POp(dist.irecv, incoming, peer_global, self.pp_group)]
+            ops = [
+                dist.P2POp(dist.isend, grad.contiguous(), peer_global, self.pp_group),
+                dist.P2POp(dist.irecv, incoming, peer_global, self.pp_group),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             grad.add_(incoming)
@@ -150,15 +164,28 @@ def _device(module) -> torch.device:
 
 
 def build_pipelined_steps(
-    module: torch.nn.Module, report: ParallelizeReport, dims: ParallelDims, *, schedule: str, num_microbatches: int,
-    device: torch.device, sequence_parallel: bool,
+    module: torch.nn.Module,
+    report: ParallelizeReport,
+    dims: ParallelDims,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    device: torch.device,
+    sequence_parallel: bool,
 ) -> PipelinedSteps:
     """This rank's stages of the already stage-split ``module``, their schedule, and the tied-weight peers."""
     state = PipelineState(chunks=report.chunks, num_microbatches=num_microbatches)
     pp_group = dims.mesh["pp"].get_group()
     stages = build_stages(
-        module, report.blocks_name, module.get_submodule(report.blocks_name), report.chunks, report.outer, state,
-        num_stages=len(report.stage_ranks), device=device, group=pp_group,
+        module,
+        report.blocks_name,
+        module.get_submodule(report.blocks_name),
+        report.chunks,
+        report.outer,
+        state,
+        num_stages=len(report.stage_ranks),
+        device=device,
+        group=pp_group,
         boundary_layout=(dims.mesh["tp"], (Shard(1),)) if sequence_parallel else None,
     )
     steps = make_schedule(schedule, stages, num_microbatches)

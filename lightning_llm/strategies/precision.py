@@ -68,7 +68,11 @@ def global_norm_precision(plugin: Precision | None, clip_fn: ClipFn) -> Precisio
 
 def check_clipping(plugin: Precision, gradient_clip_val, gradient_clip_algorithm) -> None:
     """Refuse norm clipping through a precision plugin that would clip by a per-rank, per-stage norm."""
-    if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm" and not isinstance(plugin, GlobalNormClipping):
+    if (
+        gradient_clip_val
+        and (gradient_clip_algorithm or "norm") == "norm"
+        and not isinstance(plugin, GlobalNormClipping)
+    ):
         raise ValueError(
             f"gradient_clip_val={gradient_clip_val} clips by norm, but the precision plugin {type(plugin).__name__} "
             "clips with torch.nn.utils.clip_grad_norm_, which sees only this rank's plain gradients. Use the Trainer's "

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.loggers import WandbLogger
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -24,7 +24,9 @@ from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
 
 
-def model_footprint(module: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true") -> ModelFootprint:
+def model_footprint(
+    module: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true"
+) -> ModelFootprint:
     """Parameter counts and activation bytes (without and with full checkpointing) of ``module``, on fake tensors.
 
     Example::
@@ -34,12 +36,15 @@ def model_footprint(module: nn.Module, *, micro_batch_size: int, seq_len: int, p
         model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     num_params, largest, outside = parameter_counts(module)
-    none, full = activation_bytes_by_mode(module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+    none, full = activation_bytes_by_mode(
+        module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
+    )
     return ModelFootprint(num_params, largest, outside, none, full)
 
 
-def choose_zero_stage(model: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true",
-                      **options: Any) -> ZeroDecision:
+def choose_zero_stage(
+    model: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true", **options: Any
+) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
 
     Example::
@@ -50,8 +55,13 @@ def choose_zero_stage(model: nn.Module, *, micro_batch_size: int, seq_len: int, 
     return plan_zero_stage(footprint, precision=precision, **options)
 
 
-def planning_inputs(trainer: L.Trainer, device: torch.device, device_memory: int | str | None,
-                    micro_batch_size: int | None, seq_len: int | None) -> dict[str, int]:
+def planning_inputs(
+    trainer: L.Trainer,
+    device: torch.device,
+    device_memory: int | str | None,
+    micro_batch_size: int | None,
+    seq_len: int | None,
+) -> dict[str, int]:
     """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run.
 
     The shape comes from, in order: the strategy's arguments, the datamodule's ``batch_size``/``seq_len``
@@ -88,16 +98,37 @@ def _first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, i
 def decide_and_report(trainer: L.Trainer, module: nn.Module, *, name: str, **planning: Any) -> ZeroDecision:
     """Plan with :func:`choose_zero_stage`, log the table on rank 0 and put the decision in the loggers' hyperparameters."""
     decision = choose_zero_stage(module, precision=str(trainer.precision), **planning)
-    rank_zero_info(f"{name}: zero_stage='auto' chose ZeRO {decision.stage}, offload {decision.offload!r}:\n"
-                   f"{decision.table}")
+    rank_zero_info(
+        f"{name}: zero_stage='auto' chose ZeRO {decision.stage}, offload {decision.offload!r}:\n{decision.table}"
+    )
     for logger in trainer.loggers:
         logger.log_hyperparams({"zero_stage": decision.stage, "zero_offload": decision.offload})
         if isinstance(logger, WandbLogger) and decision.rows:  # the whole plan, as a table in the run
-            columns = ["zero_stage", "offload", "params_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                       "total_gib", "fits", "chosen"]
-            data = [[row.zero_stage, row.offload, row.params / GiB, row.grads / GiB, row.optimizer / GiB,
-                     row.activations / GiB, row.total / GiB, row.fits,
-                     (row.zero_stage, row.offload) == (decision.stage, decision.offload)] for row in decision.rows]
+            columns = [
+                "zero_stage",
+                "offload",
+                "params_gib",
+                "grads_gib",
+                "optimizer_gib",
+                "activations_gib",
+                "total_gib",
+                "fits",
+                "chosen",
+            ]
+            data = [
+                [
+                    row.zero_stage,
+                    row.offload,
+                    row.params / GiB,
+                    row.grads / GiB,
+                    row.optimizer / GiB,
+                    row.activations / GiB,
+                    row.total / GiB,
+                    row.fits,
+                    (row.zero_stage, row.offload) == (decision.stage, decision.offload),
+                ]
+                for row in decision.rows
+            ]
             logger.log_table("plan/zero_stage", columns=columns, data=data)
     return decision
 

@@ -33,8 +33,14 @@ def free_port() -> int:
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, args, kwargs) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     # One intra-op thread per rank: N ranks on a 2-core machine must not oversubscribe it.
     torch.set_num_threads(1)
@@ -42,7 +48,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, arg
         # Pickled by value here: torch's queue pickler would share tensor storage through file
         # descriptors that vanish when this process exits before the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
-    except BaseException:  # noqa: BLE001 - every failure, including SystemExit, goes back to the parent
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():

@@ -11,8 +11,8 @@ import lightning as L
 import torch
 
 from lightning_llm.data import LLMDataModule
-from lightning_llm.models import CausalLM
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.models import CausalLM
 from lightning_llm.parallel.dtensor import local_tensor
 
 
@@ -44,7 +44,9 @@ class _Measure(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         params = list(pl_module.parameters())
-        states = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        states = [
+            v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+        ]
         self.bytes = {
             "params": _local_bytes(params),
             "grads": _local_bytes(p.grad for p in params if p.grad is not None),
@@ -61,12 +63,17 @@ def measure_model_states(world_size: int, preset: str, zero_stage: int, seq_len:
     torch.manual_seed(0)
     measure_cb = _Measure()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(zero_stage=zero_stage), max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[measure_cb], limit_val_batches=0,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=LLMParallelStrategy(zero_stage=zero_stage),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[measure_cb],
+        limit_val_batches=0,
     )
     model = CausalLM(preset, warmup_steps=1)
     trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=seq_len, batch_size=2))
     return measure_cb.bytes
-
-

@@ -51,22 +51,42 @@ class _NextTokenModule(L.LightningModule):
 class HFCausalLM(_NextTokenModule):
     """A Hugging Face ``LlamaForCausalLM`` (``arch="llama"``) or ``GPT2LMHeadModel`` (``arch="gpt2"``), tiny."""
 
-    def __init__(self, arch: str = "llama", vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
-                 kv_heads: int = 2, learning_rate: float = 0.5) -> None:
+    def __init__(
+        self,
+        arch: str = "llama",
+        vocab_size: int = 256,
+        hidden: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        learning_rate: float = 0.5,
+    ) -> None:
         super().__init__(learning_rate)
         import transformers
 
         if arch == "llama":
             config = transformers.LlamaConfig(
-                vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                vocab_size=vocab_size,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                max_position_embeddings=512,
                 attn_implementation="sdpa",
             )
             self.model = transformers.LlamaForCausalLM(config)
         elif arch == "gpt2":
             config = transformers.GPT2Config(
-                vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=512,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+                vocab_size=vocab_size,
+                n_embd=hidden,
+                n_layer=layers,
+                n_head=heads,
+                n_positions=512,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                attn_implementation="sdpa",
             )
             self.model = transformers.GPT2LMHeadModel(config)
         else:
@@ -109,8 +129,15 @@ class _UserBlock(nn.Module):
 class UserLM(_NextTokenModule):
     """A user-style GPT: learned positions, LayerNorm, plain Linear attention with its own names."""
 
-    def __init__(self, vocab_size: int = 256, width: int = 64, layers: int = 2, num_heads: int = 4,
-                 max_len: int = 256, learning_rate: float = 0.5) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        width: int = 64,
+        layers: int = 2,
+        num_heads: int = 4,
+        max_len: int = 256,
+        learning_rate: float = 0.5,
+    ) -> None:
         super().__init__(learning_rate)
         self.embed = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(max_len, width)

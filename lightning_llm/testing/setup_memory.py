@@ -64,8 +64,9 @@ def _numel(param) -> int:
     return getattr(param, "ds_numel", param.numel())  # a DTensor's numel is its global size
 
 
-def measure_setup_memory(config: LlamaConfig, zero_stage: int = 3, empty_init: bool | None = None,
-                         strategy: str = "parallel") -> dict[str, int]:
+def measure_setup_memory(
+    config: LlamaConfig, zero_stage: int = 3, empty_init: bool | None = None, strategy: str = "parallel"
+) -> dict[str, int]:
     """On one rank: build ``CausalLM(config)`` through ``Trainer.fit`` (no step) and report bytes.
 
     Returns ``peak`` (RSS increase during setup), ``shard`` (this rank's parameter bytes), ``block``
@@ -78,22 +79,39 @@ def measure_setup_memory(config: LlamaConfig, zero_stage: int = 3, empty_init: b
     module, sampler = _EagerCausalLM(config, empty_init), _RSSSampler()
     marks: dict[str, int] = {}
     if strategy == "deepspeed":
-        chosen = _marked_deepspeed()(sampler, marks, zero_stage=zero_stage,
-                                     config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+        chosen = _marked_deepspeed()(
+            sampler,
+            marks,
+            zero_stage=zero_stage,
+            config={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+        )
     elif strategy == "parallel":
         chosen = LLMParallelStrategy(zero_stage=zero_stage)
     else:
         raise ValueError(f"strategy={strategy!r}; choose 'parallel' or 'deepspeed'.")
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=chosen, max_steps=0,
-        num_sanity_val_steps=0, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler],
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=chosen,
+        max_steps=0,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sampler],
     )
     trainer.fit(module, LLMDataModule(num_tokens=2000, seq_len=16, batch_size=2, seed=0))
     block = sum(_numel(p) for p in module.model.layers[0].parameters())
     model = sum(_numel(p) for p in module.model.parameters())
-    return {"peak": sampler.peak - sampler.baseline, "shard": _local_bytes(module.model), "block": 4 * block,
-            "model": 4 * model, **marks}
+    return {
+        "peak": sampler.peak - sampler.baseline,
+        "shard": _local_bytes(module.model),
+        "block": 4 * block,
+        "model": 4 * model,
+        **marks,
+    }
 
 
 def _marked_deepspeed():

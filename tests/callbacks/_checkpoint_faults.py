@@ -18,28 +18,35 @@ from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
+import lightning as L
+import torch
 
-from lightning_llm.callbacks import CheckpointRotation  # noqa: E402
-from lightning_llm.callbacks.checkpoint_files import complete_checkpoints, verify  # noqa: E402
-from lightning_llm.data import LLMDataModule  # noqa: E402
-from lightning_llm.models import CausalLM, LlamaConfig  # noqa: E402
+from lightning_llm.callbacks import CheckpointRotation
+from lightning_llm.checkpointing.files import complete_checkpoints, verify
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM, LlamaConfig
 
 
 def train(directory: Path, steps: int, async_save: bool) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[CheckpointRotation(dirpath=str(directory), every_n_train_steps=1, keep_last=1,
-                                      async_save=async_save)],
-        limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            CheckpointRotation(dirpath=str(directory), every_n_train_steps=1, keep_last=1, async_save=async_save)
+        ],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     # ~12M parameters: a ~150 MB checkpoint (with AdamW state), so most of each step is spent saving,
     # where the kills should land.
     config = LlamaConfig.from_name("small", dim=512, n_heads=8, n_kv_heads=4)
-    trainer.fit(CausalLM(config, warmup_steps=1), LLMDataModule(num_tokens=40_000, seq_len=32, batch_size=2),
-                ckpt_path="last")
+    trainer.fit(
+        CausalLM(config, warmup_steps=1), LLMDataModule(num_tokens=40_000, seq_len=32, batch_size=2), ckpt_path="last"
+    )
 
 
 def _wait_for_save(directory: Path, since: float, timeout: float) -> None:
@@ -84,8 +91,16 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     window = 1.2 * _save_duration(directory)
     rng = random.Random(seed)
-    report = {"kills": 0, "async_kills": 0, "killed_mid_save": 0, "violations": [], "max_complete": 0,
-              "resumed_to_step": None, "kill_window_s": round(window, 3), "rounds_that_committed": 0}
+    report = {
+        "kills": 0,
+        "async_kills": 0,
+        "killed_mid_save": 0,
+        "violations": [],
+        "max_complete": 0,
+        "resumed_to_step": None,
+        "kill_window_s": round(window, 3),
+        "rounds_that_committed": 0,
+    }
     had_complete = bool(complete_checkpoints(directory))
     if not had_complete:
         report["violations"].append("the uninterrupted run left no complete checkpoint")
@@ -110,13 +125,17 @@ def main(directory: str, kills: int, budget_s: float, seed: int) -> None:
         complete = complete_checkpoints(directory)
         # The kill landed inside a save if it left a temporary or unmarked entry, or a committed
         # checkpoint whose older sibling was not yet rotated away (keep_last=1).
-        leftovers = [p for p in directory.glob("*") if not p.name.endswith(".meta.json")
-                     and (p.name.startswith(".") or not Path(str(p) + ".meta.json").exists())]
+        leftovers = [
+            p
+            for p in directory.glob("*")
+            if not p.name.endswith(".meta.json")
+            and (p.name.startswith(".") or not Path(str(p) + ".meta.json").exists())
+        ]
         report["killed_mid_save"] += bool(leftovers) or len(complete) > 1
         for path in complete:
             try:
                 verify(path, trial_load=True)
-            except Exception as err:  # noqa: BLE001 - any failure is a violation to report
+            except Exception as err:
                 report["violations"].append(f"kill {report['kills']}: {Path(path).name} marked complete but {err}")
         if had_complete and not complete:
             report["violations"].append(f"kill {report['kills']}: no complete checkpoint left")

@@ -15,7 +15,10 @@ DRIVER = Path(__file__).with_name("_checkpoint_faults.py")
 def test_killed_saves_never_leave_zero_or_broken_checkpoints(tmp_path):
     result = subprocess.run(
         [sys.executable, str(DRIVER), str(tmp_path / "ckpt"), "50", "240", "0"],
-        capture_output=True, text=True, timeout=380, cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=Path(__file__).parents[2],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -17,11 +17,10 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_llm.callbacks import CheckpointRotation
-from lightning_llm.callbacks import checkpoint_checksums as checksums
-from lightning_llm.callbacks import checkpoint_files as files
-from lightning_llm.callbacks import checkpoint_fs as cfs
-from lightning_llm.callbacks.checkpoint_commit import check_remote
-from lightning_llm.preflight import check_checkpoint_path
+from lightning_llm.callbacks.checkpoint_options import check_remote
+from lightning_llm.checkpointing import checksums, files
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.resume_path import check_checkpoint_path
 from lightning_llm.testing import run_distributed
 from tests.callbacks.test_checkpoint_rotation import EXACT, noisy_model
 from tests.strategies._parity import GlobalLoss, data, make_model
@@ -44,9 +43,19 @@ def url(request, tmp_path, monkeypatch):
 def fit(url, steps, ckpt_path=None, model=None, strategy="auto", **rotation):
     recorder = GlobalLoss()
     callback = CheckpointRotation(dirpath=url, **{"every_n_train_steps": 1, **rotation})
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, callbacks=[callback, recorder], default_root_dir=".")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[callback, recorder],
+        default_root_dir=".",
+    )
     trainer.fit(model or noisy_model(), data(8), ckpt_path=ckpt_path)
     return recorder.losses, trainer
 
@@ -63,7 +72,7 @@ def damage(location: str, how: str) -> None:
         raw = raw[: len(raw) // 2]
     else:
         middle = len(raw) // 2
-        raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+        raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
     fs.pipe_file(path, bytes(raw))
 
 
@@ -73,8 +82,12 @@ def test_rotation_markers_and_exact_resume_from_last(url):
     first, _ = fit(url, 3, keep_last=2)
     assert steps_in(url) == [2, 3], "keep_last=2"
     names = cfs.listdir(url)
-    assert names == ["step=00000002.ckpt", "step=00000002.ckpt.meta.json", "step=00000003.ckpt",
-                     "step=00000003.ckpt.meta.json"], names
+    assert names == [
+        "step=00000002.ckpt",
+        "step=00000002.ckpt.meta.json",
+        "step=00000003.ckpt",
+        "step=00000003.ckpt.meta.json",
+    ], names
     meta = files.read_marker(cfs.join(url, "step=00000003.ckpt"))
     assert meta["checksums"]["."]["size"] == cfs.size(cfs.join(url, "step=00000003.ckpt"))
     second, trainer = fit(url, 6, ckpt_path="last", keep_last=1)
@@ -82,8 +95,12 @@ def test_rotation_markers_and_exact_resume_from_last(url):
     assert steps_in(url) == [3, 6], "keep_last=1 keeps the newest, and the one resumed from is never deleted"
     torch.testing.assert_close(torch.tensor(first + second), torch.tensor(straight), **EXACT)
     if url.startswith("file://"):  # the URL names the local directory itself
-        assert sorted(p.name for p in Path(url[len("file://"):]).iterdir()) == [
-            "step=00000003.ckpt", "step=00000003.ckpt.meta.json", "step=00000006.ckpt", "step=00000006.ckpt.meta.json"]
+        assert sorted(p.name for p in Path(url[len("file://") :]).iterdir()) == [
+            "step=00000003.ckpt",
+            "step=00000003.ckpt.meta.json",
+            "step=00000006.ckpt",
+            "step=00000006.ckpt.meta.json",
+        ]
 
 
 @pytest.mark.timeout(120)
@@ -117,9 +134,12 @@ def test_a_failed_save_keeps_the_last_good_checkpoint_and_crash_leftovers_are_re
         verify(path, **kwargs)
 
     monkeypatch.setattr(files, "verify", broken_at_step_4)
-    with pytest.raises(RuntimeError, match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard "
-                                         r"missing\. Nothing was committed and the newest complete checkpoint, "
-                                         r".*step=00000002.ckpt, is kept"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard "
+        r"missing\. Nothing was committed and the newest complete checkpoint, "
+        r".*step=00000002.ckpt, is kept",
+    ):
         fit(url, 6, every_n_train_steps=2, keep_last=1)
     monkeypatch.setattr(files, "verify", verify)
     assert steps_in(url) == [2], "the failed save has no marker: it does not count, the older one is kept"
@@ -128,8 +148,12 @@ def test_a_failed_save_keeps_the_last_good_checkpoint_and_crash_leftovers_are_re
     assert len(cfs.listdir(url)) == 4
     _, trainer = fit(url, 3, ckpt_path="last", every_n_train_steps=100)
     assert trainer.ckpt_path == cfs.join(url, "step=00000002.ckpt"), "data without a marker does not count"
-    assert cfs.listdir(url) == ["step=00000002.ckpt", "step=00000002.ckpt.meta.json", "step=00000003.ckpt",
-                                "step=00000003.ckpt.meta.json"], "leftovers are removed when fit starts"
+    assert cfs.listdir(url) == [
+        "step=00000002.ckpt",
+        "step=00000002.ckpt.meta.json",
+        "step=00000003.ckpt",
+        "step=00000003.ckpt.meta.json",
+    ], "leftovers are removed when fit starts"
 
 
 @pytest.mark.timeout(120)
@@ -168,13 +192,19 @@ def test_bad_urls_are_refused_before_training(tmp_path):
     if not _installed("s3fs"):  # not a dependency: without it an s3:// URL is refused, naming the package
         with pytest.raises(ValueError, match=r"'s3://bucket/run': fsspec cannot open protocol 's3'.*s3fs"):
             CheckpointRotation(dirpath="s3://bucket/run")
-    with pytest.raises(ValueError, match=r"dirpath='memory://x/run'\): ModelParallelStrategy writes checkpoints with "
-                                         r"local file APIs.*LLMParallelStrategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"dirpath='memory://x/run'\): ModelParallelStrategy writes checkpoints with "
+        r"local file APIs.*LLMParallelStrategy",
+    ):
         check_remote(ModelParallelStrategy(), "memory://x/run")
     check_remote(ModelParallelStrategy(), f"file://{tmp_path}")  # a file:// URL is a local directory
     two_processes = types.SimpleNamespace(world_size=2)  # what a set-up DDP strategy of 2 ranks reports
-    with pytest.raises(ValueError, match=r"dirpath='memory://x/run'\): a memory:// filesystem lives in one process, "
-                                         r"and this run has 2 processes"):
+    with pytest.raises(
+        ValueError,
+        match=r"dirpath='memory://x/run'\): a memory:// filesystem lives in one process, "
+        r"and this run has 2 processes",
+    ):
         check_remote(two_processes, "memory://x/run")
     not_a_checkpoint = f"memory://not-a-checkpoint-{uuid.uuid4().hex}"
     cfs.filesystem(not_a_checkpoint)[0].pipe_file(cfs.filesystem(cfs.join(not_a_checkpoint, "x"))[1], b"")
@@ -202,9 +232,15 @@ def _sharded_memory(root: str) -> dict:
     first, _ = fit(url, 3, keep_last=2, async_save=True, **zero3())
     newest = files.complete_checkpoints(url)[-1]
     second, trainer = fit(url, 6, ckpt_path="last", keep_last=1, async_save=True, **zero3())
-    return {"straight": straight, "resumed": first + second, "steps": steps_in(url), "newest": newest,
-            "ckpt_path": trainer.ckpt_path, "files": sorted(cfs.listdir(newest)),
-            "local_leak": Path(root, "memory:").exists()}
+    return {
+        "straight": straight,
+        "resumed": first + second,
+        "steps": steps_in(url),
+        "newest": newest,
+        "ckpt_path": trainer.ckpt_path,
+        "files": sorted(cfs.listdir(newest)),
+        "local_leak": Path(root, "memory:").exists(),
+    }
 
 
 @pytest.mark.distributed
@@ -227,9 +263,19 @@ def _zero3_file_url(root: str) -> dict:
     def run(steps, directory, **kwargs):
         rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=3, keep_last=1, **kwargs.pop("rot", {}))
         recorder = GlobalLoss()
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=3), max_steps=steps,
-                            logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            num_sanity_val_steps=0, callbacks=[rotation, recorder], default_root_dir=root)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=LLMParallelStrategy(zero_stage=3),
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[rotation, recorder],
+            default_root_dir=root,
+        )
         trainer.fit(make_model("reference"), data(4), **kwargs)
         return recorder.losses, trainer
 
@@ -241,9 +287,15 @@ def _zero3_file_url(root: str) -> dict:
         refusal = None
     except ValueError as err:
         refusal = str(err)
-    return {"straight": straight, "resumed": first + second, "ckpt_path": trainer.ckpt_path, "steps": steps_in(url),
-            "files": sorted(cfs.listdir(files.complete_checkpoints(url)[-1])), "memory_refusal": refusal,
-            "memory_written": cfs.exists("memory://two-ranks/run/step=00000003.ckpt")}
+    return {
+        "straight": straight,
+        "resumed": first + second,
+        "ckpt_path": trainer.ckpt_path,
+        "steps": steps_in(url),
+        "files": sorted(cfs.listdir(files.complete_checkpoints(url)[-1])),
+        "memory_refusal": refusal,
+        "memory_written": cfs.exists("memory://two-ranks/run/step=00000003.ckpt"),
+    }
 
 
 @pytest.mark.distributed
@@ -252,7 +304,9 @@ def test_two_rank_zero3_dcp_on_a_file_url_resumes_exactly(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     result = run_distributed(_zero3_file_url, 2, str(tmp_path), timeout=280)[0]
     assert result["ckpt_path"] == f"file://{tmp_path}/run/step=00000003.ckpt"
-    assert result["steps"] == [3, 6] and {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(result["files"])
+    assert result["steps"] == [3, 6] and {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(
+        result["files"]
+    )
     assert not (tmp_path / "file:").exists()
     assert "a memory:// filesystem lives in one process, and this run has 2 processes" in result["memory_refusal"]
     assert not result["memory_written"], "refused at setup, before any step"

@@ -14,8 +14,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import lightning_llm.callbacks.checkpoint as checkpoint_module
 from lightning_llm.callbacks import CheckpointRotation
-from lightning_llm.callbacks import checkpoint_files as files
-from lightning_llm.callbacks.checkpoint_files import complete_checkpoints, marker_path
+from lightning_llm.checkpointing import files
+from lightning_llm.checkpointing.files import complete_checkpoints, marker_path
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import GlobalLoss, data, make_model
@@ -40,10 +40,19 @@ def noisy_model() -> NoisyLM:
 
 def _fit(callback, steps, root, strategy="auto", devices=1, dp=1, ckpt_path=None, model=None, callbacks=()):
     recorder = GlobalLoss()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[callback, recorder, *callbacks], default_root_dir=root, limit_val_batches=0,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, recorder, *callbacks],
+        default_root_dir=root,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model or make_model("reference", layers=2), data(8 // dp), ckpt_path=ckpt_path)
     return recorder.losses, trainer
 
@@ -62,8 +71,9 @@ def _resumed(root, strategy="auto", devices=1, dp=1, async_save=False):
     """Losses of 10 steps plus 10 more resumed from "last", the checkpoint resumed from and the steps kept."""
     runs = []
     for steps in (10, 20):
-        rotation = CheckpointRotation(dirpath=f"{root}/resumed", every_n_train_steps=10, keep_last=1,
-                                      async_save=async_save)
+        rotation = CheckpointRotation(
+            dirpath=f"{root}/resumed", every_n_train_steps=10, keep_last=1, async_save=async_save
+        )
         losses, trainer = _fit(rotation, steps, root, strategy, devices, dp, ckpt_path="last", model=noisy_model())
         runs.append((losses, trainer.ckpt_path))
     (first, _), (second, resumed_from) = runs
@@ -102,16 +112,26 @@ def test_keeps_the_last_k_with_metadata_and_resolves_last(tmp_path):
     periodic, meta = (files.read_marker(p) for p in complete_checkpoints(tmp_path / "ckpt"))
     assert periodic["epoch"] == 0 and meta["epoch"] == 1, "at the end, Lightning counts the epoch as done"
     assert meta["step"] == 9 and meta["tokens_seen"] == 9 * 8 * 32
-    assert meta["layout"] == {"strategy": "SingleDeviceStrategy", "world_size": 1, "num_nodes": 1, "tp": 1, "pp": 1,
-                              "dp_replicate": 1, "dp_shard": 1, "zero_stage": None, "dp": 1}
+    assert meta["layout"] == {
+        "strategy": "SingleDeviceStrategy",
+        "world_size": 1,
+        "num_nodes": 1,
+        "tp": 1,
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 1,
+        "zero_stage": None,
+        "dp": 1,
+    }
     assert meta["config"]["warmup_steps"] == 2 and isinstance(meta["loss"], float) and meta["wall_time"] > 0
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")], "no leftovers"
     assert callback._find_last_checkpoints(None) == {str(complete_checkpoints(tmp_path / "ckpt")[-1])}
 
 
 def test_best_k_is_kept_beside_the_last(tmp_path):
-    callback = CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=1, keep_last=1, monitor="train_loss",
-                                  mode="max", keep_best=1)
+    callback = CheckpointRotation(
+        dirpath=str(tmp_path), every_n_train_steps=1, keep_last=1, monitor="train_loss", mode="max", keep_best=1
+    )
     losses, _ = _fit(callback, 6, tmp_path)
     # the loss falls as it trains: the highest loss among the saved steps is the first one
     assert losses[0] == max(losses) and _steps(tmp_path) == [1, 6]
@@ -148,16 +168,20 @@ def test_incomplete_leftovers_are_removed_and_ignored(tmp_path):
     (tmp_path / "step=00000006.ckpt").write_bytes(b"half a checkpoint")  # no marker: a crash mid-save
     (tmp_path / ".deleting-step=00000000.ckpt").write_bytes(b"x")
     assert _steps(tmp_path) == [2]
-    _, trainer = _fit(CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100), 3, tmp_path,
-                      ckpt_path="last")
+    _, trainer = _fit(CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100), 3, tmp_path, ckpt_path="last")
     assert Path(trainer.ckpt_path).name == "step=00000002.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step=00000002.ckpt", "step=00000002.ckpt.meta.json", "step=00000003.ckpt", "step=00000003.ckpt.meta.json"]
+        "step=00000002.ckpt",
+        "step=00000002.ckpt.meta.json",
+        "step=00000003.ckpt",
+        "step=00000003.ckpt.meta.json",
+    ]
 
 
 def test_async_single_file_checkpoints_complete_and_load(tmp_path):
-    callback = CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2, async_save=True,
-                                  verify="load")
+    callback = CheckpointRotation(
+        dirpath=str(tmp_path), every_n_train_steps=2, keep_last=2, async_save=True, verify="load"
+    )
     _fit(callback, 6, tmp_path)
     assert callback._async and _steps(tmp_path) == [4, 6]
     state = torch.load(complete_checkpoints(tmp_path)[-1], weights_only=True)
@@ -173,8 +197,11 @@ def test_failed_verification_keeps_older_checkpoints_and_stops(tmp_path, monkeyp
         verify(path, **kwargs)
 
     monkeypatch.setattr(files, "verify", broken_at_step_4)
-    with pytest.raises(RuntimeError, match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard missing\. "
-                                         r"Nothing was committed and the newest complete checkpoint, .*step=00000002.ckpt, is kept"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not save checkpoint step=00000004.ckpt in .*: RuntimeError: shard missing\. "
+        r"Nothing was committed and the newest complete checkpoint, .*step=00000002.ckpt, is kept",
+    ):
         _fit(CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=1), 6, tmp_path)
     assert _steps(tmp_path) == [2], "the older checkpoint survives a new one that failed verification"
 
@@ -220,8 +247,13 @@ def test_bad_settings_are_refused(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match="cannot write to .*a_file/ckpt"):
         _fit(CheckpointRotation(dirpath=str(tmp_path / "a_file" / "ckpt")), 1, tmp_path)
-    trainer = L.Trainer(accelerator="cpu", plugins=[AsyncCheckpointIO()], logger=False, max_steps=1,
-                        callbacks=[CheckpointRotation(dirpath=str(tmp_path))])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        plugins=[AsyncCheckpointIO()],
+        logger=False,
+        max_steps=1,
+        callbacks=[CheckpointRotation(dirpath=str(tmp_path))],
+    )
     with pytest.raises(ValueError, match="Remove the AsyncCheckpointIO plugin"):
         trainer.fit(make_model("reference"), data(8))
     assert trainer.global_step == 0, "refused at setup, before any step"
@@ -235,25 +267,38 @@ def test_cli_ckpt_path_last_resumes_from_the_default_directory(tmp_path, monkeyp
     config = {
         "seed_everything": 1,
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "max_steps": 4, "limit_val_batches": 0, "enable_progress_bar": False,
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 4,
+            "limit_val_batches": 0,
+            "enable_progress_bar": False,
             "enable_model_summary": False,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "logs"}},
-            "callbacks": [{"class_path": "lightning_llm.callbacks.CheckpointRotation",
-                           "init_args": {"every_n_train_steps": 2, "keep_last": 5}}],
+            "callbacks": [
+                {
+                    "class_path": "lightning_llm.callbacks.CheckpointRotation",
+                    "init_args": {"every_n_train_steps": 2, "keep_last": 5},
+                }
+            ],
         },
         "model": {"class_path": "lightning_llm.models.CausalLM", "init_args": {"config": "tiny", "warmup_steps": 1}},
-        "data": {"class_path": "lightning_llm.data.LLMDataModule",
-                 "init_args": {"num_tokens": 5000, "seq_len": 16, "batch_size": 2}},
+        "data": {
+            "class_path": "lightning_llm.data.LLMDataModule",
+            "init_args": {"num_tokens": 5000, "seq_len": 16, "batch_size": 2},
+        },
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     main(["fit", "--config", "config.yaml"])
     first = {Path(p).name: Path(marker_path(p)).read_text() for p in complete_checkpoints(tmp_path / "checkpoints")}
     main(["fit", "--config", "config.yaml", "--trainer.max_steps", "8", "--ckpt_path", "last"])
-    assert sorted(p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()) == ["version_0", "version_1"], sorted(map(str, tmp_path.rglob("*")))
+    assert sorted(p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()) == ["version_0", "version_1"], (
+        sorted(map(str, tmp_path.rglob("*")))
+    )
     final = complete_checkpoints(tmp_path / "checkpoints")
     assert _steps(tmp_path / "checkpoints") == [2, 4, 6, 8]
-    assert {name: Path(marker_path(tmp_path / "checkpoints" / name)).read_text() for name in first} == first, \
+    assert {name: Path(marker_path(tmp_path / "checkpoints" / name)).read_text() for name in first} == first, (
         "the resumed run started at step 4: it did not save steps 2 and 4 again"
+    )
     assert files.read_marker(final[-1])["tokens_seen"] == 8 * 2 * 16, "tokens seen carry over"
 
 
@@ -271,12 +316,17 @@ def _resume_layouts(root):
         directory = f"{root}/{label}"
         losses = []
         for steps in (5, 10):
-            rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=5, async_save=asynchronous,
-                                          verify="load")
+            rotation = CheckpointRotation(
+                dirpath=directory, every_n_train_steps=5, async_save=asynchronous, verify="load"
+            )
             losses += _fit(rotation, steps, root, strategy(), 2, dp, ckpt_path="last")[0]
         last = complete_checkpoints(directory)[-1]
-        layout = {**files.read_marker(last)["layout"], "async": rotation._async, "files": sorted(os.listdir(last)),
-                  "deepspeed_files": sorted(os.listdir(Path(last) / "checkpoint")) if label.startswith("deepspeed") else []}
+        layout = {
+            **files.read_marker(last)["layout"],
+            "async": rotation._async,
+            "files": sorted(os.listdir(last)),
+            "deepspeed_files": sorted(os.listdir(Path(last) / "checkpoint")) if label.startswith("deepspeed") else [],
+        }
         results[label] = (losses, _steps(directory), layout)
     return results
 
@@ -295,5 +345,6 @@ def test_exact_resume_under_parallel_layouts(tmp_path):
     for label, (losses, steps, _) in results.items():
         assert steps == [5, 10], label
         # fp32: the parallel layouts differ from one process only by summation order.
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(straight), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(straight), rtol=1e-5, atol=0, msg=lambda m: f"{label}: {m}"
+        )

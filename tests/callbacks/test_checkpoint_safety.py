@@ -19,15 +19,23 @@ import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 
 from lightning_llm.callbacks import CheckpointRotation
-from lightning_llm.callbacks import checkpoint_checksums as checksums
-from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.checkpointing import checksums, files
 from tests.strategies._parity import data, make_model
 
 
 def fit(root, steps, callback=None, ckpt_path=None, model=None, plugins=(), **trainer_kwargs):
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback] if callback else [], default_root_dir=root,
-                        num_sanity_val_steps=0, plugins=list(plugins), **{"limit_val_batches": 0, **trainer_kwargs})
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback] if callback else [],
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        plugins=list(plugins),
+        **{"limit_val_batches": 0, **trainer_kwargs},
+    )
     trainer.fit(model or make_model("reference"), data(8), ckpt_path=ckpt_path)
     return trainer
 
@@ -42,10 +50,14 @@ def flip_tensor_bytes(archive: Path) -> str:
         info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     raw = bytearray(archive.read_bytes())
     # Local file header: 30 bytes, then the name and the extra field, whose lengths sit at bytes 26-29.
-    start = info.header_offset + 30 + int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little") \
-        + int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    start = (
+        info.header_offset
+        + 30
+        + int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little")
+        + int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")
+    )
     middle = start + info.file_size // 2
-    raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
     archive.write_bytes(bytes(raw))
     return info.filename
 
@@ -68,8 +80,7 @@ def test_flipped_tensor_bytes_fall_back_to_the_older_checkpoint_and_refuse_the_e
     after = torch.load(newest, weights_only=True)["state_dict"]  # torch loads the corrupted file without a word
     assert any(not torch.equal(before[k], after[k]) for k in before), "the flip landed in tensor data"
     with pytest.warns(UserWarning, match=r"'last' skips .*step=00000004.ckpt.*CRC-32 .* \(content corrupted\)"):
-        trainer = fit(tmp_path, 5, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100),
-                      ckpt_path="last")
+        trainer = fit(tmp_path, 5, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100), ckpt_path="last")
     assert Path(trainer.ckpt_path).name == "step=00000002.ckpt"
     with pytest.raises(ValueError, match=r"ckpt_path='.*step=00000004.ckpt' cannot be resumed from: .*content corr"):
         fit(tmp_path, 6, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100), ckpt_path=str(newest))
@@ -80,8 +91,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path):
     newest = tmp_path / "step=00000004.ckpt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     with pytest.warns(UserWarning, match=r"'last' skips .*step=00000004.ckpt.*truncated"):
-        trainer = fit(tmp_path, 5, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100),
-                      ckpt_path="last")
+        trainer = fit(tmp_path, 5, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=100), ckpt_path="last")
     assert Path(trainer.ckpt_path).name == "step=00000002.ckpt" and trainer.global_step == 5
 
 
@@ -108,11 +118,15 @@ class FullDisk(TorchCheckpointIO):
         raise OSError(self.code, os.strerror(self.code), str(path))
 
 
-@pytest.mark.parametrize(("async_save", "code", "cause"), [
-    (False, errno.ENOSPC, "no space left on the device (ENOSPC"),
-    (True, errno.ENOSPC, "no space left on the device (ENOSPC"),
-    (False, errno.EACCES, "permission denied (EACCES"),
-], ids=["sync-full", "async-full", "sync-permission"])
+@pytest.mark.parametrize(
+    ("async_save", "code", "cause"),
+    [
+        (False, errno.ENOSPC, "no space left on the device (ENOSPC"),
+        (True, errno.ENOSPC, "no space left on the device (ENOSPC"),
+        (False, errno.EACCES, "permission denied (EACCES"),
+    ],
+    ids=["sync-full", "async-full", "sync-permission"],
+)
 def test_injected_save_failure_is_one_clear_error_and_the_older_checkpoint_loads(tmp_path, async_save, code, cause):
     rotation = CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, keep_last=1, async_save=async_save)
     with pytest.raises(RuntimeError) as raised:
@@ -130,8 +144,9 @@ def small_disk(tmp_path):
     """A 2 MiB tmpfs (room for one ~1.6 MB checkpoint, not two), where the machine lets us mount one; else None."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                      check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, check=False
+    ).returncode:
         yield None
         return
     try:
@@ -144,18 +159,25 @@ def test_real_full_disk_on_a_small_tmpfs_or_injected(tmp_path, small_disk):
     """torch's own writer on a full disk says "unexpected pos ..."; the error must say the disk is full."""
     directory = small_disk or tmp_path
     plugins = [] if small_disk else [FullDisk()]  # no mount permission: the same failure, injected
-    with pytest.raises(RuntimeError, match=rf"could not save checkpoint step=00000004.ckpt in {directory}: .*no space"
-                                           r".*newest complete checkpoint, .*step=00000002.ckpt, is kept"):
-        fit(tmp_path, 6, CheckpointRotation(dirpath=str(directory), every_n_train_steps=2, keep_last=1),
-            plugins=plugins)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"could not save checkpoint step=00000004.ckpt in {directory}: .*no space"
+        r".*newest complete checkpoint, .*step=00000002.ckpt, is kept",
+    ):
+        fit(
+            tmp_path, 6, CheckpointRotation(dirpath=str(directory), every_n_train_steps=2, keep_last=1), plugins=plugins
+        )
     (kept,) = files.complete_checkpoints(directory)
     checksums.verify_committed(kept)
     assert torch.load(kept, weights_only=True)["global_step"] == 2
 
 
 def test_monitor_never_logged_raises_at_the_first_save_unless_opted_out(tmp_path):
-    with pytest.raises(ValueError, match=r"monitor='val_acc'\): no metric 'val_acc' was logged by step 2; the "
-                                         r"logged metrics are \['train_loss', 'train_ppl'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"monitor='val_acc'\): no metric 'val_acc' was logged by step 2; the "
+        r"logged metrics are \['train_loss', 'train_ppl'\]",
+    ):
         fit(tmp_path, 4, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2, monitor="val_acc"))
     assert steps_in(tmp_path) == [], "refused before writing anything"
     # With validation that has not run yet, a validation metric may still come: a warning, no score.
@@ -163,11 +185,19 @@ def test_monitor_never_logged_raises_at_the_first_save_unless_opted_out(tmp_path
     with pytest.warns(UserWarning, match="Validation has not run yet"):
         fit(tmp_path, 2, rotation, limit_val_batches=1, val_check_interval=4)
     # ...but once it ran and the metric is still missing, that is an error.
-    with pytest.raises(ValueError, match="no metric 'val_typo' was logged by step 4; the logged metrics are .*val_loss"):
-        fit(tmp_path, 6, CheckpointRotation(dirpath=str(tmp_path / "w"), every_n_train_steps=4, monitor="val_typo"),
-            limit_val_batches=1, val_check_interval=2)
-    rotation = CheckpointRotation(dirpath=str(tmp_path / "o"), every_n_train_steps=2, monitor="val_acc",
-                                  require_monitor=False)
+    with pytest.raises(
+        ValueError, match="no metric 'val_typo' was logged by step 4; the logged metrics are .*val_loss"
+    ):
+        fit(
+            tmp_path,
+            6,
+            CheckpointRotation(dirpath=str(tmp_path / "w"), every_n_train_steps=4, monitor="val_typo"),
+            limit_val_batches=1,
+            val_check_interval=2,
+        )
+    rotation = CheckpointRotation(
+        dirpath=str(tmp_path / "o"), every_n_train_steps=2, monitor="val_acc", require_monitor=False
+    )
     fit(tmp_path, 2, rotation)
     assert steps_in(tmp_path / "o") == [2] and "score" not in files.read_marker(tmp_path / "o/step=00000002.ckpt")
 
@@ -176,8 +206,11 @@ def test_single_device_loading_is_strict_both_ways_with_strict_loading_as_the_op
     fit(tmp_path, 2, CheckpointRotation(dirpath=str(tmp_path), every_n_train_steps=2))
     saved = tmp_path / "step=00000002.ckpt"
     rotation = CheckpointRotation(dirpath=str(tmp_path / "one"))
-    with pytest.raises(RuntimeError, match=r"does not fit the model: in the checkpoint but not in the model: 9 "
-                                           r"\(model\.layers\.1\..*and 4 more\).*strict_loading = False"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"does not fit the model: in the checkpoint but not in the model: 9 "
+        r"\(model\.layers\.1\..*and 4 more\).*strict_loading = False",
+    ):
         fit(tmp_path, 2, rotation, ckpt_path=str(saved), model=make_model("reference", layers=1))
     lenient = make_model("reference", layers=1)
     lenient.strict_loading = False

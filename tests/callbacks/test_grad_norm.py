@@ -19,9 +19,20 @@ pytestmark = pytest.mark.distributed
 def _first_norms(strategy="auto", devices=1, dp=1, arch="hf_gpt2", clip=None):
     monitor = GradNormMonitor(per_block=True, per_param_group=True)
     model = make_model(arch, layers=4)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
-                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[monitor], limit_val_batches=0, gradient_clip_val=clip)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+        limit_val_batches=0,
+        gradient_clip_val=clip,
+    )
     trainer.fit(model, data(8 // dp))
     metrics = trainer.callback_metrics
     return {k: metrics[k].item() for k in metrics if k.startswith("grad_norm/")}
@@ -45,8 +56,17 @@ class _TorchNorms(L.Callback):
 
 def _torch_norms(arch):
     oracle = _TorchNorms()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[oracle], limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[oracle],
+        limit_val_batches=0,
+    )
     trainer.fit(make_model(arch, layers=4), data(8))
     return oracle.norms
 
@@ -59,7 +79,8 @@ def _layouts(world_size):
         "dp2 zero3": _first_norms(LLMParallelStrategy(zero_stage=3), world_size, dp=2),
         "tp2": _first_norms(LLMParallelStrategy(tensor_parallel_size=2), world_size, arch="hf_llama"),
         "pp2 (tied embedding on both stages)": _first_norms(
-            LLMParallelStrategy(pipeline_parallel_size=2, num_microbatches=2), world_size),
+            LLMParallelStrategy(pipeline_parallel_size=2, num_microbatches=2), world_size
+        ),
     }
 
 
@@ -141,8 +162,11 @@ def _tp2_norms() -> list[float]:
 
     model, mesh = _tiny_llama(), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     plan = {f"attention.{n}_proj": ColwiseParallel() for n in "qkv"} | {"attention.o_proj": RowwiseParallel()}
-    plan |= {"feed_forward.gate_proj": ColwiseParallel(), "feed_forward.up_proj": ColwiseParallel(),
-             "feed_forward.down_proj": RowwiseParallel()}
+    plan |= {
+        "feed_forward.gate_proj": ColwiseParallel(),
+        "feed_forward.up_proj": ColwiseParallel(),
+        "feed_forward.down_proj": RowwiseParallel(),
+    }
     for block in model.layers:
         parallelize_module(block, mesh, plan)  # the norms and embeddings stay plain, replicated tensors
     _backward(model, _tokens())

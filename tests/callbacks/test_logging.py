@@ -10,9 +10,18 @@ from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 
 EXPECTED = {
-    "throughput/tokens_per_sec", "throughput/samples_per_sec", "throughput/device/flops_per_sec", "throughput/flops_per_sec", "throughput/device/mfu",
-    "grad_norm/total", "grad_norm/clipped", "grad_norm/block_0", "loss_guard/nonfinite", "loss_guard/spikes",
-    "loss_guard/skipped", "train_loss",
+    "throughput/tokens_per_sec",
+    "throughput/samples_per_sec",
+    "throughput/device/flops_per_sec",
+    "throughput/flops_per_sec",
+    "throughput/device/mfu",
+    "grad_norm/total",
+    "grad_norm/clipped",
+    "grad_norm/block_0",
+    "loss_guard/nonfinite",
+    "loss_guard/spikes",
+    "loss_guard/skipped",
+    "train_loss",
 }
 
 
@@ -45,22 +54,27 @@ def test_metrics_reach_every_logger(tmp_path, monkeypatch):
     capture, csv_logger = Capture(), CSVLogger(str(tmp_path), name="csv")
     wandb_logger = WandbLogger(project="lightning-llm-test", save_dir=str(tmp_path))
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=6, log_every_n_steps=1, gradient_clip_val=1.0,
+        accelerator="cpu",
+        max_steps=6,
+        log_every_n_steps=1,
+        gradient_clip_val=1.0,
         logger=[capture, csv_logger, wandb_logger],
         callbacks=[MFUMonitor(log_every_n_steps=2, peak_flops=1e12), GradNormMonitor(per_block=True), LossSpikeGuard()],
-        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
     )
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
     wandb.finish()
 
     logged = {key for _, row in capture.rows for key in row}
-    assert EXPECTED <= logged, sorted(EXPECTED - logged)
+    assert logged >= EXPECTED, sorted(EXPECTED - logged)
     assert all(0 < row["throughput/device/mfu"] < 1 for _, row in capture.rows if "throughput/device/mfu" in row)
     assert [step for step, row in capture.rows if "grad_norm/total" in row] == list(range(6)), "once per step"
 
     with open(f"{csv_logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    assert EXPECTED <= set(rows[0]), sorted(EXPECTED - set(rows[0]))
+    assert set(rows[0]) >= EXPECTED, sorted(EXPECTED - set(rows[0]))
     assert len([r for r in rows if r["grad_norm/total"]]) == 6, "one gradient norm per optimizer step"
 
     # End to end: the offline run W&B wrote holds every metric name (its record format is W&B's own).

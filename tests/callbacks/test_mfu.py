@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from lightning_llm.callbacks import MFUMonitor
-from lightning_llm.data.batch import batch_tokens
 from lightning_llm.data import LLMDataModule
-from lightning_llm.models import CausalLM, Llama, LlamaConfig
+from lightning_llm.data.batch import batch_tokens
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.testing import run_distributed
 
 BATCH, SEQ = 4, 32
@@ -37,9 +37,18 @@ def _fit(strategy="auto", devices=1, steps=4, **monitor):
 
 def _trainer(callback, strategy="auto", devices=1, steps=4):
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[callback], limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        limit_val_batches=0,
+    )
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=20_000, seq_len=SEQ, batch_size=BATCH))
     return trainer
 
@@ -107,7 +116,11 @@ def test_tokens_count_once_per_data_parallel_replica():
     assert tp2["throughput/device/flops_per_sec"] == pytest.approx(dp2["throughput/device/flops_per_sec"] / 2)
     assert tp2["throughput/flops_per_sec"] == pytest.approx(dp2["throughput/flops_per_sec"] / 2)
     # Full recomputation adds one forward of each block: hardware FLOPs exceed model FLOPs.
-    assert full_ac["throughput/device/hfu"] > full_ac["throughput/device/mfu"] == pytest.approx(dp2["throughput/device/mfu"])
+    assert (
+        full_ac["throughput/device/hfu"]
+        > full_ac["throughput/device/mfu"]
+        == pytest.approx(dp2["throughput/device/mfu"])
+    )
 
 
 def test_batch_tokens_and_argument_checks():

@@ -27,9 +27,17 @@ class Hyperparameters(Capture):
 
 
 def _fit(logger, callbacks, steps: int, log_every: int, **trainer_kwargs) -> None:
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, log_every_n_steps=log_every, logger=logger,
-                        callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                        limit_val_batches=0, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        log_every_n_steps=log_every,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
 
 
@@ -50,7 +58,9 @@ def test_every_callback_logs_on_the_trainers_steps_only():
 
 
 def test_an_interval_that_is_not_a_multiple_of_the_trainers_is_warned_about():
-    with pytest.warns(UserWarning, match=r"MFUMonitor\(log_every_n_steps=4\) is not a multiple of .*log_every_n_steps=3"):
+    with pytest.warns(
+        UserWarning, match=r"MFUMonitor\(log_every_n_steps=4\) is not a multiple of .*log_every_n_steps=3"
+    ):
         _fit(Hyperparameters(), [MFUMonitor(log_every_n_steps=4, peak_flops=1e12)], steps=2, log_every=3)
 
 
@@ -62,10 +72,18 @@ def _fit_logging_to_wandb(save_dir: str) -> None:
 
     os.environ["WANDB_MODE"] = "offline"
     logger = WandbLogger(project="lightning-llm-test", save_dir=save_dir)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, log_every_n_steps=1, logger=logger,
-                        strategy=LLMParallelStrategy(zero_stage="auto", device_memory="1GB"),
-                        callbacks=[MemoryMonitor(), RunInfoLogger()], enable_checkpointing=False,
-                        enable_progress_bar=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=logger,
+        strategy=LLMParallelStrategy(zero_stage="auto", device_memory="1GB"),
+        callbacks=[MemoryMonitor(), RunInfoLogger()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
     wandb.finish()
 

@@ -40,9 +40,19 @@ class Faulty(CausalLM):
 
 
 def _fit(guard, model, devices=1, steps=8, strategy="auto"):
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[guard], limit_val_batches=0, gradient_clip_val=1.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard],
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+    )
     trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
     return trainer
 
@@ -134,10 +144,20 @@ def test_statistics_survive_a_checkpoint(tmp_path):
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     restored = LossSpikeGuard(action="skip", warmup_steps=2)
     # max_steps as saved: the resumed fit restores the state and stops, so what it holds is what it loaded.
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[restored], limit_val_batches=0)
-    trainer.fit(Faulty(bad_step=-1, factor=1.0), LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4),
-                ckpt_path=tmp_path / "last.ckpt")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[restored],
+        limit_val_batches=0,
+    )
+    trainer.fit(
+        Faulty(bad_step=-1, factor=1.0),
+        LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4),
+        ckpt_path=tmp_path / "last.ckpt",
+    )
     assert len(guard.history) == 5 and list(restored.history) == list(guard.history)
     assert restored.counts == guard.counts == {"nonfinite": 1, "spikes": 0, "skipped": 1}
     assert restored.state_dict()["steps_seen"] == 6
@@ -153,9 +173,16 @@ def test_spike_three_steps_after_resume_is_skipped_as_in_the_straight_run(tmp_pa
         guard, model = LossSpikeGuard(action="skip", warmup_steps=6, window=10), Faulty(bad_step=8, factor=100.0)
         model.hparams.max_steps = 11  # one LR schedule for every piece, not the Trainer's estimate of each
         callbacks = [guard] + ([checkpoint] if checkpoint else [])
-        trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks, limit_val_batches=0,
-                            default_root_dir=tmp_path)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4), ckpt_path=resume_from)
         return guard, model
 
@@ -171,18 +198,21 @@ def test_spike_three_steps_after_resume_is_skipped_as_in_the_straight_run(tmp_pa
         assert torch.equal(param, dict(straight.named_parameters())[name]), name
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"threshold": float("nan")}, "threshold=nan must be a finite number"),
-    ({"threshold": float("inf")}, "threshold=inf must be a finite number"),
-    ({"threshold": "6"}, "threshold='6' must be a number"),
-    ({"threshold": True}, "threshold=True must be a number"),
-    ({"threshold": 0}, "threshold=0 must be a number > 0"),
-    ({"window": 10.0}, "window=10.0 must be an integer"),
-    ({"window": "10"}, "window='10' must be an integer"),
-    ({"window": True}, "window=True must be an integer"),
-    ({"warmup_steps": float("nan")}, "warmup_steps=nan must be an integer"),
-    ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"threshold": float("nan")}, "threshold=nan must be a finite number"),
+        ({"threshold": float("inf")}, "threshold=inf must be a finite number"),
+        ({"threshold": "6"}, "threshold='6' must be a number"),
+        ({"threshold": True}, "threshold=True must be a number"),
+        ({"threshold": 0}, "threshold=0 must be a number > 0"),
+        ({"window": 10.0}, "window=10.0 must be an integer"),
+        ({"window": "10"}, "window='10' must be an integer"),
+        ({"window": True}, "window=True must be an integer"),
+        ({"warmup_steps": float("nan")}, "warmup_steps=nan must be an integer"),
+        ({"warmup_steps": -1}, "warmup_steps=-1 must be an integer >= 0"),
+    ],
+)
 def test_bad_statistics_arguments_are_refused(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         LossSpikeGuard(**kwargs)
@@ -219,9 +249,18 @@ def test_skip_under_fp16_grad_scaler():
     model = _Fp16Scaled(bad_step=6, factor=50.0)  # a finite spike: the scaler itself would not skip
     guard = LossSpikeGuard(action="skip", warmup_steps=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard], limit_val_batches=0,
-                        plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard],
+        limit_val_batches=0,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+    )
     trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4))
     assert guard.counts == {"nonfinite": 0, "spikes": 1, "skipped": 1} and trainer.global_step == 8
     _assert_step_left_nothing(model, 6)

@@ -37,13 +37,22 @@ def _run_with_a_hung_rank(report: str):
     L.seed_everything(0)  # the model is initialized on each rank's shards from the same generator state
     hang = _Hang()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=0, timeout=TIMEOUT), max_steps=4,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[hang, RankWatchdog(timeout=TIMEOUT)], limit_val_batches=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMParallelStrategy(zero_stage=0, timeout=TIMEOUT),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[hang, RankWatchdog(timeout=TIMEOUT)],
+        limit_val_batches=0,
     )
     try:
-        trainer.fit(CausalLM("tiny", warmup_steps=1, max_steps=4), LLMDataModule(num_tokens=5_000, seq_len=32, batch_size=2))
-    except BaseException as err:  # noqa: BLE001 - the error is the result
+        trainer.fit(
+            CausalLM("tiny", warmup_steps=1, max_steps=4), LLMDataModule(num_tokens=5_000, seq_len=32, batch_size=2)
+        )
+    except BaseException as err:
         result = [type(err).__name__, str(err), time.monotonic() - hang.started]
     else:
         result = [None, "", 0.0]

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from lightning_llm.data import (
-    ByteTokenizer, LLMDataModule, ResumableDistributedSampler, TokenWindows, entropy_floor, markov_corpus,
+    ByteTokenizer,
+    LLMDataModule,
+    ResumableDistributedSampler,
+    TokenWindows,
+    entropy_floor,
+    markov_corpus,
     read_token_file,
 )
 

@@ -24,8 +24,10 @@ def _corpus(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     subjects, verbs = ["the cat", "a dog", "my friend", "the old man", "Zoë"], ["sees", "likes", "finds", "paints"]
     objects = ["a red ball", "the moon", "two birds", "café au lait"]
-    docs = [" ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}."
-                     for _ in range(rng.randint(1, 6))) for _ in range(count)]
+    docs = [
+        " ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(rng.randint(1, 6)))
+        for _ in range(count)
+    ]
     # An indented document lands in the .txt half: only blank lines separate, the indentation stays.
     return ["    indented first line\n  and a second", *docs, *EDGE_DOCS]
 
@@ -77,8 +79,14 @@ def test_a_given_tokenizer_is_used_as_is_and_its_eos_found(tmp_path):
     tok.save(str(tmp_path / "given.json"))
     default = prepare(_write_inputs(tmp_path, docs), tmp_path / "default", tokenizer=tmp_path / "given.json")
     assert default["train"].eos_id == tok.token_to_id("<|endoftext|>"), "the first of EOS_CANDIDATES it holds"
-    infos = prepare(_write_inputs(tmp_path, docs), tmp_path / "out", tokenizer=tmp_path / "given.json",
-                    eos_token="</s>", txt_split="blank_line", val_fraction=0.25)
+    infos = prepare(
+        _write_inputs(tmp_path, docs),
+        tmp_path / "out",
+        tokenizer=tmp_path / "given.json",
+        eos_token="</s>",
+        txt_split="blank_line",
+        val_fraction=0.25,
+    )
     eos = tok.token_to_id("</s>")
     assert infos["train"].eos_id == infos["val"].eos_id == eos
     assert infos["train"].tokenizer == str((tmp_path / "given.json").resolve())
@@ -99,8 +107,14 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "CHUNK_DOCUMENTS", 7)  # many chunks, so the workers interleave
     inputs = _write_inputs(tmp_path, _corpus(60, seed=2))
     prepare(inputs, tmp_path / "one", vocab_size=300, val_fraction=0.1, workers=1, txt_split="blank_line")
-    prepare(inputs, tmp_path / "two", tokenizer=tmp_path / "one" / "tokenizer.json", val_fraction=0.1, workers=2,
-            txt_split="blank_line")
+    prepare(
+        inputs,
+        tmp_path / "two",
+        tokenizer=tmp_path / "one" / "tokenizer.json",
+        val_fraction=0.1,
+        workers=2,
+        txt_split="blank_line",
+    )
     for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
@@ -135,12 +149,18 @@ def _eos_scan(window: torch.Tensor, eos: int) -> list[int]:
 
 @pytest.mark.parametrize("val", ["val_fraction", "val_path"])
 def test_document_ids_match_a_brute_force_scan_for_eos(tmp_path, val):
-    prepare(_write_inputs(tmp_path, _corpus(30, seed=3)), tmp_path / "out", vocab_size=300, txt_split="blank_line",
-            val_fraction=0.2)
+    prepare(
+        _write_inputs(tmp_path, _corpus(30, seed=3)),
+        tmp_path / "out",
+        vocab_size=300,
+        txt_split="blank_line",
+        val_fraction=0.2,
+    )
     out = tmp_path / "out"
     split = {"val_fraction": 0.3} if val == "val_fraction" else {"val_path": str(out / "val.bin")}
-    dm = LLMDataModule(source="tokens", path=str(out / "train.bin"), seq_len=48, batch_size=2,
-                       return_document_ids=True, **split)
+    dm = LLMDataModule(
+        source="tokens", path=str(out / "train.bin"), seq_len=48, batch_size=2, return_document_ids=True, **split
+    )
     dm.setup("fit")
     eos = dm.token_info.eos_id
     for dataset in (dm.train_set, dm.val_set):
@@ -157,7 +177,9 @@ def test_mask_helper_equals_a_brute_force_block_diagonal_causal_mask():
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2, (3, 23), generator=generator).cumsum(1)  # non-decreasing, as in a packed sample
     mask = document_causal_mask(ids)
-    brute = torch.tensor([[[k <= q and ids[b, k] == ids[b, q] for k in range(23)] for q in range(23)] for b in range(3)])
+    brute = torch.tensor(
+        [[[k <= q and ids[b, k] == ids[b, q] for k in range(23)] for q in range(23)] for b in range(3)]
+    )
     assert mask.shape == (3, 1, 23, 23) and mask.dtype == torch.bool
     assert torch.equal(mask[:, 0], brute)
     with pytest.raises(ValueError, match=r"\(batch, seq\)"):
@@ -187,19 +209,39 @@ class _Losses(L.Callback):
 
 
 def test_a_short_fit_on_prepared_data_lowers_the_loss(tmp_path):
-    prepare(_write_inputs(tmp_path, _corpus(200, seed=4)), tmp_path / "out", vocab_size=320, val_fraction=0.1,
-            txt_split="blank_line")
-    data = LLMDataModule(source="tokens", path=str(tmp_path / "out" / "train.bin"),
-                         val_path=str(tmp_path / "out" / "val.bin"), seq_len=64, batch_size=4,
-                         return_document_ids=True)
+    prepare(
+        _write_inputs(tmp_path, _corpus(200, seed=4)),
+        tmp_path / "out",
+        vocab_size=320,
+        val_fraction=0.1,
+        txt_split="blank_line",
+    )
+    data = LLMDataModule(
+        source="tokens",
+        path=str(tmp_path / "out" / "train.bin"),
+        val_path=str(tmp_path / "out" / "val.bin"),
+        seq_len=64,
+        batch_size=4,
+        return_document_ids=True,
+    )
     data.setup()
     L.seed_everything(0)
-    model = CausalLM(LlamaConfig.from_name("tiny", vocab_size=data.vocab_size), learning_rate=3e-3, warmup_steps=5,
-                     max_steps=40)
+    model = CausalLM(
+        LlamaConfig.from_name("tiny", vocab_size=data.vocab_size), learning_rate=3e-3, warmup_steps=5, max_steps=40
+    )
     losses = _Losses()
-    trainer = L.Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
-                        limit_val_batches=2, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, data)
     first, last = np.mean(losses.losses[:3]), np.mean(losses.losses[-5:])
     assert first > 5.0, first  # about ln(320) = 5.77 at initialisation
@@ -212,8 +254,11 @@ BAD_INPUTS = {
     "bad text_key": (lambda d: dict(inputs=[_jsonl(d)], text_key="body"), ValueError, "text_key='body'"),
     "empty input": (lambda d: dict(inputs=[_text(d, "empty.txt", "  \n\n ")]), ValueError, "empty.txt"),
     "bad suffix": (lambda d: dict(inputs=[_text(d, "data.csv", "a,b")]), ValueError, "'.csv'"),
-    "missing tokenizer": (lambda d: dict(inputs=[_jsonl(d)], tokenizer=str(d / "tok.json")), FileNotFoundError,
-                          "tok.json"),
+    "missing tokenizer": (
+        lambda d: dict(inputs=[_jsonl(d)], tokenizer=str(d / "tok.json")),
+        FileNotFoundError,
+        "tok.json",
+    ),
     "vocab too small": (lambda d: dict(inputs=[_jsonl(d)], vocab_size=100), ValueError, "vocab_size=100"),
     "val split empty": (lambda d: dict(inputs=[_jsonl(d)], val_fraction=0.01), ValueError, "val_fraction=0.01"),
     "workers": (lambda d: dict(inputs=[_jsonl(d)], workers=0), ValueError, "workers=0"),
@@ -260,8 +305,20 @@ def test_token_files_without_offsets_or_with_a_stale_sidecar_are_named(tmp_path)
 
 def test_command_line_prints_one_line_per_file_and_names_bad_values(tmp_path, capsys):
     inputs = _write_inputs(tmp_path, _corpus(6))
-    main(["prepare", *inputs, "--output_dir", str(tmp_path / "out"), "--vocab_size", "300", "--val_fraction", "0.2",
-          "--txt_split", "blank_line"])
+    main(
+        [
+            "prepare",
+            *inputs,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--vocab_size",
+            "300",
+            "--val_fraction",
+            "0.2",
+            "--txt_split",
+            "blank_line",
+        ]
+    )
     out = capsys.readouterr()
     assert out.out.count("documents,") == 2 and "train.bin: 9 documents" in out.out and out.err == ""
     with pytest.raises(SystemExit) as exit_info:
@@ -289,19 +346,36 @@ def test_document_id_batches_resume_mid_epoch_exactly(tmp_path):
     def fit(steps, root, resume=None, checkpoint_every=None):
         L.seed_everything(0)
         record = _Batches()
-        callbacks = [record] + ([ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=checkpoint_every,
-                                                 save_top_k=-1)] if checkpoint_every else [])
-        data = LLMDataModule(source="tokens", path=str(tmp_path / "out" / "train.bin"), seq_len=32, batch_size=2,
-                             return_document_ids=True, seed=3)
+        callbacks = [record] + (
+            [ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=checkpoint_every, save_top_k=-1)]
+            if checkpoint_every
+            else []
+        )
+        data = LLMDataModule(
+            source="tokens",
+            path=str(tmp_path / "out" / "train.bin"),
+            seq_len=32,
+            batch_size=2,
+            return_document_ids=True,
+            seed=3,
+        )
         model = CausalLM(LlamaConfig.from_name("tiny", vocab_size=300), warmup_steps=2, max_steps=8)
-        L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
-                  default_root_dir=root).fit(model, data, ckpt_path=resume)
+        L.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=callbacks,
+            default_root_dir=root,
+        ).fit(model, data, ckpt_path=resume)
         return record.batches
 
     straight = fit(8, tmp_path / "straight")
-    pieces = fit(3, tmp_path / "pieces", checkpoint_every=3) + fit(8, tmp_path / "pieces",
-                                                                    resume=tmp_path / "pieces" / "mid.ckpt")
+    pieces = fit(3, tmp_path / "pieces", checkpoint_every=3) + fit(
+        8, tmp_path / "pieces", resume=tmp_path / "pieces" / "mid.ckpt"
+    )
     assert len(pieces) == len(straight) == 8
     for step, (got, want) in enumerate(zip(pieces, straight)):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step} read another batch"

@@ -24,8 +24,15 @@ class _RecordBatches(L.Callback):
 
 def _trainer(max_steps, callbacks, root):
     return L.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks, default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
 
 
@@ -43,7 +50,9 @@ def _fit(until, root, resume_from=None, seed=0):
     record, model = _RecordBatches(), _model()
     callbacks = [record]
     if until < STEPS:  # written from inside the loop, as a periodic save of a run that then dies
-        callbacks.append(ModelCheckpoint(dirpath=root, filename=f"step{until}", every_n_train_steps=until, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=root, filename=f"step{until}", every_n_train_steps=until, save_top_k=-1)
+        )
     _trainer(until, callbacks, root).fit(model, _data(), ckpt_path=resume_from)
     return record, model
 

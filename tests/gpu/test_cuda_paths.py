@@ -43,9 +43,18 @@ class _Losses(L.Callback):
 def _fit(module, strategy="auto", precision="32-true", steps=STEPS, callbacks=(), ckpt_path=None, **trainer_kwargs):
     losses = _Losses()
     trainer = L.Trainer(
-        accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[losses, *callbacks], **trainer_kwargs,
+        accelerator="cuda",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[losses, *callbacks],
+        **trainer_kwargs,
     )
     trainer.fit(module, LLMDataModule(num_tokens=50_000, seq_len=64, batch_size=8, seed=3), ckpt_path=ckpt_path)
     params = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
@@ -58,7 +67,7 @@ def _strategy_bf16():
 
 
 def test_bf16_mixed_on_one_gpu_matches_plain_lightning():
-    (losses, params), = run_distributed(_strategy_bf16, 1, timeout=500)
+    ((losses, params),) = run_distributed(_strategy_bf16, 1, timeout=500)
     _, ref_losses, ref_params = _fit(_model(), precision="bf16-mixed")
     # Same autocast arithmetic on the same card: bf16 tolerance (u = 2^-8) is generous; kernels may differ.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
@@ -74,7 +83,7 @@ def _compiled_and_eager():
 
 def test_compile_blocks_matches_eager_in_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
-    (eager, compiled), = run_distributed(_compiled_and_eager, 1, timeout=500)
+    ((eager, compiled),) = run_distributed(_compiled_and_eager, 1, timeout=500)
     torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(eager[0]), rtol=1e-5, atol=0)
     for name, ref in eager[1].items():
         assert (compiled[1][name] - ref).norm() <= 1e-5 * ref.norm(), name
@@ -101,8 +110,9 @@ def test_adamw_is_fused_on_cuda_and_steps_like_the_unfused_one():
 def _save_and_resume(root):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    checkpoint = ModelCheckpoint(dirpath=root, filename="half", every_n_train_steps=2, save_top_k=-1,
-                                 enable_version_counter=False)
+    checkpoint = ModelCheckpoint(
+        dirpath=root, filename="half", every_n_train_steps=2, save_top_k=-1, enable_version_counter=False
+    )
     _, first, _ = _fit(_model(), LLMParallelStrategy(), steps=2, callbacks=[checkpoint], enable_checkpointing=True)
     _, second, params = _fit(_model(), LLMParallelStrategy(), steps=STEPS, ckpt_path=f"{root}/half.ckpt")
     return first + second, params
@@ -110,8 +120,8 @@ def _save_and_resume(root):
 
 def test_checkpoint_save_and_resume_on_cuda(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
-    (losses, params), = run_distributed(_save_and_resume, 1, str(tmp_path), timeout=500)
-    (ref_losses, ref_params), = run_distributed(_fit_uninterrupted, 1, timeout=500)
+    ((losses, params),) = run_distributed(_save_and_resume, 1, str(tmp_path), timeout=500)
+    ((ref_losses, ref_params),) = run_distributed(_fit_uninterrupted, 1, timeout=500)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for name, ref in ref_params.items():
         assert (params[name] - ref).norm() <= 1e-5 * ref.norm(), name
@@ -141,8 +151,9 @@ def test_mfu_monitor_agrees_with_the_benchmark_arithmetic():
     module = CausalLM(LlamaConfig.from_name("tiny", n_layers=4, dim=256, max_seq_len=64), warmup_steps=2, max_steps=16)
     module.configure_model()
     # MFUMonitor logs after steps 8 and 16; the second window (steps 9..16) is past compilation and warm-up.
-    trainer, _, _ = _fit(module, steps=16, callbacks=[window, MFUMonitor(log_every_n_steps=8, peak_flops=peak)],
-                         precision="bf16-mixed")
+    trainer, _, _ = _fit(
+        module, steps=16, callbacks=[window, MFUMonitor(log_every_n_steps=8, peak_flops=peak)], precision="bf16-mixed"
+    )
     tokens = 8 * 8 * 64  # 8 steps x batch 8 x 64 trained tokens per sample
     benchmark_mfu = tokens / (window.end - window.start) * ModelShape.of(module).flops_per_token(64) / peak
     assert trainer.callback_metrics["throughput/device/mfu"].item() == pytest.approx(benchmark_mfu, rel=0.05)

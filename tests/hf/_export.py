@@ -32,8 +32,9 @@ def make_module(arch: str) -> L.LightningModule:
     """Tiny model from a fixed seed: HF Llama (untied), HF Qwen2 (tied embeddings) or the reference CausalLM."""
     torch.manual_seed(0)
     if arch == "reference":
-        module = CausalLM(LlamaConfig.from_name("tiny", tie_embeddings=True), learning_rate=1e-2, warmup_steps=1,
-                          max_steps=STEPS)
+        module = CausalLM(
+            LlamaConfig.from_name("tiny", tie_embeddings=True), learning_rate=1e-2, warmup_steps=1, max_steps=STEPS
+        )
         module.configure_model()
         return module
     module = PretrainedLM(arch)
@@ -57,9 +58,18 @@ def _train_and_save(arch: str, layout: str, single_file: bool, root: Path) -> di
     module = make_module(arch)
     strategy = LLMParallelStrategy(save_distributed_checkpoint=not single_file, **LAYOUTS[layout])
     dp = 1 if layout in ("tp2", "pp2") else 2
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=4 // dp, seed=3))
     path = root / f"{arch}-{layout}{'.ckpt' if single_file else ''}"
     trainer.save_checkpoint(path)
@@ -76,8 +86,15 @@ def _load_reference(hf_dir: str, layout: str) -> dict[str, torch.Tensor]:
     from lightning_llm.strategies import LLMParallelStrategy
 
     module = CausalLM(from_hf_config(transformers.AutoConfig.from_pretrained(hf_dir)))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(load_pretrained=hf_dir, **LAYOUTS[layout]),
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMParallelStrategy(load_pretrained=hf_dir, **LAYOUTS[layout]),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+    )
     trainer.validate(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3), verbose=False)
     return full_state(module)
 
@@ -86,5 +103,7 @@ def train_and_save_all(root: str, hf_llama_dir: str) -> dict | None:
     """Every case of :data:`CASES` on this rank, one process group for all, and ``hf_llama_dir`` loaded into the
     reference model under dp2 ZeRO-3 and tp2; rank 0 returns the results."""
     results = {case: _train_and_save(*case, Path(root)) for case in CASES}
-    results.update({("load_reference", layout): _load_reference(hf_llama_dir, layout) for layout in ("zero3_dp2", "tp2")})
+    results.update(
+        {("load_reference", layout): _load_reference(hf_llama_dir, layout) for layout in ("zero3_dp2", "tp2")}
+    )
     return results if dist.get_rank() == 0 else None

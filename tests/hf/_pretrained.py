@@ -15,8 +15,16 @@ STEPS = 10
 def hf_config(arch: str):
     import transformers
 
-    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaConfig(**kwargs) if arch == "llama" else transformers.Qwen2Config(**kwargs)
 
 
@@ -49,8 +57,15 @@ def save(arch: str, path: str) -> None:
     cls(hf_config(arch)).save_pretrained(path)
 
 
-def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, per_rank_batch: int,
-             strategy_cls=None, **config_overrides) -> list[float]:
+def finetune(
+    arch: str,
+    path: str,
+    strategy_kwargs: dict | None,
+    devices: int,
+    per_rank_batch: int,
+    strategy_cls=None,
+    **config_overrides,
+) -> list[float]:
     from lightning_llm.strategies import LLMParallelStrategy
 
     torch.manual_seed(0)
@@ -60,9 +75,19 @@ def finetune(arch: str, path: str, strategy_kwargs: dict | None, devices: int, p
     else:
         strategy = (strategy_cls or LLMParallelStrategy)(load_pretrained=path, **strategy_kwargs)
         module = PretrainedLM(arch, **config_overrides)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[losses],
+    )
     trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=per_rank_batch, seed=3))
     return losses.losses
 
@@ -83,8 +108,10 @@ def finetune_deepspeed(paths: dict[str, str]) -> dict:
 
     shard_all = {"zero_stage": 3, "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
     out = {arch: finetune(arch, path, shard_all, 2, 4, LLMDeepSpeedStrategy) for arch, path in paths.items()}
-    for case, (arch, path, overrides) in {"unexpected": ("llama", paths["qwen2"], {}),
-                                          "mis-shaped": ("llama", paths["llama"], {"intermediate_size": 96})}.items():
+    for case, (arch, path, overrides) in {
+        "unexpected": ("llama", paths["qwen2"], {}),
+        "mis-shaped": ("llama", paths["llama"], {"intermediate_size": 96}),
+    }.items():
         try:
             finetune(arch, path, shard_all, 2, 4, LLMDeepSpeedStrategy, **overrides)
             out[case] = "loaded"

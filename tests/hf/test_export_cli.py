@@ -27,8 +27,16 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("plain")
     torch.manual_seed(0)
     module = PretrainedLM("llama")
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3))
     trainer.save_checkpoint(root / "plain.ckpt")
     module.model.config.save_pretrained(root / "config")
@@ -36,8 +44,13 @@ def saved(tmp_path_factory):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_llm.cli", "export", *map(str, args)], capture_output=True,
-                          text=True, timeout=240, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_llm.cli", "export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
 
 
 def test_checkpoint_without_model_record_is_refused_with_the_fix(saved, tmp_path):
@@ -72,8 +85,13 @@ def test_torch_export_of_a_file_and_the_module_alias(saved, tmp_path, capsys):
     assert state["global_step"] == 2
     for name, tensor in module.state_dict().items():
         assert torch.equal(state["state_dict"][name], tensor.to(torch.bfloat16)), name
-    result = subprocess.run([sys.executable, "-m", "lightning_llm.checkpoint", str(checkpoint), str(tmp_path / "a.pt")],
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_llm.checkpoint", str(checkpoint), str(tmp_path / "a.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and result.stdout == f"{tmp_path / 'a.pt'}\n", result.stderr[-2000:]
     assert torch.load(tmp_path / "a.pt", weights_only=False)["state_dict"].keys() == module.state_dict().keys()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_llm.checkpoint import consolidate_checkpoint
+from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 from lightning_llm.hf import export_hf
 from lightning_llm.testing import run_distributed
 from tests.hf._export import CASES, TOKENS, logits_of, make_module, train_and_save_all
@@ -40,7 +40,9 @@ def hf_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, hf_llama_dir):
-    return run_distributed(train_and_save_all, 2, str(tmp_path_factory.mktemp("ckpts")), str(hf_llama_dir), timeout=840)[0]
+    return run_distributed(
+        train_and_save_all, 2, str(tmp_path_factory.mktemp("ckpts")), str(hf_llama_dir), timeout=840
+    )[0]
 
 
 def _hf_logits(directory) -> tuple[torch.Tensor, torch.nn.Module]:
@@ -66,7 +68,10 @@ def test_export_hf_computes_the_trained_model(trained, case, tmp_path):
     assert model.dtype == torch.float32
     oracle = _oracle_logits(arch, result["state"])
     difference = (got - oracle).abs().max().item()
-    print(f"{arch} {layout}{' (file)' if case[2] else ''}: max |logit difference| vs gathered parameters {difference:.2e}", end="")
+    print(
+        f"{arch} {layout}{' (file)' if case[2] else ''}: max |logit difference| vs gathered parameters {difference:.2e}",
+        end="",
+    )
     assert difference <= 1e-5
     if result["logits"] is not None:
         in_layout = (got - result["logits"]).abs().max().item()
@@ -98,7 +103,9 @@ def test_torch_export_is_the_full_lightning_checkpoint(trained, case, tmp_path):
     assert state["state_dict"].keys() == result["state"].keys()
     for name, tensor in result["state"].items():
         torch.testing.assert_close(state["state_dict"][name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    bf16 = torch.load(consolidate_checkpoint(result["path"], tmp_path / "bf16.pt", dtype="bfloat16"), weights_only=False)
+    bf16 = torch.load(
+        consolidate_checkpoint(result["path"], tmp_path / "bf16.pt", dtype="bfloat16"), weights_only=False
+    )
     assert all(bf16["state_dict"][k].dtype == torch.bfloat16 for k in result["state"])
 
 

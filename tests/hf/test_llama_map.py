@@ -20,8 +20,9 @@ TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(
 
 
 def _config(tie: bool) -> LlamaConfig:
-    return LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, rope_theta=500.0,
-                       norm_eps=1e-6, tie_embeddings=tie)
+    return LlamaConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, rope_theta=500.0, norm_eps=1e-6, tie_embeddings=tie
+    )
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:
@@ -39,8 +40,9 @@ def test_rotary_rows_must_be_permuted():
     hf = transformers.LlamaForCausalLM(llama_map.to_hf_config(config))
     hf.load_state_dict({llama_map.to_hf_name(k): v for k, v in reference.state_dict().items()})
     assert (_logits(hf) - _logits(reference)).abs().max() > 1e-4  # names alone are not enough
-    hf.load_state_dict({llama_map.to_hf_name(k): llama_map.to_hf_tensor(k, v, config)
-                        for k, v in reference.state_dict().items()})
+    hf.load_state_dict(
+        {llama_map.to_hf_name(k): llama_map.to_hf_tensor(k, v, config) for k, v in reference.state_dict().items()}
+    )
     assert (_logits(hf) - _logits(reference)).abs().max() <= 1e-5
     for name, tensor in reference.state_dict().items():
         back = llama_map.from_hf_tensor(name, llama_map.to_hf_tensor(name, tensor, config), config)
@@ -54,8 +56,16 @@ def test_reference_checkpoint_exports_to_hf(tmp_path, tie):
 
     torch.manual_seed(0)
     module = CausalLM(_config(tie), learning_rate=1e-2, warmup_steps=1, max_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3))
     trainer.save_checkpoint(tmp_path / "ref.ckpt")
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "ref.ckpt", tmp_path / "hf"))

@@ -51,8 +51,10 @@ def test_deepspeed_zero3_finetune_from_pretrained_matches_single_process(saved, 
 
 def test_deepspeed_zero3_refuses_mismatched_checkpoint(deepspeed_losses):
     assert "unexpected ['model.layers.0.self_attn.k_proj.bias'" in deepspeed_losses["unexpected"]
-    assert re.search(r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'",
-                     deepspeed_losses["mis-shaped"])
+    assert re.search(
+        r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'",
+        deepspeed_losses["mis-shaped"],
+    )
 
 
 def test_mismatched_checkpoint_is_refused(saved):
@@ -65,5 +67,8 @@ def test_mismatched_checkpoint_is_refused(saved):
         load_pretrained(model, saved["llama"])
     config = hf_config("llama")
     config.intermediate_size = 96
-    with pytest.raises(ValueError, match=r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'",
+    ):
         load_pretrained(transformers.LlamaForCausalLM(config), saved["llama"])

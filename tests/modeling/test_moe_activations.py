@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from lightning_llm.modeling.activations import activation_bytes, measure_activations, measure_block_activations, measure_blocks
+from lightning_llm.modeling.activations import (
+    activation_bytes,
+    measure_activations,
+    measure_block_activations,
+    measure_blocks,
+)
 from tests.zoo._models import ZooLM
 
 

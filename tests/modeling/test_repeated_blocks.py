@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.modeling.activations import activation_bytes_by_mode, measure_block_activations
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.repeated_blocks import identical_blocks, measure_repeated
+from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.parallel.activation_checkpointing import saves_output
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
@@ -32,8 +32,9 @@ def _module(arch: str) -> nn.Module:
 
 
 # Document ids: the reference model passes a block-diagonal mask to every block.
-@pytest.mark.parametrize(("arch", "documents"), [("reference", False), ("reference", True), ("hf_llama", False),
-                                                 ("user", False)])
+@pytest.mark.parametrize(
+    ("arch", "documents"), [("reference", False), ("reference", True), ("hf_llama", False), ("user", False)]
+)
 def test_two_blocks_give_what_measuring_every_block_gives(arch, documents):
     module = _module(arch)
     batch = {"input_ids": TOKENS, "document_ids": DOCUMENTS} if documents else TOKENS
@@ -44,7 +45,9 @@ def test_two_blocks_give_what_measuring_every_block_gives(arch, documents):
 
     # The oracle: one forward through all blocks, each measured (saved bytes, input, selective-policy bytes).
     full = measure_block_activations(module, list(blocks), step, saves_output)
-    sampled = measure_repeated(module, name, blocks, lambda sample: measure_block_activations(module, sample, step, saves_output))
+    sampled = measure_repeated(
+        module, name, blocks, lambda sample: measure_block_activations(module, sample, step, saves_output)
+    )
     assert sampled == full
     assert len(find_blocks(module)[1]) == LAYERS  # the block list is put back
 
@@ -87,8 +90,17 @@ def test_a_forward_that_needs_every_block_falls_back_to_measuring_all():
     module.configure_model()
     module.log = lambda *args, **kwargs: None
     name, blocks = find_blocks(module)
-    assert measure_repeated(module, name, blocks, lambda sample: measure_block_activations(
-        module, sample, lambda: module.training_step(TOKENS, 0))) is None
+    assert (
+        measure_repeated(
+            module,
+            name,
+            blocks,
+            lambda sample: measure_block_activations(module, sample, lambda: module.training_step(TOKENS, 0)),
+        )
+        is None
+    )
     got = activation_bytes_by_mode(module, micro_batch_size=2, seq_len=32)
-    full = measure_block_activations(module, list(blocks), lambda: module.training_step(torch.zeros(2, 33, dtype=torch.long), 0))
+    full = measure_block_activations(
+        module, list(blocks), lambda: module.training_step(torch.zeros(2, 33, dtype=torch.long), 0)
+    )
     assert got == (sum(s.saved for s in full), sum(s.input for s in full) + max(s.saved for s in full))

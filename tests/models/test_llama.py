@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llm.models import Llama, LlamaConfig, PRESETS
+from lightning_llm.models import PRESETS, Llama, LlamaConfig
 
 
 def reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,19 @@ class Layout(L.Callback):
 def main(out: str) -> None:
     model, losses, layout = make_model("reference"), GlobalLoss(), Layout()
     trainer = L.Trainer(
-        accelerator="cpu", num_nodes=2, devices=2, strategy=LLMParallelStrategy(tensor_parallel_size=2),
-        max_steps=STEPS, gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[losses, layout], num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        num_nodes=2,
+        devices=2,
+        strategy=LLMParallelStrategy(tensor_parallel_size=2),
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses, layout],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(model, data(GLOBAL_BATCH // 2))
     params = full_state(model)

@@ -20,13 +20,29 @@ SCRIPT = Path(__file__).with_name("_train_two_nodes.py")
 def test_two_torchrun_nodes_train_dp2_x_tp2_like_one_process(tmp_path):
     out = tmp_path / "result.pt"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes",
-        "--max-restarts", "0", str(SCRIPT), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "two-nodes",
+        "--max-restarts",
+        "0",
+        str(SCRIPT),
+        str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launchers = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for _ in range(2)]
+    launchers = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     try:
         outputs = [launcher.communicate(timeout=540)[0] for launcher in launchers]
     finally:

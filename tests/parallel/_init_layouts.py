@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import lightning_llm.parallel.materialize as materialize_module
+import lightning_llm.parallel.init.materialize as materialize_module
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing.models import HFCausalLM
@@ -26,8 +26,15 @@ class LazyHF(HFCausalLM):
         L.LightningModule.__init__(self)
         self.learning_rate = 0.5
         self.hf_config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa", tie_word_embeddings=tie,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            attn_implementation="sdpa",
+            tie_word_embeddings=tie,
         )
         self.model = None
 
@@ -69,9 +76,19 @@ def init_under_layouts(cases: list[tuple[str, dict]], devices: int) -> list[dict
     for arch, kwargs in cases:
         torch.manual_seed(SEED)
         module, capture = build(arch), Capture()
-        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=LLMParallelStrategy(**kwargs), max_steps=0, num_sanity_val_steps=0, limit_val_batches=0,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=[capture])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=LLMParallelStrategy(**kwargs),
+            max_steps=0,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[capture],
+        )
         trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
         tied = None
         if arch == "tied" and kwargs.get("pipeline_parallel_size", 1) == 1:

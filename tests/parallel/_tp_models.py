@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -22,15 +21,20 @@ class TinyHF(_NextTokenModule):
         import transformers as T
 
         common = {
-            "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": heads, "max_position_embeddings": 128,
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": heads,
+            "max_position_embeddings": 128,
         }
         if arch == "qwen3":
             config = T.Qwen3Config(**common, num_key_value_heads=kv_heads, head_dim=8)
             self.model = T.Qwen3ForCausalLM(config)
         elif arch == "gemma3":
-            config = T.Gemma3TextConfig(**common, num_key_value_heads=kv_heads, head_dim=8, sliding_window=16,
-                                        tie_word_embeddings=True)
+            config = T.Gemma3TextConfig(
+                **common, num_key_value_heads=kv_heads, head_dim=8, sliding_window=16, tie_word_embeddings=True
+            )
             self.model = T.Gemma3ForCausalLM(config)
         elif arch == "olmo2":
             config = T.Olmo2Config(**common, num_key_value_heads=kv_heads)
@@ -70,9 +74,18 @@ def train_tiny(arch: str, strategy=None, devices: int = 1, steps: int = 10, clip
     model = TinyHF(arch)
     recorder = GlobalLoss()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=steps, gradient_clip_val=clip,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        max_steps=steps,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(model, data(GLOBAL_BATCH))  # tp only: every rank reads the whole batch
     return recorder.losses, full_state(model), replicated_copies(model)

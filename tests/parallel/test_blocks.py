@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
 
@@ -77,14 +77,19 @@ def test_pipeline_placeholders_do_not_break_the_same_class_rule():
     model.layers[0] = stand_in  # this stage does not own block 0
     assert find_blocks(model)[1] is model.layers
     model.layers[0] = nn.Identity()  # a real, different class: now the list is mixed
-    with pytest.raises(ValueError, match=r"No nn.ModuleList of same-class blocks found in Llama \(lists of mixed classes: \['layers'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"No nn.ModuleList of same-class blocks found in Llama \(lists of mixed classes: \['layers'\]\)",
+    ):
         find_blocks(model)
 
 
 def test_override_names_the_list_and_bad_overrides_are_refused():
     model = _MoEModel()
     assert find_blocks(model, "layers.1.experts") == ("layers.1.experts", model.layers[1].experts)
-    with pytest.raises(ValueError, match=r"blocks='layer' names no submodule of _MoEModel; its ModuleLists are \['norms', 'layers'"):
+    with pytest.raises(
+        ValueError, match=r"blocks='layer' names no submodule of _MoEModel; its ModuleLists are \['norms', 'layers'"
+    ):
         find_blocks(model, "layer")
     with pytest.raises(ValueError, match="blocks='layers.0' is a _MoEBlock, not a non-empty nn.ModuleList"):
         find_blocks(model, "layers.0")
@@ -95,7 +100,9 @@ def test_override_names_the_list_and_bad_overrides_are_refused():
 
 def test_a_model_without_blocks_is_refused_with_its_module_names():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    with pytest.raises(ValueError, match=r"No nn.ModuleList .* in Sequential; pass blocks='dotted.name' .*\['0', '1'\]"):
+    with pytest.raises(
+        ValueError, match=r"No nn.ModuleList .* in Sequential; pass blocks='dotted.name' .*\['0', '1'\]"
+    ):
         find_blocks(model)
 
 

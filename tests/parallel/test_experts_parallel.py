@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_llm.parallel.tp_experts import check_experts
-from lightning_llm.parallel.tp_plan import add_sequence_parallel_boundaries, resolve_plan
+from lightning_llm.parallel.tp.experts import check_experts
+from lightning_llm.parallel.tp.plan import add_sequence_parallel_boundaries, resolve_plan
 from lightning_llm.testing import run_distributed
 
 # (zoo model, Hugging Face experts implementation): the eager loop and batched_mm mask the off-rank routes differently.
@@ -112,7 +112,11 @@ def _fp64_ranks(cases: list[tuple[str, str]]) -> dict | None:
             with torch.no_grad():
                 gap = unmodified.model(batch).logits - reference.model(batch).logits
             results[(name, implementation, sp)] = (
-                abs(loss.item() - ref_loss.item()) / ref_loss.item(), errors, local, whole, gap.abs().max().item(),
+                abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+                errors,
+                local,
+                whole,
+                gap.abs().max().item(),
                 lent_back,
             )
     return results if dist.get_rank() == 0 else None

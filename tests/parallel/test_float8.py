@@ -10,7 +10,6 @@ import fnmatch
 import pytest
 import torch
 from torch import nn
-
 from torchao.float8.float8_linear import Float8Linear  # the fp8 extra is part of the dev install
 
 from lightning_llm.parallel.float8 import apply_fp8, validate_fp8
@@ -22,8 +21,8 @@ class _OddBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(32, 64)
-        self.odd_out = nn.Linear(64, 24)   # 24 % 16 != 0
-        self.odd_in = nn.Linear(24, 32)    # 24 % 16 != 0
+        self.odd_out = nn.Linear(64, 24)  # 24 % 16 != 0
+        self.odd_in = nn.Linear(24, 32)  # 24 % 16 != 0
         self.gate = nn.Linear(32, 32)
 
     def forward(self, x):
@@ -87,7 +86,9 @@ def test_head_and_odd_dims_are_the_ones_skipped():
     model = OddModel()
     apply_fp8(model, blocks_name="layers")
     assert {n for n, m in model.named_modules() if type(m) is nn.Linear} == {
-        "lm_head", "proj_in_head", *(f"layers.{i}.{k}" for i in range(3) for k in ("odd_out", "odd_in"))
+        "lm_head",
+        "proj_in_head",
+        *(f"layers.{i}.{k}" for i in range(3) for k in ("odd_out", "odd_in")),
     }
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_llm.parallel.tp_fused import _exchange, fused_sizes, parse_fused, qkv_style
-from lightning_llm.parallel.tp_plan import resolve_plan
+from lightning_llm.parallel.tp.fused import _exchange, fused_sizes, parse_fused, qkv_style
+from lightning_llm.parallel.tp.plan import resolve_plan
 from lightning_llm.testing import run_distributed
 
 FUSED_MODELS = ["gpt2", "litgpt_llama", "litgpt_pythia", "phi3"]
 
 
-@pytest.mark.parametrize("sizes, tp", [((32, 16, 16), 2), ((8, 8, 8), 2), ((12, 4, 4), 4), ((6, 6), 3), ((64, 8, 8), 4)])
+@pytest.mark.parametrize(
+    "sizes, tp", [((32, 16, 16), 2), ((8, 8, 8), 2), ((12, 4, 4), 4), ((6, 6), 3), ((64, 8, 8), 4)]
+)
 def test_exchange_gives_each_rank_its_share_of_every_part(sizes, tp):
     """Simulate the all-to-all on every rank with a brute-force oracle: rank s must end with [q_s | k_s | v_s]."""
     total = sum(sizes)
@@ -29,7 +31,7 @@ def test_exchange_gives_each_rank_its_share_of_every_part(sizes, tp):
         for r in range(tp):
             send, input_splits, _ = plans[r]
             start = sum(input_splits[:s])
-            received.append(held[r][send][start:start + input_splits[s]])
+            received.append(held[r][send][start : start + input_splits[s]])
         assert [len(x) for x in received] == plans[s][2]
         wanted, offset = [], 0
         for size in sizes:
@@ -64,7 +66,9 @@ def test_known_fused_layouts_are_planned_and_hf_gathered_plans_become_splits():
     plan, source = resolve_plan(gpt2, blocks_name="model.transformer.h", blocks=gpt2.model.transformer.h)
     assert source == "inferred"
     assert plan["model.transformer.h.*.attn.c_attn"] == "fused_colwise:32,32,32"
-    assert plan["model.transformer.h.*.attn.c_proj"] == "rowwise" and plan["model.transformer.h.*.mlp.c_fc"] == "colwise"
+    assert (
+        plan["model.transformer.h.*.attn.c_proj"] == "rowwise" and plan["model.transformer.h.*.mlp.c_fc"] == "colwise"
+    )
     phi3 = ZooLM("phi3")  # HF plan: qkv_proj / gate_up_proj gathered, o_proj / down_proj rowwise_split_input
     plan, source = resolve_plan(phi3, blocks_name="model.model.layers", blocks=phi3.model.model.layers)
     assert source == "hugging face"
@@ -77,7 +81,7 @@ def test_known_fused_layouts_are_planned_and_hf_gathered_plans_become_splits():
 def test_unknown_fused_projection_is_refused_with_the_styles_that_fix_it():
     from torch import nn
 
-    from lightning_llm.parallel.tp_plan import infer_plan
+    from lightning_llm.parallel.tp.plan import infer_plan
 
     class Attention(nn.Module):
         def __init__(self):
@@ -125,15 +129,22 @@ def _fp64_ranks(models: list[str]) -> dict | None:
                 grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
                 errors[key] = ((grad - ref.grad).norm() / ref.grad.norm().clamp_min(1e-30)).item()
             attention = {n: p for n, p in module.named_parameters() if ".attn." in n or ".self_attn." in n}
-            local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in attention.values())
+            local = sum(
+                (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in attention.values()
+            )
             whole = sum(p.numel() * p.element_size() for n, p in reference.named_parameters() if n in attention)
             state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
             unmodified = ZooLM(name)
             unmodified.load_state_dict(state)  # strict: the model's own names and shapes
             with torch.no_grad():
                 logits_gap = _logits(unmodified.model, batch) - _logits(reference.model, batch)
-            results[(name, sp)] = (abs(loss.item() - ref_loss.item()) / ref_loss.item(), errors, local, whole,
-                                   logits_gap.abs().max().item())
+            results[(name, sp)] = (
+                abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+                errors,
+                local,
+                whole,
+                logits_gap.abs().max().item(),
+            )
     return results if dist.get_rank() == 0 else None
 
 
@@ -152,7 +163,9 @@ def test_fused_and_conv1d_layers_are_exact_in_float64(fp64_results, name, sp):
     for key, error in errors.items():
         # litgpt's RMSNorm computes in float32 whatever the input dtype (x.float()), so the gradient of its weight,
         # a sum over the sequence that SP splits across ranks, carries float32 rounding (measured 1.3e-7).
-        rtol = 1e-6 if sp and name == "litgpt_llama" and key.rsplit(".", 2)[-2] in ("norm_1", "norm_2", "ln_f") else 1e-10
+        rtol = (
+            1e-6 if sp and name == "litgpt_llama" and key.rsplit(".", 2)[-2] in ("norm_1", "norm_2", "ln_f") else 1e-10
+        )
         assert error < rtol, f"{name} sp={sp}: gradient of {key} off by {error:.1e}"
 
 

@@ -12,8 +12,15 @@ from lightning_llm.parallel.kv_cache import disable_kv_cache
 
 
 def _llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -53,8 +60,14 @@ def test_an_explicit_cache_is_refused_by_name_not_as_nondeterminism(mode):
     model = _llama()
     apply_activation_checkpointing(list(model.model.layers), mode=mode)
     disable_kv_cache(model)
-    with torch.enable_grad(), pytest.raises(ValueError, match=r"LlamaDecoderLayer is activation-checkpointed but "
-                                                              r"received a KV cache \((past_key_values|cache)\).*use_cache=False"):
+    with (
+        torch.enable_grad(),
+        pytest.raises(
+            ValueError,
+            match=r"LlamaDecoderLayer is activation-checkpointed but "
+            r"received a KV cache \((past_key_values|cache)\).*use_cache=False",
+        ),
+    ):
         model(torch.randint(0, 64, (2, 12)), use_cache=True)  # training: autograd on, whatever ran before
     with torch.no_grad():  # generation (no backward, nothing recomputed) keeps its cache
         assert model(torch.randint(0, 64, (2, 12)), use_cache=True).past_key_values is not None

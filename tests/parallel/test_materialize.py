@@ -1,7 +1,7 @@
 """Meta-device construction and exact initialization after sharding.
 
 Oracle: the model's own init run in one process on the unsharded model, same seed. Every layout
-must give the same parameters bit for bit (the replay in lightning_llm.parallel.materialize makes
+must give the same parameters bit for bit (the replay in lightning_llm.parallel.init.materialize makes
 this possible on CPU, where DTensor's RNG tracker does not run).
 """
 
@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from lightning_llm.models.llama import Llama
-from lightning_llm.parallel.init_entry import init_entry_points
+from lightning_llm.parallel.init.entry import init_entry_points
 from lightning_llm.testing.distributed import run_distributed
 from tests.parallel._init_layouts import CONFIG, SEED, TIED, init_under_layouts
 
-LAYOUTS_2 = [("zero3_dp2", {"zero_stage": 3}), ("tp2", {"tensor_parallel_size": 2}),
-             ("pp2", {"pipeline_parallel_size": 2, "zero_stage": 0})]
+LAYOUTS_2 = [
+    ("zero3_dp2", {"zero_stage": 3}),
+    ("tp2", {"tensor_parallel_size": 2}),
+    ("pp2", {"pipeline_parallel_size": 2, "zero_stage": 0}),
+]
 LAYOUTS_4 = [("tp2xdp2", {"tensor_parallel_size": 2, "zero_stage": 3})]
 ARCHS = ["reference", "tied", "hf_llama"]
 
@@ -64,8 +67,11 @@ def layouts():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sharded_init_is_bit_identical_to_single_process(layouts, layout, arch):
     result = layouts[(layout, arch)]
-    expected = {"reference": lambda: single_process_reference(CONFIG), "tied": lambda: single_process_reference(TIED),
-                "hf_llama": single_process_hf}[arch]()
+    expected = {
+        "reference": lambda: single_process_reference(CONFIG),
+        "tied": lambda: single_process_reference(TIED),
+        "hf_llama": single_process_hf,
+    }[arch]()
     got = result["params"]
     # Tied weights appear once in a full state dict; pipeline stages each report their own copy.
     assert set(expected) - set(got) <= {"model.output.weight"} if arch == "tied" else set(expected) == set(got)

@@ -7,9 +7,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.models.llama import rotary_tables
-from lightning_llm.parallel.pipeline import outer_modules
-from lightning_llm.parallel.pipeline_costs import stage_costs
-from lightning_llm.parallel.pipeline_split import balanced_split
+from lightning_llm.parallel.pipeline.costs import stage_costs
+from lightning_llm.parallel.pipeline.gates import outer_modules
+from lightning_llm.parallel.pipeline.split import balanced_split
 
 # dim 64, 4 heads of 16 (q, k, v, o: 64 x 64 each), SwiGLU width 128, 4 blocks, vocabulary 768.
 CONFIG = LlamaConfig(vocab_size=768, dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden_dim=128)
@@ -52,10 +52,16 @@ def test_split_by_flops_differs_from_split_by_parameters():
     module, blocks, costs = _costs(seq_len=128)
     assert balanced_split(costs.blocks, 2, head_cost=costs.last, first_cost=costs.first) == [range(0, 2), range(2, 4)]
     by_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    head_params = sum(p.numel() for n in outer_modules(module, "model.layers")[1]
-                      for p in module.get_submodule(n).parameters(recurse=False))
+    head_params = sum(
+        p.numel()
+        for n in outer_modules(module, "model.layers")[1]
+        for p in module.get_submodule(n).parameters(recurse=False)
+    )
     assert (by_params[0], head_params) == (41088, 49216)
     assert balanced_split(by_params, 2, head_cost=head_params) == [range(0, 3), range(3, 4)]
     _, _, no_seq = _costs(seq_len=None)
     assert no_seq.blocks == [245760] * 4
-    assert balanced_split(no_seq.blocks, 2, head_cost=no_seq.last, first_cost=no_seq.first) == [range(0, 3), range(3, 4)]
+    assert balanced_split(no_seq.blocks, 2, head_cost=no_seq.last, first_cost=no_seq.first) == [
+        range(0, 3),
+        range(3, 4),
+    ]

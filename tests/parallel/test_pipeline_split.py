@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lightning_llm.parallel.pipeline_split import balanced_split, explicit_split, stage_to_rank
+from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank
 
 
 def _all_splits(n: int, stages: int):
@@ -16,8 +16,10 @@ def _all_splits(n: int, stages: int):
 
 
 def _max_cost(split, costs, head, first=0):
-    return max(sum(costs[i] for i in r) + (head if k == len(split) - 1 else 0) + (first if k == 0 else 0)
-               for k, r in enumerate(split))
+    return max(
+        sum(costs[i] for i in r) + (head if k == len(split) - 1 else 0) + (first if k == 0 else 0)
+        for k, r in enumerate(split)
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -9,7 +9,7 @@ from torch import nn
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.parallel.parallelize import plan_tensor_parallel
-from lightning_llm.parallel.tensor_parallel import (
+from lightning_llm.parallel.tp.apply import (
     divide_head_counts,
     hf_plan,
     infer_plan,
@@ -27,10 +27,15 @@ def test_reference_model_plan_is_inferred_from_names():
     plan, source = _plan(Llama(LlamaConfig.from_name("tiny")))
     assert source == "inferred"
     assert plan == {
-        "layers.*.attention.q_proj": "colwise", "layers.*.attention.k_proj": "colwise",
-        "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
-        "layers.*.feed_forward.gate_proj": "colwise", "layers.*.feed_forward.up_proj": "colwise",
-        "layers.*.feed_forward.down_proj": "rowwise", "tok_embeddings": "embedding", "output": "colwise_gather",
+        "layers.*.attention.q_proj": "colwise",
+        "layers.*.attention.k_proj": "colwise",
+        "layers.*.attention.v_proj": "colwise",
+        "layers.*.attention.o_proj": "rowwise",
+        "layers.*.feed_forward.gate_proj": "colwise",
+        "layers.*.feed_forward.up_proj": "colwise",
+        "layers.*.feed_forward.down_proj": "rowwise",
+        "tok_embeddings": "embedding",
+        "output": "colwise_gather",
     }
 
 
@@ -84,7 +89,10 @@ def test_fused_projection_is_refused_with_the_fixing_plan_entry():
             super().__init__()
             self.layers = nn.ModuleList(nn.ModuleDict({"attn": Attn()}) for _ in range(2))
 
-    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.qkv' looks like a fused projection.*'layers\.\*\.attn\.qkv': STYLE.*'fused_qkv'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.0\.attn\.qkv' looks like a fused projection.*'layers\.\*\.attn\.qkv': STYLE.*'fused_qkv'",
+    ):
         infer_plan(Net(), "layers", Net().layers)
 
 
@@ -114,7 +122,10 @@ def test_plan_validation_names_the_problem():
         validate_plan(model, {"layers.*.attention.q_proj": "diagonal"}, 2)
     with pytest.raises(ValueError, match=r"pattern 'layers\.\*\.attn\.wq' matches no module"):
         validate_plan(model, {"layers.*.attn.wq": "colwise"}, 2)
-    with pytest.raises(ValueError, match=r"'layers\.0\.attention\.k_proj' \(colwise\) has out_features=32, not divisible by tensor_parallel_size=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.0\.attention\.k_proj' \(colwise\) has out_features=32, not divisible by tensor_parallel_size=3",
+    ):
         validate_plan(model, {"layers.*.attention.k_proj": "colwise"}, 3)
 
 
@@ -142,7 +153,9 @@ def _with_modules(*names: str) -> nn.Module:
 def test_hf_plan_with_unknown_style_is_refused():
     module = _with_modules("layers.0.experts")
     module._tp_plan = {"layers.*.experts": "ep_router"}
-    with pytest.raises(ValueError, match=r"'layers\.\*\.experts': 'ep_router' \(expert parallelism.*tensor_parallel_plan=\{\}"):
+    with pytest.raises(
+        ValueError, match=r"'layers\.\*\.experts': 'ep_router' \(expert parallelism.*tensor_parallel_plan=\{\}"
+    ):
         hf_plan(module)
 
 
@@ -173,19 +186,26 @@ def test_user_plan_wins_over_an_hf_plan_we_refuse():
 def test_every_hf_style_transformers_registers_is_mapped_or_refused():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from lightning_llm.parallel.tp_hf_styles import HF_REFUSED, HF_STYLES
+    from lightning_llm.parallel.tp.hf_styles import HF_REFUSED, HF_STYLES
 
-    registered = set(ALL_PARALLEL_STYLES.valid_keys()) if hasattr(ALL_PARALLEL_STYLES, "valid_keys") else set(ALL_PARALLEL_STYLES)
+    registered = (
+        set(ALL_PARALLEL_STYLES.valid_keys())
+        if hasattr(ALL_PARALLEL_STYLES, "valid_keys")
+        else set(ALL_PARALLEL_STYLES)
+    )
     assert registered, "transformers registers no TP style"
     assert registered <= set(HF_STYLES) | set(HF_REFUSED), sorted(registered - set(HF_STYLES) - set(HF_REFUSED))
 
 
 def test_refused_hf_entry_names_a_plan_without_its_module():
-    module = _with_modules("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_experts",
-                           "layers.0.mlp.other")
+    module = _with_modules(
+        "layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_experts", "layers.0.mlp.other"
+    )
     module._tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.shared_experts": "all_reduce", "layers.*.mlp.other": "colwise",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.shared_experts": "all_reduce",
+        "layers.*.mlp.other": "colwise",
         "layers.*.mlp.absent": "colwise",  # names no module of this model: dropped, not refused
     }
     with pytest.raises(ValueError) as info:
@@ -201,12 +221,16 @@ def test_qwen3_per_head_norms_get_their_gradients_summed():
 
     plan, source = _plan(TinyHF("qwen3"))
     assert source == "hugging face"
-    assert plan["model.model.layers.*.self_attn.q_norm"] == plan["model.model.layers.*.self_attn.k_norm"] == "replicate_grad_sum"
+    assert (
+        plan["model.model.layers.*.self_attn.q_norm"]
+        == plan["model.model.layers.*.self_attn.k_norm"]
+        == "replicate_grad_sum"
+    )
     assert "model.model.layers.*.input_layernorm" not in plan  # sees whole activations: nothing to sum
 
 
 def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
-    from lightning_llm.parallel.tensor_parallel import with_region_parameters
+    from lightning_llm.parallel.tp.apply import with_region_parameters
 
     class Attn(nn.Module):
         def __init__(self):
@@ -219,7 +243,7 @@ def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
 
 
 def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
-    from lightning_llm.parallel.tp_replicated_grads import verify_on_first_forward
+    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
 
     class Attn(nn.Module):
         def __init__(self):
@@ -231,7 +255,10 @@ def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
 
     attn = Attn()
     verify_on_first_forward(attn, {"q": "colwise", "o": "rowwise"}, label="layers.*.attn")
-    with pytest.raises(RuntimeError, match=r"layers\.\*\.attn\.scale keeps whole parameters but runs on head-sharded.*'replicate_grad_sum'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"layers\.\*\.attn\.scale keeps whole parameters but runs on head-sharded.*'replicate_grad_sum'",
+    ):
         attn(torch.randn(2, 8))
     pre_norm = Attn()
     pre_norm.forward = lambda x: pre_norm.o(pre_norm.q(pre_norm.scale(x)))
@@ -243,10 +270,26 @@ def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
 @pytest.mark.parametrize(
     "make, tp, match",
     [
-        (lambda: HFCausalLM("llama", heads=4, kv_heads=2), 4, r"num_key_value_heads=2 is not divisible by tensor_parallel_size=4"),
-        (lambda: HFCausalLM("llama", hidden=48, heads=3, kv_heads=3), 2, r"num_attention_heads=3 is not divisible by tensor_parallel_size=2"),
-        (lambda: UserLM(width=48, num_heads=3), 2, r"blocks\.0\.attn\.num_heads=3|attn\.num_heads=3 is not divisible by tensor_parallel_size=2"),
-        (lambda: Llama(LlamaConfig.from_name("tiny")), 4, r"config\.n_kv_heads=2 is not divisible by tensor_parallel_size=4"),
+        (
+            lambda: HFCausalLM("llama", heads=4, kv_heads=2),
+            4,
+            r"num_key_value_heads=2 is not divisible by tensor_parallel_size=4",
+        ),
+        (
+            lambda: HFCausalLM("llama", hidden=48, heads=3, kv_heads=3),
+            2,
+            r"num_attention_heads=3 is not divisible by tensor_parallel_size=2",
+        ),
+        (
+            lambda: UserLM(width=48, num_heads=3),
+            2,
+            r"blocks\.0\.attn\.num_heads=3|attn\.num_heads=3 is not divisible by tensor_parallel_size=2",
+        ),
+        (
+            lambda: Llama(LlamaConfig.from_name("tiny")),
+            4,
+            r"config\.n_kv_heads=2 is not divisible by tensor_parallel_size=4",
+        ),
     ],
     ids=["hf-kv2-tp4", "hf-heads3-tp2", "user-heads3-tp2", "reference-kv2-tp4"],
 )

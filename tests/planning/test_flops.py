@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.modeling.shape import ModelShape, counted_flops_per_token
+from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.planning.flops import peak_flops, precision_dtype
 from lightning_llm.testing.models import HFCausalLM
 
@@ -59,8 +59,13 @@ def test_fp8_peaks_are_twice_bf16_where_the_card_has_fp8_units():
 
     # Hopper, Ada, Blackwell and CDNA3 datasheets: dense fp8 = 2x dense bf16 (L40S: 733 vs 362.05, the datasheet's
     # own rounding, hence 2%). A100 and A10G have no fp8 units.
-    for device, name in [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H200", "H200"), ("NVIDIA L40S", "L40S"),
-                         ("AMD Instinct MI300X", "MI300X"), ("NVIDIA B200", "B200")]:
+    for device, name in [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA L40S", "L40S"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA B200", "B200"),
+    ]:
         assert peak_flops(device, "fp8") == pytest.approx(2 * PEAK_FLOPS[name]["bf16"], rel=0.02), device
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None
     assert peak_flops("NVIDIA A10G", "fp8") is None

@@ -7,20 +7,26 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_llm.strategies.zero_auto import planning_inputs
 from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.strategies.zero_auto import planning_inputs
 
 CPU = torch.device("cpu")
 
 
 def _trainer(loader=None, datamodule=None):
     # What planning_inputs reads: the datamodule, else the loader handed to fit() (Lightning's data source).
-    return SimpleNamespace(datamodule=datamodule, fit_loop=SimpleNamespace(_data_source=SimpleNamespace(dataloader=lambda: loader)))
+    return SimpleNamespace(
+        datamodule=datamodule, fit_loop=SimpleNamespace(_data_source=SimpleNamespace(dataloader=lambda: loader))
+    )
 
 
 def test_a_plain_dataloader_gives_the_shape_of_its_first_batch():
     loader = DataLoader(torch.zeros(10, 33, dtype=torch.long), batch_size=3)
-    assert planning_inputs(_trainer(loader), CPU, 2**30, None, None) == {"device_memory": 2**30, "micro_batch_size": 3, "seq_len": 33}
+    assert planning_inputs(_trainer(loader), CPU, 2**30, None, None) == {
+        "device_memory": 2**30,
+        "micro_batch_size": 3,
+        "seq_len": 33,
+    }
 
 
 def test_dict_batches_and_datamodules_without_hparams_are_read_too():
@@ -49,8 +55,12 @@ def test_an_unreadable_loader_names_the_arguments_that_fix_it():
         def __iter__(self):
             yield torch.zeros(9, dtype=torch.long)
 
-    with pytest.raises(ValueError, match="could not read a training batch.*Pass micro_batch_size and seq_len to the strategy"):
+    with pytest.raises(
+        ValueError, match="could not read a training batch.*Pass micro_batch_size and seq_len to the strategy"
+    ):
         planning_inputs(_trainer(DataLoader(Stream(), batch_size=2)), CPU, 2**30, None, None)
     flat = DataLoader(torch.zeros(10), batch_size=2)  # batches of shape (2,): no sequence dimension
-    with pytest.raises(ValueError, match=r"no tensor of shape \(batch, sequence, ...\).*Pass micro_batch_size and seq_len"):
+    with pytest.raises(
+        ValueError, match=r"no tensor of shape \(batch, sequence, ...\).*Pass micro_batch_size and seq_len"
+    ):
         planning_inputs(_trainer(flat), CPU, 2**30, None, None)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_llm.models import CausalLM
 from lightning_llm.modeling.activations import parameter_counts
+from lightning_llm.models import CausalLM
 from lightning_llm.planning.memory import model_state_bytes
 from lightning_llm.planning.zero import MemoryPlanError, parse_size
 from lightning_llm.strategies.zero_auto import choose_zero_stage
@@ -23,8 +23,10 @@ ROOT = Path(__file__).parents[2]
 def test_zero_paper_figure_1():
     # Psi = 7.5B, N_d = 64, mixed-precision Adam (K = 12): 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device.
     psi = 7.5e9
-    totals = [sum(model_state_bytes(psi, zero_stage=s, dp=64, precision="bf16-mixed", backend="deepspeed")) / GB
-              for s in (0, 1, 2, 3)]
+    totals = [
+        sum(model_state_bytes(psi, zero_stage=s, dp=64, precision="bf16-mixed", backend="deepspeed")) / GB
+        for s in (0, 1, 2, 3)
+    ]
     assert totals == pytest.approx([120, 31.41, 16.64, 1.875], abs=0.01)
 
 
@@ -39,8 +41,9 @@ def test_auto_picks_stage_0_then_higher_then_offload_as_memory_shrinks():
     choices = []
     # Planned per rank (MiB): ZeRO 0 2.09, ZeRO 2 0.96, ZeRO 3 0.87, + optimizer offload 0.62, + params 0.40.
     for mib in (64, 1.0, 0.9, 0.7, 0.5):
-        decision = choose_zero_stage(module, device_memory=int(mib * 2**20), world_size=4, micro_batch_size=1,
-                                     seq_len=8, margin=0.0)
+        decision = choose_zero_stage(
+            module, device_memory=int(mib * 2**20), world_size=4, micro_batch_size=1, seq_len=8, margin=0.0
+        )
         choices.append((decision.stage, decision.offload))
     assert choices == [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
 
@@ -48,8 +51,15 @@ def test_auto_picks_stage_0_then_higher_then_offload_as_memory_shrinks():
 def test_nothing_fits_is_refused_with_the_table_and_what_would_fit():
     module = _tiny()
     with pytest.raises(MemoryPlanError) as error:
-        choose_zero_stage(module, device_memory=3 * 2**20, world_size=2, micro_batch_size=4, seq_len=64,
-                          allow_offload=False, margin=0.0)
+        choose_zero_stage(
+            module,
+            device_memory=3 * 2**20,
+            world_size=2,
+            micro_batch_size=4,
+            seq_len=64,
+            allow_offload=False,
+            margin=0.0,
+        )
     message = str(error.value)
     assert "No ZeRO stage fits 3.0 MiB per device" in message
     assert "ZeRO 0" in message and "ZeRO 3" in message and "usable device memory per rank: 3.00 MiB" in message
@@ -65,8 +75,9 @@ def test_planned_bytes_match_measured_within_10_percent(preset, world_size):
         module.configure_model()
     total, largest, outside = parameter_counts(module)
     for stage, row in zip((0, 1, 2, 3), measured):
-        planned = sum(model_state_bytes(total, zero_stage=stage, dp=world_size, largest_block_params=largest,
-                                        root_params=outside))
+        planned = sum(
+            model_state_bytes(total, zero_stage=stage, dp=world_size, largest_block_params=largest, root_params=outside)
+        )
         # Parameters at their fullest (the most gathered at any block's forward), gradients and state after the step.
         actual = row["params_peak"] + row["grads"] + row["optimizer"]
         assert actual == pytest.approx(planned, rel=0.10), f"stage {stage}: measured {actual}, planned {planned}"
@@ -76,12 +87,28 @@ def _sweep(world, preset):
     return [measure_model_states(world, preset, stage) for stage in (0, 1, 2, 3)]
 
 
-@pytest.mark.parametrize("config, chosen", [("llama7b.yaml", "Chosen: ZeRO 3, offload none"),
-                                            ("llama70b.yaml", "Chosen: ZeRO 2, offload none")])
+@pytest.mark.parametrize(
+    "config, chosen",
+    [("llama7b.yaml", "Chosen: ZeRO 3, offload none"), ("llama70b.yaml", "Chosen: ZeRO 2, offload none")],
+)
 def test_plan_command_prints_the_table_in_seconds(config, chosen):
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "lightning_llm.cli", "plan", "--config", str(ROOT / "configs" / config),
-                             "--device_memory", "80GB"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_llm.cli",
+            "plan",
+            "--config",
+            str(ROOT / "configs" / config),
+            "--device_memory",
+            "80GB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert time.monotonic() - start < 60
     assert "option" in result.stdout and "usable device memory per rank" in result.stdout

@@ -63,8 +63,18 @@ def data(per_rank_batch: int) -> LLMDataModule:
 
 
 def train(
-    arch: str, strategy=None, devices: int = 1, dp: int = 1, clip: float | None = 0.5, accumulate: int = 1,
-    steps: int = STEPS, save_to=None, resume_from=None, layers: int = 2, precision: str = "32-true", model=None,
+    arch: str,
+    strategy=None,
+    devices: int = 1,
+    dp: int = 1,
+    clip: float | None = 0.5,
+    accumulate: int = 1,
+    steps: int = STEPS,
+    save_to=None,
+    resume_from=None,
+    layers: int = 2,
+    precision: str = "32-true",
+    model=None,
     datamodule=None,
 ):
     """Train until optimizer step ``steps``; return (global losses, full final parameters).
@@ -79,14 +89,29 @@ def train(
     callbacks = [GlobalLoss()]
     if save_to is not None:
         save_to = Path(save_to)
-        callbacks.append(ModelCheckpoint(
-            dirpath=save_to.parent, filename=save_to.stem, every_n_train_steps=steps, save_top_k=-1,
-            enable_version_counter=False,
-        ))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=save_to.parent,
+                filename=save_to.stem,
+                every_n_train_steps=steps,
+                save_top_k=-1,
+                enable_version_counter=False,
+            )
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=steps, gradient_clip_val=clip,
-        accumulate_grad_batches=accumulate, precision=precision, logger=False, enable_checkpointing=save_to is not None,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        max_steps=steps,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=save_to is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     trainer.fit(model, datamodule or data(GLOBAL_BATCH // dp // accumulate), ckpt_path=resume_from)
@@ -109,7 +134,13 @@ def assert_parity(got, want, label: str, rtol: float = 1e-5, loss_rtol: float | 
     (||p - p_ref|| / ||p_ref||), so sparse rounding noise in a near-zero element cannot decide it."""
     (losses, params), (ref_losses, ref_params) = got, want
     assert len(losses) == len(ref_losses)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol or rtol, atol=0, msg=lambda m: f"{label} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(ref_losses),
+        rtol=loss_rtol or rtol,
+        atol=0,
+        msg=lambda m: f"{label} losses: {m}",
+    )
     assert params.keys() == ref_params.keys(), f"{label}: {sorted(set(params) ^ set(ref_params))}"
     for name, ref in ref_params.items():
         error = (params[name] - ref).norm() / ref.norm().clamp_min(1e-12)

@@ -19,11 +19,19 @@ from tests.strategies._parity import assert_parity, train, train_layouts
 
 EIGHT_RANKS = {
     "pp2xdp2xtp2-zero2-1f1b": {
-        "pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 2, "num_microbatches": 4,
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "zero_stage": 2,
+        "num_microbatches": 4,
     },
     "pp2xtp2xzero3-interleaved1f1b-v2": {
-        "pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3, "sequence_parallel": True,
-        "pipeline_schedule": "Interleaved1F1B", "virtual_stages": 2, "num_microbatches": 4,
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "zero_stage": 3,
+        "sequence_parallel": True,
+        "pipeline_schedule": "Interleaved1F1B",
+        "virtual_stages": 2,
+        "num_microbatches": 4,
     },
 }
 
@@ -49,8 +57,13 @@ def test_8_rank_3d_layouts_match_single_process(label):
 
 
 def _interleaved_tp(world_size):
-    layout = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B",
-              "virtual_stages": 2, "num_microbatches": 4}
+    layout = {
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "pipeline_schedule": "Interleaved1F1B",
+        "virtual_stages": 2,
+        "num_microbatches": 4,
+    }
     return train_layouts("reference", [layout], world_size, layers=4)
 
 

@@ -14,7 +14,10 @@ AC = {
         "activation_checkpointing": "selective",
         "activation_checkpointing_options": {"selective": "op", "recompute_every_other_matmul": True},
     },
-    "selective-layer": {"activation_checkpointing": "selective", "activation_checkpointing_options": {"selective": "layer"}},
+    "selective-layer": {
+        "activation_checkpointing": "selective",
+        "activation_checkpointing_options": {"selective": "layer"},
+    },
     "auto": {"activation_checkpointing": "auto", "activation_checkpointing_options": {"budget": 1_500_000}},
 }
 LAYOUTS = {

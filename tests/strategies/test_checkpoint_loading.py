@@ -19,7 +19,7 @@ from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 from lightning_llm.callbacks import CheckpointRotation
-from lightning_llm.callbacks import checkpoint_files as files
+from lightning_llm.checkpointing import files
 from lightning_llm.testing import run_distributed
 from tests.callbacks.test_checkpoint_safety import FullDisk
 from tests.strategies._parity import GlobalLoss, data, full_state, make_model
@@ -29,9 +29,20 @@ EXACT = dict(rtol=0, atol=1e-7)
 
 def _fit(root, steps, strategy, model=None, callbacks=(), ckpt_path=None, plugins=()):
     recorder = GlobalLoss()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder, *callbacks],
-                        default_root_dir=root, limit_val_batches=0, num_sanity_val_steps=0, plugins=list(plugins))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, *callbacks],
+        default_root_dir=root,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        plugins=list(plugins),
+    )
     model = model or make_model("reference")
     trainer.fit(model, data(4), ckpt_path=ckpt_path)
     return trainer, model, recorder.losses
@@ -40,7 +51,7 @@ def _fit(root, steps, strategy, model=None, callbacks=(), ckpt_path=None, plugin
 def _error(run) -> str | None:
     try:
         run()
-    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+    except Exception as err:
         return str(err)
     return None
 
@@ -54,12 +65,13 @@ def _zero3(**kwargs):
 def _flip_a_tensor_in_a_shard(checkpoint: Path) -> str:
     """Invert 64 bytes in the middle of the largest model tensor's bytes inside its shard file."""
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    info = max((s for i, s in metadata.storage_data.items() if i.fqn.startswith("state_dict.")),
-               key=lambda item: item.length)
+    info = max(
+        (s for i, s in metadata.storage_data.items() if i.fqn.startswith("state_dict.")), key=lambda item: item.length
+    )
     shard = checkpoint / info.relative_path
     raw = bytearray(shard.read_bytes())
     middle = info.offset + info.length // 2
-    raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
     shard.write_bytes(bytes(raw))
     return info.relative_path
 
@@ -81,10 +93,21 @@ def _deepspeed_strict(root: str) -> dict:
 
     shard_all = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     saved = f"{root}/ds/step=00000002.ckpt"
-    _fit(root, 2, LLMDeepSpeedStrategy(zero_stage=3, config=shard_all),
-         callbacks=[CheckpointRotation(dirpath=f"{root}/ds", every_n_train_steps=2)])
-    refused = _error(lambda: _fit(root, 2, LLMDeepSpeedStrategy(zero_stage=3, config=shard_all),
-                                  model=make_model("reference", layers=1), ckpt_path=saved))
+    _fit(
+        root,
+        2,
+        LLMDeepSpeedStrategy(zero_stage=3, config=shard_all),
+        callbacks=[CheckpointRotation(dirpath=f"{root}/ds", every_n_train_steps=2)],
+    )
+    refused = _error(
+        lambda: _fit(
+            root,
+            2,
+            LLMDeepSpeedStrategy(zero_stage=3, config=shard_all),
+            model=make_model("reference", layers=1),
+            ckpt_path=saved,
+        )
+    )
     return {"refused": refused}
 
 
@@ -96,10 +119,18 @@ def _corrupt_shard_fallback(root: str) -> dict:
     explicit = _error(lambda: _fit(root, 4, _zero3(), ckpt_path=str(newest)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, _, _ = _fit(root, 4, _zero3(), ckpt_path="last",
-                             callbacks=[CheckpointRotation(dirpath=f"{root}/two", every_n_train_steps=100)])
-    return {"resumed_from": Path(trainer.ckpt_path).name, "explicit": explicit,
-            "warnings": [str(w.message) for w in caught if "skips" in str(w.message)]}
+        trainer, _, _ = _fit(
+            root,
+            4,
+            _zero3(),
+            ckpt_path="last",
+            callbacks=[CheckpointRotation(dirpath=f"{root}/two", every_n_train_steps=100)],
+        )
+    return {
+        "resumed_from": Path(trainer.ckpt_path).name,
+        "explicit": explicit,
+        "warnings": [str(w.message) for w in caught if "skips" in str(w.message)],
+    }
 
 
 def _disk_full(root: str) -> dict:
@@ -125,24 +156,33 @@ def _disk_full(root: str) -> dict:
     _FileSystemWriter.write_data, TorchCheckpointEngine.save = write_data, deepspeed_save
     results = {}
     try:
-        for label, strategy, asynchronous, plugins in [("zero3-sync", _zero3, False, ()),
-                                                       ("zero3-async", _zero3, True, ()),
-                                                       ("ddp-sync", lambda: "ddp", False, (FullDisk(),)),
-                                                       ("ddp-async", lambda: "ddp", True, (FullDisk(),)),
-                                                       ("deepspeed", lambda: LLMDeepSpeedStrategy(zero_stage=2),
-                                                        False, ())]:
+        for label, strategy, asynchronous, plugins in [
+            ("zero3-sync", _zero3, False, ()),
+            ("zero3-async", _zero3, True, ()),
+            ("ddp-sync", lambda: "ddp", False, (FullDisk(),)),
+            ("ddp-async", lambda: "ddp", True, (FullDisk(),)),
+            ("deepspeed", lambda: LLMDeepSpeedStrategy(zero_stage=2), False, ()),
+        ]:
             directory = f"{root}/full/{label}"
-            rotation = CheckpointRotation(dirpath=directory, every_n_train_steps=2, keep_last=1,
-                                          async_save=asynchronous)
+            rotation = CheckpointRotation(
+                dirpath=directory, every_n_train_steps=2, keep_last=1, async_save=asynchronous
+            )
             chosen = strategy()
             error = _error(lambda s=chosen, r=rotation, p=plugins: _fit(root, 6, s, callbacks=[r], plugins=p))
-            results[label] = {"error": error, "steps": [files.read_marker(p)["step"]
-                                                        for p in files.complete_checkpoints(Path(directory))]}
+            results[label] = {
+                "error": error,
+                "steps": [files.read_marker(p)["step"] for p in files.complete_checkpoints(Path(directory))],
+            }
     finally:
         _FileSystemWriter.write_data, TorchCheckpointEngine.save = original, original_ds
     # The checkpoint kept after the failed async DCP save resumes.
-    trainer, _, _ = _fit(root, 3, _zero3(), ckpt_path="last",
-                         callbacks=[CheckpointRotation(dirpath=f"{root}/full/zero3-async", every_n_train_steps=100)])
+    trainer, _, _ = _fit(
+        root,
+        3,
+        _zero3(),
+        ckpt_path="last",
+        callbacks=[CheckpointRotation(dirpath=f"{root}/full/zero3-async", every_n_train_steps=100)],
+    )
     results["resumed"] = (Path(trainer.ckpt_path).name, trainer.global_step)
     return results
 
@@ -153,17 +193,26 @@ def _full_state_resume(root: str) -> dict:
     resumed = []
     for steps in (3, 6):
         rotation = CheckpointRotation(dirpath=f"{root}/full_state", every_n_train_steps=3)
-        trainer, _, losses = _fit(root, steps, _zero3(save_distributed_checkpoint=False), callbacks=[rotation],
-                                  ckpt_path="last")
+        trainer, _, losses = _fit(
+            root, steps, _zero3(save_distributed_checkpoint=False), callbacks=[rotation], ckpt_path="last"
+        )
         resumed += losses
-    return {"straight": straight, "resumed": resumed, "resumed_from": Path(trainer.ckpt_path).name,
-            "is_file": Path(trainer.ckpt_path).is_file()}
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "resumed_from": Path(trainer.ckpt_path).name,
+        "is_file": Path(trainer.ckpt_path).is_file(),
+    }
 
 
 def _all_cases(root: str) -> dict:
-    return {"strict": _strict_loading(root), "deepspeed": _deepspeed_strict(root),
-            "corrupt": _corrupt_shard_fallback(root), "disk_full": _disk_full(root),
-            "full_state": _full_state_resume(root)}
+    return {
+        "strict": _strict_loading(root),
+        "deepspeed": _deepspeed_strict(root),
+        "corrupt": _corrupt_shard_fallback(root),
+        "disk_full": _disk_full(root),
+        "full_state": _full_state_resume(root),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +226,9 @@ def results(tmp_path_factory):
 def test_a_two_layer_checkpoint_into_a_one_layer_model_is_refused_unless_strict_loading_is_off(results):
     for rank in results:
         refused = rank["strict"]["refused"]
-        assert refused and "does not fit the model: in the checkpoint but not in the model: 9 (model.layers.1." in refused, \
-            refused
+        assert (
+            refused and "does not fit the model: in the checkpoint but not in the model: 9 (model.layers.1." in refused
+        ), refused
         assert "strict_loading = False" in refused
     # Oracle: the checkpoint read back by torch.distributed.checkpoint without any process group.
     saved = _load_distributed_checkpoint(Path(results[0]["strict"]["saved"]))["state_dict"]
@@ -200,12 +250,16 @@ def test_deepspeed_zero3_refuses_a_checkpoint_of_another_model(results):
 @pytest.mark.timeout(450)
 def test_corrupted_shard_falls_back_to_the_older_checkpoint(results):
     corrupt = results[0]["corrupt"]
-    assert corrupt["resumed_from"] == "step=00000002.ckpt" and results[1]["corrupt"]["resumed_from"] == \
-        "step=00000002.ckpt"
+    assert (
+        corrupt["resumed_from"] == "step=00000002.ckpt"
+        and results[1]["corrupt"]["resumed_from"] == "step=00000002.ckpt"
+    )
     assert any("step=00000004.ckpt" in w and "content corrupted" in w for w in corrupt["warnings"]), corrupt
     for rank in results:  # the same checkpoint named explicitly is refused, on every rank
         assert "step=00000004.ckpt' cannot be resumed from" in rank["corrupt"]["explicit"], rank["corrupt"]["explicit"]
-        assert "(content corrupted)" in rank["corrupt"]["explicit"] and "ckpt_path='last'" in rank["corrupt"]["explicit"]
+        assert (
+            "(content corrupted)" in rank["corrupt"]["explicit"] and "ckpt_path='last'" in rank["corrupt"]["explicit"]
+        )
 
 
 @pytest.mark.distributed

@@ -26,7 +26,7 @@ def _eager_and_compiled():
 
 
 def test_compiled_blocks_match_eager():
-    (eager, compiled, compiled_blocks, graphs), = run_distributed(_eager_and_compiled, 1, timeout=540)
+    ((eager, compiled, compiled_blocks, graphs),) = run_distributed(_eager_and_compiled, 1, timeout=540)
     assert compiled_blocks == [True, True]
     assert graphs >= 1, "dynamo traced no graph: the blocks ran eagerly"
     assert_parity(compiled, eager, "compile_blocks=True vs eager")

@@ -19,9 +19,9 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_llm.strategies.zero_auto as zero_planner
-from lightning_llm.strategies.zero_auto import choose_zero_stage
 from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy
 from lightning_llm.strategies.deepspeed_config import default_config, merge_config
+from lightning_llm.strategies.zero_auto import choose_zero_stage
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
 
@@ -117,9 +117,18 @@ def fit(strategy=None, devices: int = 1, steps: int = STEPS, callbacks=(), resum
     model = make_model("reference")
     losses = GlobalLoss()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=steps, gradient_clip_val=0.5,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[losses, *callbacks], num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        max_steps=steps,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses, *callbacks],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(model, data(GLOBAL_BATCH // devices), ckpt_path=resume_from)
     sharded = isinstance(strategy, LLMDeepSpeedStrategy) and strategy.zero_stage == 3
@@ -128,16 +137,29 @@ def fit(strategy=None, devices: int = 1, steps: int = STEPS, callbacks=(), resum
 
 def validate(strategy=None, devices: int = 1) -> dict[str, float]:
     """``trainer.validate`` alone (DeepSpeed builds an inference engine) on the untrained model."""
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy or "auto", limit_val_batches=4,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        limit_val_batches=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     (metrics,) = trainer.validate(make_model("reference"), data(GLOBAL_BATCH // devices))
     return metrics
 
 
 def memory_that_fits_only_zero3(micro_batch_size: int, seq_len: int) -> int:
     """Device memory between the planner's ZeRO-2 and ZeRO-3 estimates for the tiny model on 2 ranks."""
-    rows = choose_zero_stage(make_model("reference"), device_memory=2**40, world_size=2,
-                             micro_batch_size=micro_batch_size, seq_len=seq_len, backend="deepspeed").rows
+    rows = choose_zero_stage(
+        make_model("reference"),
+        device_memory=2**40,
+        world_size=2,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        backend="deepspeed",
+    ).rows
     total = {(row.zero_stage, row.offload): row.total for row in rows}
     assert total[(3, "none")] < total[(2, "none")] < total[(1, "none")]
     return int((total[(3, "none")] + total[(2, "none")]) / 2 / (1 - PLANNER_MARGIN))
@@ -162,8 +184,9 @@ def _train_all_layouts(tmp: str, auto_memory: int) -> dict:
         results[f"{name} bytes"], results[f"{name} config"] = probe.bytes, strategy.config
     for name in ("zero1", "zero2", "zero3"):
         checkpoint = f"{tmp}/{name}.ckpt"
-        first = fit(LLMDeepSpeedStrategy(**LAYOUTS[name]), devices=2, steps=SAVE_STEP,
-                    callbacks=[SaveAt(SAVE_STEP, checkpoint)])
+        first = fit(
+            LLMDeepSpeedStrategy(**LAYOUTS[name]), devices=2, steps=SAVE_STEP, callbacks=[SaveAt(SAVE_STEP, checkpoint)]
+        )
         second = fit(LLMDeepSpeedStrategy(**LAYOUTS[name]), devices=2, resume_from=checkpoint)
         results[f"{name} resumed"] = (first[0] + second[0], second[1])
     results["validate"] = validate(LLMDeepSpeedStrategy(**LAYOUTS["zero3"]), devices=2)
@@ -182,8 +205,9 @@ def runs(tmp_path_factory):
     reference, reference_validation = fit(), validate()
     auto_memory = memory_that_fits_only_zero3(GLOBAL_BATCH // 2, data(1).hparams.seq_len)
     rank0, rank1 = run_distributed(_train_all_layouts, 2, str(tmp), auto_memory, timeout=280)
-    return types.SimpleNamespace(reference=reference, reference_validation=reference_validation, ranks=(rank0, rank1),
-                                 auto_memory=auto_memory)
+    return types.SimpleNamespace(
+        reference=reference, reference_validation=reference_validation, ranks=(rank0, rank1), auto_memory=auto_memory
+    )
 
 
 @pytest.mark.distributed
@@ -227,8 +251,9 @@ def test_checkpoint_resume_continues_like_an_uninterrupted_run(runs, layout):
 def test_each_rank_holds_its_share_of_model_states(runs):
     rank0, rank1 = runs.ranks
     full = sum(p.numel() * 4 for p in runs.reference[1].values())  # fp32 parameters of the whole model
-    table = "\n".join(f"{name:14}" + ", ".join(f"{k}={v:,}" for k, v in sorted(rank0[f"{name} bytes"].items()))
-                      for name in LAYOUTS)
+    table = "\n".join(
+        f"{name:14}" + ", ".join(f"{k}={v:,}" for k, v in sorted(rank0[f"{name} bytes"].items())) for name in LAYOUTS
+    )
     print(f"\nper-rank bytes before the last step (2 ranks; all fp32 parameters = {full:,}):\n{table}")
     for name in LAYOUTS:
         for got in (rank0[f"{name} bytes"], rank1[f"{name} bytes"]):
@@ -249,11 +274,32 @@ def test_auto_takes_the_planners_stage_with_inputs_from_the_datamodule(runs):
     assert rank0["auto decision"] == (3, "none") and rank0["auto stage"] == 3
     (call,) = rank0["auto calls"]
     assert call["model"] == "CausalLM" and call["device_memory"] == runs.auto_memory
-    assert {k: call[k] for k in ("world_size", "tp", "pp", "micro_batch_size", "seq_len", "precision", "backend",
-                                 "allow_offload", "activation_checkpointing", "margin")} == {
-        "world_size": 2, "tp": 1, "pp": 1, "micro_batch_size": GLOBAL_BATCH // 2, "seq_len": 32,
-        "precision": "32-true", "backend": "deepspeed", "allow_offload": True, "activation_checkpointing": "none",
-        "margin": PLANNER_MARGIN}
+    assert {
+        k: call[k]
+        for k in (
+            "world_size",
+            "tp",
+            "pp",
+            "micro_batch_size",
+            "seq_len",
+            "precision",
+            "backend",
+            "allow_offload",
+            "activation_checkpointing",
+            "margin",
+        )
+    } == {
+        "world_size": 2,
+        "tp": 1,
+        "pp": 1,
+        "micro_batch_size": GLOBAL_BATCH // 2,
+        "seq_len": 32,
+        "precision": "32-true",
+        "backend": "deepspeed",
+        "allow_offload": True,
+        "activation_checkpointing": "none",
+        "margin": PLANNER_MARGIN,
+    }
     assert_parity(rank0["auto"], runs.reference, "auto -> zero3", rtol=RTOL)
 
 
@@ -283,9 +329,16 @@ def test_bad_arguments_are_refused_at_construction(kwargs, message):
 
 def test_precision_contradicting_the_trainer_is_refused_before_training():
     model = make_model("reference")
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=1, logger=False,
-                        strategy=LLMDeepSpeedStrategy(zero_stage=1, config={"bf16": {"enabled": True}}),
-                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=1,
+        logger=False,
+        strategy=LLMDeepSpeedStrategy(zero_stage=1, config={"bf16": {"enabled": True}}),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     with pytest.raises(ValueError, match=r"enables 'bf16' but the Trainer runs with precision='32-true'"):
         trainer.fit(model, data(4))
     assert trainer.global_step == 0
@@ -297,8 +350,15 @@ def test_cpu_training_needs_deepspeeds_cpu_accelerator(monkeypatch):
     # What DeepSpeed picks on a machine with a GPU when the Trainer is told to use the CPU.
     cuda = types.SimpleNamespace(device_name=lambda: "cuda")
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: cuda)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, strategy=LLMDeepSpeedStrategy(),
-                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        strategy=LLMDeepSpeedStrategy(),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     with pytest.raises(RuntimeError, match=r"selected 'cuda'\. Set the environment variable DS_ACCELERATOR=cpu"):
         trainer.fit(make_model("reference"), data(4))
 
@@ -321,8 +381,13 @@ def test_user_config_dict_or_file_is_merged_over_the_defaults(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "stage", "offload"),
-    [("llm_deepspeed_zero1", 1, None), ("llm_deepspeed_zero2", 2, None), ("llm_deepspeed_zero3", 3, None),
-     ("llm_deepspeed_zero2_offload", 2, "offload_optimizer"), ("llm_deepspeed_zero3_offload", 3, "offload_param")],
+    [
+        ("llm_deepspeed_zero1", 1, None),
+        ("llm_deepspeed_zero2", 2, None),
+        ("llm_deepspeed_zero3", 3, None),
+        ("llm_deepspeed_zero2_offload", 2, "offload_optimizer"),
+        ("llm_deepspeed_zero3_offload", 3, "offload_param"),
+    ],
 )
 def test_registered_names_build_the_strategy(name, stage, offload):
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
@@ -339,6 +404,8 @@ def test_yaml_config_and_preset_name_parse_through_the_cli(tmp_path, monkeypatch
     strategy = cli.trainer.strategy
     assert isinstance(strategy, LLMDeepSpeedStrategy) and strategy.zero_stage == 2
     assert strategy.config["zero_optimization"]["reduce_bucket_size"] == 5e7 and strategy.num_processes == 2
-    cli = LLMCLI(args=["--config", str(CONFIG), "--trainer.logger", "false", "--trainer.strategy",
-                       "llm_deepspeed_zero3"], run=False)
+    cli = LLMCLI(
+        args=["--config", str(CONFIG), "--trainer.logger", "false", "--trainer.strategy", "llm_deepspeed_zero3"],
+        run=False,
+    )
     assert isinstance(cli.trainer.strategy, LLMDeepSpeedStrategy) and cli.trainer.strategy.zero_stage == 3

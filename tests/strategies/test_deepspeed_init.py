@@ -21,8 +21,13 @@ from tests.parallel.test_materialize import single_process_hf, single_process_re
 SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 # "meta": built on the meta device, then partitioned (the default); "zero.Init": DeepSpeed's module-by-module
 # construction, which the strategy keeps for NVMe parameter offload, hpZ and quantized weights (forced here).
-CASES = [("reference", SHARD_ALL, "meta"), ("tied", SHARD_ALL, "meta"), ("hf_llama", SHARD_ALL, "meta"),
-         ("reference", None, "meta"), ("tied", SHARD_ALL, "zero.Init")]
+CASES = [
+    ("reference", SHARD_ALL, "meta"),
+    ("tied", SHARD_ALL, "meta"),
+    ("hf_llama", SHARD_ALL, "meta"),
+    ("reference", None, "meta"),
+    ("tied", SHARD_ALL, "zero.Init"),
+]
 
 
 class _Capture(L.Callback):
@@ -40,11 +45,10 @@ class _Capture(L.Callback):
 
 
 def _init_under_zero3(cases) -> list[dict]:
-    import lightning_llm.parallel.zero3_init as zero3_init
+    import lightning_llm.parallel.init.materialize as materialize
+    import lightning_llm.parallel.init.zero3_init as zero3_init
     from lightning_llm.data import LLMDataModule
     from lightning_llm.strategies import LLMDeepSpeedStrategy
-
-    import lightning_llm.parallel.materialize as materialize
 
     zero3_init.LIVE_BYTES = 1  # one parameter gathered at a time: every release and re-gather path runs
     # Random fills drawn into the partitions in chunks of 48 elements, so chunk and partition boundaries fall inside
@@ -58,10 +62,19 @@ def _init_under_zero3(cases) -> list[dict]:
         ds_strategy.partitions_directly = directly if construction == "meta" else (lambda init: "forced by the test")
         torch.manual_seed(SEED)
         module, capture = build(arch), _Capture()
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
-                            max_steps=0, num_sanity_val_steps=0, limit_val_batches=0, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[capture])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
+            max_steps=0,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[capture],
+        )
         trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
         results.append({"params": capture.params, "partitioned": capture.partitioned, "tied": capture.tied})
     return results
@@ -75,16 +88,23 @@ def zero3():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{'shard_all' if c else 'default'}-{m}" for a, c, m in CASES])
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=[f"{a}-{'shard_all' if c else 'default'}-{m}" for a, c, m in CASES]
+)
 def test_zero3_init_is_bit_identical_to_single_process(zero3, case):
     arch, config, _ = CASES[case]
-    expected = {"reference": lambda: single_process_reference(CONFIG), "tied": lambda: single_process_reference(TIED),
-                "hf_llama": single_process_hf}[arch]()
+    expected = {
+        "reference": lambda: single_process_reference(CONFIG),
+        "tied": lambda: single_process_reference(TIED),
+        "hf_llama": single_process_hf,
+    }[arch]()
     for rank, result in enumerate(zero3):
         got = result[case]
         assert set(got["params"]) == set(expected) - ({"model.output.weight"} if arch == "tied" else set())
         for name, value in got["params"].items():
-            assert torch.equal(value, expected[name]), f"rank {rank} {arch}: {name} differs from the single-process init"
+            assert torch.equal(value, expected[name]), (
+                f"rank {rank} {arch}: {name} differs from the single-process init"
+            )
         if config is SHARD_ALL:  # never whole on a rank: each holds only its partition of every parameter
             assert all(got["partitioned"].values()), got["partitioned"]
         if arch == "tied":

@@ -2,12 +2,16 @@
 
 import torch
 
-from lightning_llm.strategies.host_staging import HostCopy
+from lightning_llm.checkpointing.staging import HostCopy
 
 
 def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
-    return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": step,
-            "hyper_parameters": {"lr": 0.1, "layers": [1, 2]}}
+    return {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optimizer.state_dict()],
+        "global_step": step,
+        "hyper_parameters": {"lr": 0.1, "layers": [1, 2]},
+    }
 
 
 def _train_step(model, optimizer) -> None:
@@ -60,7 +64,7 @@ def test_staged_write_writes_the_state_at_save_time_while_training_goes_on(tmp_p
 
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_llm.strategies.lightning_fallback import StagedWrite
+    from lightning_llm.contract.lightning import StagedWrite
 
     release = threading.Event()
 
@@ -78,8 +82,10 @@ def test_staged_write_writes_the_state_at_save_time_while_training_goes_on(tmp_p
         for step in (1, 2):  # the second save reuses the first one's host buffers
             release.clear()
             expected = _checkpoint(model, optimizer, step)
-            expected = {"state_dict": {k: v.clone() for k, v in expected["state_dict"].items()},
-                        "moments": {k: v["exp_avg"].clone() for k, v in expected["optimizer_states"][0]["state"].items()}}
+            expected = {
+                "state_dict": {k: v.clone() for k, v in expected["state_dict"].items()},
+                "moments": {k: v["exp_avg"].clone() for k, v in expected["optimizer_states"][0]["state"].items()},
+            }
             staged = StagedWrite(SlowWriter(), executor, copy)
             staged.save_checkpoint(_checkpoint(model, optimizer, step), tmp_path / f"{step}.ckpt")
             _train_step(model, optimizer)  # training goes on while the file is not yet written
@@ -101,7 +107,7 @@ def test_gil_slices_are_restored_after_a_write_and_after_a_failed_one(tmp_path):
     import pytest
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_llm.strategies.lightning_fallback import StagedWrite
+    from lightning_llm.contract.lightning import StagedWrite
 
     class Failing(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):
@@ -129,8 +135,8 @@ def test_a_gated_write_starts_only_once_released_or_after_the_timeout(tmp_path, 
 
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_llm.strategies.lightning_fallback import StagedWrite
-    from lightning_llm.strategies.write_gate import WriteGate
+    from lightning_llm.checkpointing.write_gate import WriteGate
+    from lightning_llm.contract.lightning import StagedWrite
 
     started = threading.Event()
 
@@ -165,9 +171,9 @@ def test_checkpoint_rotation_starts_a_held_write_when_the_next_batch_starts(tmp_
     import lightning as L
 
     from lightning_llm.callbacks import CheckpointRotation
+    from lightning_llm.checkpointing.write_gate import WriteGate
     from lightning_llm.data import LLMDataModule
     from lightning_llm.models import CausalLM
-    from lightning_llm.strategies.write_gate import WriteGate
 
     monkeypatch.setattr(WriteGate, "TIMEOUT", 60.0)  # a missed release would take a minute
     rotation = CheckpointRotation(dirpath=tmp_path, every_n_train_steps=4, keep_last=2, async_save=True)
@@ -179,8 +185,15 @@ def test_checkpoint_rotation_starts_a_held_write_when_the_next_batch_starts(tmp_
                 done, _ = wait([rotation._pending.future], timeout=20)
                 written_by_step[6] = bool(done)
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[rotation, Probe()], limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rotation, Probe()],
+        limit_val_batches=0,
+    )
     trainer.fit(CausalLM("tiny"), LLMDataModule(num_tokens=5000, seq_len=16, batch_size=2))
     assert written_by_step == {6: True}
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000004.ckpt", "step=00000008.ckpt"]

@@ -48,8 +48,9 @@ BF16_LAYOUTS = {"zero3": {"zero_stage": 3}, "zero0": {"zero_stage": 0}}
 
 
 def _local_state(model) -> dict[str, torch.Tensor]:
-    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone().float() for n, p in model.named_parameters()}
-
+    return {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone().float() for n, p in model.named_parameters()
+    }
 
 
 class SameOnEveryRank(LLMDataModule):
@@ -65,7 +66,9 @@ def _same_data() -> LLMDataModule:
 
 def _train_keep_local(strategy, precision, datamodule=None):
     model = make_model(ARCH)
-    result = train(ARCH, strategy, devices=2, dp=2, steps=STEPS, precision=precision, model=model, datamodule=datamodule)
+    result = train(
+        ARCH, strategy, devices=2, dp=2, steps=STEPS, precision=precision, model=model, datamodule=datamodule
+    )
     return result, _local_state(model)
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
-from lightning_llm.checkpoint import consolidate_checkpoint
+from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
@@ -45,7 +45,10 @@ def test_presets_are_registered():
     assert StrategyRegistry.get("llm_ddp").zero_stage == 0
     plain = StrategyRegistry.get("llm_parallel")
     assert type(plain) is LLMParallelStrategy and plain.zero_stage == LLMParallelStrategy().zero_stage
-    assert type(L.Trainer(strategy="llm_parallel", accelerator="cpu", devices=1, logger=False).strategy) is LLMParallelStrategy
+    assert (
+        type(L.Trainer(strategy="llm_parallel", accelerator="cpu", devices=1, logger=False).strategy)
+        is LLMParallelStrategy
+    )
 
 
 class _NoLinear(L.LightningModule):
@@ -65,8 +68,14 @@ class _NoLinear(L.LightningModule):
 def _fit_expecting_error(make_module, strategy_kwargs, world_size):
     module = make_module()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(**strategy_kwargs), max_steps=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=LLMParallelStrategy(**strategy_kwargs),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     try:
         trainer.fit(module, data(2))
@@ -78,8 +87,14 @@ def _fit_expecting_error(make_module, strategy_kwargs, world_size):
 def _bad_inputs(world_size):
     cases = [
         (_NoLinear, {"tensor_parallel_size": 2}),
-        (lambda: make_model("reference"), {"tensor_parallel_size": 2, "tensor_parallel_plan": {"layers.*.nope": "colwise"}}),
-        (lambda: make_model("reference"), {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.output": "sideways"}}),
+        (
+            lambda: make_model("reference"),
+            {"tensor_parallel_size": 2, "tensor_parallel_plan": {"layers.*.nope": "colwise"}},
+        ),
+        (
+            lambda: make_model("reference"),
+            {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.output": "sideways"}},
+        ),
         (lambda: make_model("reference"), {"data_parallel_size": 3}),
         (lambda: make_model("reference"), {"blocks": "model.missing"}),
     ]
@@ -113,13 +128,22 @@ def _accumulation_and_validation(world_size):
     # whether accumulation micro-batches skipped it.
     dist.reduce_scatter_single = counting
     try:
-        accumulated = train("reference", LLMParallelStrategy(zero_stage=3), devices=world_size, dp=world_size, accumulate=2)
+        accumulated = train(
+            "reference", LLMParallelStrategy(zero_stage=3), devices=world_size, dp=world_size, accumulate=2
+        )
     finally:
         dist.reduce_scatter_single = original
 
     model = make_model("hf_llama")
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(tensor_parallel_size=2),
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=4)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=LLMParallelStrategy(tensor_parallel_size=2),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=4,
+    )
     val_loss = trainer.validate(model, data(4), verbose=False)[0]["val_loss"]
     return accumulated, calls["reduce_scatter"], val_loss
 
@@ -130,36 +154,58 @@ def test_accumulation_syncs_once_per_step_and_validate_matches():
     assert_parity(accumulated, train("reference", accumulate=2), "zero3 with accumulate_grad_batches=2")
     # 3 FSDP units (2 blocks + the root) reduce once per optimizer step, not once per micro-batch.
     assert reduce_scatters == 3 * STEPS
-    single = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                       limit_val_batches=4).validate(make_model("hf_llama"), data(4), verbose=False)[0]["val_loss"]
+    single = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=4
+    ).validate(make_model("hf_llama"), data(4), verbose=False)[0]["val_loss"]
     assert val_loss == pytest.approx(single, rel=1e-6)
 
 
 def _save_then_resume_in_other_layouts(world_size, root):
     root = Path(root)
-    first = train("reference", LLMParallelStrategy(tensor_parallel_size=2, zero_stage=3), devices=world_size, dp=2,
-                  steps=STEPS // 2, save_to=root / "half.ckpt")
+    first = train(
+        "reference",
+        LLMParallelStrategy(tensor_parallel_size=2, zero_stage=3),
+        devices=world_size,
+        dp=2,
+        steps=STEPS // 2,
+        save_to=root / "half.ckpt",
+    )
     # Load into dp4 ZeRO-3 and check the parameters arrived whole.
     loaded = make_model("reference")
-    L.Trainer(accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(zero_stage=3), logger=False,
-              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1).validate(
-        loaded, data(2), ckpt_path=root / "half.ckpt", verbose=False)
+    L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=LLMParallelStrategy(zero_stage=3),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+    ).validate(loaded, data(2), ckpt_path=root / "half.ckpt", verbose=False)
     loaded_state = full_state(loaded)
     # Resume training in the new layout for the second half.
-    second = train("reference", LLMParallelStrategy(zero_stage=3), devices=world_size, dp=world_size,
-                   resume_from=root / "half.ckpt")
+    second = train(
+        "reference",
+        LLMParallelStrategy(zero_stage=3),
+        devices=world_size,
+        dp=world_size,
+        resume_from=root / "half.ckpt",
+    )
     return first, loaded_state, second
 
 
 @pytest.mark.distributed
 def test_sharded_checkpoint_reshards_into_other_layouts(tmp_path):
-    first, loaded_state, second = run_distributed(_save_then_resume_in_other_layouts, 4, 4, str(tmp_path), timeout=300)[0]
+    first, loaded_state, second = run_distributed(_save_then_resume_in_other_layouts, 4, 4, str(tmp_path), timeout=300)[
+        0
+    ]
     (first_losses, saved_state), (second_losses, final_state) = first, second
     for name, tensor in saved_state.items():
         torch.testing.assert_close(loaded_state[name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
     straight_losses, straight_state = train("reference")
-    assert_parity((first_losses + second_losses, final_state), (straight_losses, straight_state), "tp2xdp2 -> dp4 resume")
+    assert_parity(
+        (first_losses + second_losses, final_state), (straight_losses, straight_state), "tp2xdp2 -> dp4 resume"
+    )
 
     consolidated = consolidate_checkpoint(tmp_path / "half.ckpt", tmp_path / "half-full.pt")
     plain = make_model("reference")

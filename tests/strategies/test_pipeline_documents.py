@@ -21,8 +21,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 LAYOUTS = {
     "pp2-1f1b": {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "num_microbatches": 4},
-    "pp2-interleaved1f1b-v2": {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B",
-                               "num_microbatches": 4, "virtual_stages": 2},
+    "pp2-interleaved1f1b-v2": {
+        "pipeline_parallel_size": 2,
+        "pipeline_schedule": "Interleaved1F1B",
+        "num_microbatches": 4,
+        "virtual_stages": 2,
+    },
 }
 
 
@@ -39,8 +43,9 @@ def _write_documents(path, num_documents: int = 400, seed: int = 0) -> str:
 
 
 def _data(path: str, documents: bool) -> LLMDataModule:
-    return LLMDataModule(source="tokens", path=path, seq_len=32, batch_size=GLOBAL_BATCH, seed=3,
-                         return_document_ids=documents)
+    return LLMDataModule(
+        source="tokens", path=path, seq_len=32, batch_size=GLOBAL_BATCH, seed=3, return_document_ids=documents
+    )
 
 
 def test_document_ids_reach_every_pipeline_stage(tmp_path):
@@ -51,7 +56,8 @@ def test_document_ids_reach_every_pipeline_stage(tmp_path):
     gap = (torch.tensor(masked[0]) - torch.tensor(unmasked[0])).abs().max().item()
     assert gap > 1e-2, f"document masking changed the losses by only {gap:.1e}; the data does not test it"
 
-    results = run_distributed(train_layouts, 2, "reference", list(LAYOUTS.values()), 2, layers=4,
-                              datamodule=_data(path, True), timeout=540)[0]
+    results = run_distributed(
+        train_layouts, 2, "reference", list(LAYOUTS.values()), 2, layers=4, datamodule=_data(path, True), timeout=540
+    )[0]
     for label, result in zip(LAYOUTS, results):
         assert_parity(result, masked, f"document ids under {label}")

@@ -18,12 +18,26 @@ ARCHS = ["reference", "hf_llama", "hf_gpt2"]
 PP2 = {
     "pp2-gpipe": {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe", "num_microbatches": 4},
     "pp2-1f1b": {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "num_microbatches": 4},
-    "pp2-interleaved1f1b-v2": {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "num_microbatches": 4, "virtual_stages": 2},
-    "pp2-interleaved-zero-bubble": {"pipeline_parallel_size": 2, "pipeline_schedule": "InterleavedZeroBubble", "num_microbatches": 4},
+    "pp2-interleaved1f1b-v2": {
+        "pipeline_parallel_size": 2,
+        "pipeline_schedule": "Interleaved1F1B",
+        "num_microbatches": 4,
+        "virtual_stages": 2,
+    },
+    "pp2-interleaved-zero-bubble": {
+        "pipeline_parallel_size": 2,
+        "pipeline_schedule": "InterleavedZeroBubble",
+        "num_microbatches": 4,
+    },
     "pp2-zbv-zero-bubble": {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4},
 }
 PP2_X2 = {
-    "pp2xtp2-sp": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "num_microbatches": 4},
+    "pp2xtp2-sp": {
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "sequence_parallel": True,
+        "num_microbatches": 4,
+    },
     "pp2xdp2-zero3": {"pipeline_parallel_size": 2, "zero_stage": 3, "num_microbatches": 4},
 }
 _single: dict = {}
@@ -46,7 +60,9 @@ def _layouts_for(arch, layouts):
 @pytest.mark.parametrize("world_size, layouts", [(2, PP2), (4, PP2_X2)], ids=["2ranks", "4ranks"])
 def test_pipeline_layouts_match_single_process(arch, world_size, layouts):
     layouts = _layouts_for(arch, layouts)
-    results = run_distributed(train_layouts, world_size, arch, list(layouts.values()), world_size, layers=4, timeout=840)[0]
+    results = run_distributed(
+        train_layouts, world_size, arch, list(layouts.values()), world_size, layers=4, timeout=840
+    )[0]
     for label, result in zip(layouts, results):
         assert_parity(result, _reference(arch), f"{arch} {label}")
 
@@ -55,17 +71,24 @@ def _accumulate_and_validate(world_size):
     strategy = LLMParallelStrategy(pipeline_parallel_size=2, num_microbatches=2)
     accumulated = train("hf_llama", strategy, devices=world_size, accumulate=2, layers=4)
     model = make_model("hf_llama", layers=4)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=3,
-                        strategy=LLMParallelStrategy(pipeline_parallel_size=2, num_microbatches=4))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=3,
+        strategy=LLMParallelStrategy(pipeline_parallel_size=2, num_microbatches=4),
+    )
     return accumulated, trainer.validate(model, data(4), verbose=False)[0]["val_loss"]
 
 
 def test_accumulation_and_validation_through_the_pipeline():
     accumulated, val_loss = run_distributed(_accumulate_and_validate, 2, 2, timeout=300)[0]
     assert_parity(accumulated, _reference("hf_llama", accumulate=2), "pp2 with accumulate_grad_batches=2")
-    single = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                       limit_val_batches=3).validate(make_model("hf_llama", layers=4), data(4), verbose=False)[0]["val_loss"]
+    single = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=3
+    ).validate(make_model("hf_llama", layers=4), data(4), verbose=False)[0]["val_loss"]
     assert val_loss == pytest.approx(single, rel=1e-6)
 
 
@@ -73,17 +96,32 @@ def _resume(world_size, root, first_layout, second_layout):
     def dp(layout):
         return world_size // layout.get("pipeline_parallel_size", 1)
 
-    first = train("reference", LLMParallelStrategy(**first_layout), devices=world_size, dp=dp(first_layout),
-                  steps=STEPS // 2, save_to=f"{root}/half.ckpt", layers=4)
-    second = train("reference", LLMParallelStrategy(**second_layout), devices=world_size, dp=dp(second_layout),
-                   resume_from=f"{root}/half.ckpt", layers=4)
+    first = train(
+        "reference",
+        LLMParallelStrategy(**first_layout),
+        devices=world_size,
+        dp=dp(first_layout),
+        steps=STEPS // 2,
+        save_to=f"{root}/half.ckpt",
+        layers=4,
+    )
+    second = train(
+        "reference",
+        LLMParallelStrategy(**second_layout),
+        devices=world_size,
+        dp=dp(second_layout),
+        resume_from=f"{root}/half.ckpt",
+        layers=4,
+    )
     return first[0] + second[0], second[1]
 
 
 @pytest.mark.parametrize(
     "first, second",
-    [({"pipeline_parallel_size": 2, "num_microbatches": 2}, {"zero_stage": 0, "data_parallel_size": 2}),
-     ({"zero_stage": 0, "data_parallel_size": 2}, {"pipeline_parallel_size": 2, "num_microbatches": 2})],
+    [
+        ({"pipeline_parallel_size": 2, "num_microbatches": 2}, {"zero_stage": 0, "data_parallel_size": 2}),
+        ({"zero_stage": 0, "data_parallel_size": 2}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+    ],
     ids=["pp2-to-pp1", "pp1-to-pp2"],
 )
 def test_checkpoints_move_between_pipeline_layouts(tmp_path, first, second):
@@ -95,16 +133,29 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path, first, second):
 def _bad_pipeline(world_size):
     errors = []
     cases = [
-        ({"pipeline_parallel_size": 2, "virtual_stages": 2, "pipeline_schedule": "Interleaved1F1B"}, 2, 4),  # 4 stages, 2 blocks
-        ({"pipeline_parallel_size": 2, "num_microbatches": 3}, 4, 4),                      # batch 4 per rank
+        (
+            {"pipeline_parallel_size": 2, "virtual_stages": 2, "pipeline_schedule": "Interleaved1F1B"},
+            2,
+            4,
+        ),  # 4 stages, 2 blocks
+        ({"pipeline_parallel_size": 2, "num_microbatches": 3}, 4, 4),  # batch 4 per rank
         ({"pipeline_parallel_size": 2, "pipeline_split": [["model.layers.0"], ["model.layers.9"]]}, 2, 4),
     ]
     for kwargs, layers, batch in cases:
         model = make_model("reference", layers)
         model.steps_run = 0
-        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=LLMParallelStrategy(**kwargs), max_steps=1,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=LLMParallelStrategy(**kwargs),
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
         try:
             trainer.fit(model, data(batch))
             errors.append(None)

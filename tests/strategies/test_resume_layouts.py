@@ -50,13 +50,28 @@ def _fit(layout: str, until: int, root: Path, resume_from=None):
     dp = 2 // options.get("tensor_parallel_size", 1) // options.get("pipeline_parallel_size", 1)
     record, callbacks = _Record(), []
     if until < STEPS:
-        callbacks.append(ModelCheckpoint(dirpath=root, filename=f"step{until}", every_n_train_steps=until,
-                                         save_top_k=-1, enable_version_counter=False))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=root,
+                filename=f"step{until}",
+                every_n_train_steps=until,
+                save_top_k=-1,
+                enable_version_counter=False,
+            )
+        )
     model = make_model("reference")
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=LLMParallelStrategy(**options), max_steps=until, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, *callbacks],
-        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=0.5,
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMParallelStrategy(**options),
+        max_steps=until,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record, *callbacks],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        gradient_clip_val=0.5,
     )
     data = LLMDataModule(num_tokens=3 * GLOBAL_BATCH * 32 + 1, seq_len=32, batch_size=GLOBAL_BATCH // dp, seed=5)
     trainer.fit(model, data, ckpt_path=resume_from)
@@ -94,8 +109,9 @@ def _assert_close(got, want, label: str, rtol: float) -> None:
     (losses, epochs, params), (ref_losses, ref_epochs, ref_params) = got, want
     assert Counter(epochs) == Counter(ref_epochs) == {0: 3, 1: 3, 2: 2}, f"{label}: batches per epoch"
     assert epochs == ref_epochs
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0,
-                               msg=lambda m: f"{label} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0, msg=lambda m: f"{label} losses: {m}"
+    )
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
         error = (params[name] - ref).norm() / ref.norm().clamp_min(1e-12)

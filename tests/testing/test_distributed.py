@@ -76,13 +76,23 @@ def _fit(devices: int, batch_size: int):
     torch.manual_seed(0)
     model = _Regression()
     # Lightning's injected sampler would shuffle; a fixed order keeps the reference computation simple.
-    sampler = torch.utils.data.DistributedSampler(
-        _data(), num_replicas=devices, rank=int(os.environ.get("RANK", 0)), shuffle=False
-    ) if devices > 1 else None
+    sampler = (
+        torch.utils.data.DistributedSampler(
+            _data(), num_replicas=devices, rank=int(os.environ.get("RANK", 0)), shuffle=False
+        )
+        if devices > 1
+        else None
+    )
     loader = DataLoader(_data(), batch_size=batch_size, sampler=sampler)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=5,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, loader)
     return model.losses, model.layer.weight.detach().clone()
@@ -103,7 +113,10 @@ def test_two_rank_ddp_fit_matches_single_process():
         # Rank r reads indices r, r+2, r+4, ...; each step takes 4 of them; an epoch is 4 steps.
         idx = [i for r in range(2) for i in list(range(r, 32, 2))[4 * (step % 4) : 4 * (step % 4) + 4]]
         x, y = data[idx]
-        losses = [torch.nn.functional.mse_loss(single_model.layer(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]) for r in range(2)]
+        losses = [
+            torch.nn.functional.mse_loss(single_model.layer(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4])
+            for r in range(2)
+        ]
         loss = sum(losses) / 2
         expected.append(loss.item())
         optimizer.zero_grad()

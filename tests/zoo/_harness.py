@@ -43,8 +43,10 @@ def table_lines() -> list[str]:
     from tests.zoo._models import MODELS
 
     layouts = [layout for layout in LAYOUTS if any(key[1] == layout for key in TABLE)]
-    lines = ["model zoo: max relative per-step loss difference vs one process (x: fails)",
-             f"{'model':<15}" + "".join(f"{layout:>14}" for layout in layouts)]
+    lines = [
+        "model zoo: max relative per-step loss difference vs one process (x: fails)",
+        f"{'model':<15}" + "".join(f"{layout:>14}" for layout in layouts),
+    ]
     for name in MODELS:
         cells = [TABLE.get((name, layout), "") for layout in layouts]
         lines.append(f"{name:<15}" + "".join(f"{c:>14.1e}" if isinstance(c, float) else f"{c:>14}" for c in cells))
@@ -69,8 +71,15 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
     model = ZooLM(name)
     losses = GlobalLoss()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy or "auto",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
     )
     data = tokens()
     # Lightning gives a distributed run's training loader a shuffling DistributedSampler (seed 0); the
@@ -107,6 +116,6 @@ def train_zoo(layouts: list[str], models: list[str]) -> dict | None:
         for name in models:
             try:
                 results[layout][name] = train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
     return results if dist.get_rank() == 0 else None

@@ -14,8 +14,18 @@ import transformers
 from litgpt import GPT, Config
 
 VOCAB = 128
-_DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_DENSE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _MOE = dict(_DENSE, intermediate_size=32)
 
 
@@ -39,20 +49,55 @@ BUILDERS = {
     "qwen2": lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", **_DENSE),
     "qwen3": lambda: _hf("Qwen3Config", "Qwen3ForCausalLM", **_DENSE, head_dim=8),
     "gemma2": lambda: _hf("Gemma2Config", "Gemma2ForCausalLM", **_DENSE, head_dim=8, sliding_window=8),
-    "gemma3": lambda: _hf("Gemma3TextConfig", "Gemma3ForCausalLM", **_DENSE, head_dim=8, sliding_window=8,
-                          tie_word_embeddings=True),
+    "gemma3": lambda: _hf(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", **_DENSE, head_dim=8, sliding_window=8, tie_word_embeddings=True
+    ),
     "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", **_DENSE),
     "gpt_neox": lambda: _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DENSE, rotary_pct=0.5),
     "olmo2": lambda: _hf("Olmo2Config", "Olmo2ForCausalLM", **_DENSE),
-    "gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                        n_positions=64, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2": lambda: _hf(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     "mixtral": lambda: _hf("MixtralConfig", "MixtralForCausalLM", **_MOE, num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": lambda: _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_MOE, head_dim=8, num_experts=4,
-                             num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
-    "litgpt_llama": lambda: _litgpt(n_query_groups=2, intermediate_size=64, bias=False, rotary_percentage=1.0,
-                                    parallel_residual=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP"),
-    "litgpt_pythia": lambda: _litgpt(n_query_groups=4, intermediate_size=128, bias=True, rotary_percentage=0.25,
-                                     parallel_residual=True, norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP"),
+    "qwen3_moe": lambda: _hf(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        **_MOE,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+    ),
+    "litgpt_llama": lambda: _litgpt(
+        n_query_groups=2,
+        intermediate_size=64,
+        bias=False,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    ),
+    "litgpt_pythia": lambda: _litgpt(
+        n_query_groups=4,
+        intermediate_size=128,
+        bias=True,
+        rotary_percentage=0.25,
+        parallel_residual=True,
+        norm_class_name="LayerNorm",
+        mlp_class_name="GptNeoxMLP",
+    ),
 }
 MODELS = list(BUILDERS)
 MOE = ["mixtral", "qwen3_moe"]

@@ -25,7 +25,8 @@ import torch
 from lightning_llm.modeling.activations import activation_bytes
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import assert_parity
-from tests.zoo._harness import GLOBAL_BATCH, LAYOUTS, SEQ_LEN, TABLE as _table, tokens, train, train_zoo
+from tests.zoo._harness import GLOBAL_BATCH, LAYOUTS, SEQ_LEN, tokens, train, train_zoo
+from tests.zoo._harness import TABLE as _table
 from tests.zoo._models import MODELS, MOE, ZooLM
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -53,7 +54,11 @@ def _marks(layout: str, name: str) -> list:
     return marks
 
 
-CELLS = [pytest.param(layout, name, marks=_marks(layout, name), id=f"{layout}-{name}") for layout in LAYOUTS for name in MODELS]
+CELLS = [
+    pytest.param(layout, name, marks=_marks(layout, name), id=f"{layout}-{name}")
+    for layout in LAYOUTS
+    for name in MODELS
+]
 _references: dict = {}
 _runs: dict = {}
 _TEST = "test_zoo_cell_matches_single_process"
@@ -95,8 +100,9 @@ def test_zoo_cell_matches_single_process(layout, name, request):
     ref_losses, ref_params, _, _ = _reference(name)
     _table[(name, layout)] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
-    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=PARAM_RTOL.get(name, 1e-5),
-                  loss_rtol=1e-5)
+    assert_parity(
+        (losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=PARAM_RTOL.get(name, 1e-5), loss_rtol=1e-5
+    )
     if name in MOE:  # the routers decide exactly as the single process's do
         for got, want in zip(_routes(name, params), _routes(name, ref_params)):
             assert torch.equal(got, want), f"{name} {layout}: routing differs from the single process"

@@ -1,0 +1,164 @@
+"""Read any Lightning checkpoint of lightning_llm as full tensors, and write it as one file plain torch can load.
+
+A checkpoint saved by LLMParallelStrategy is a directory: one shard file per rank, DCP's
+``.metadata`` and Lightning's own ``meta.pt`` (step, epoch, loops, callbacks, hyperparameters).
+Whatever layout saved it (ZeRO-3, tensor or pipeline parallel), DCP stores every tensor under its
+global name and shape, so one process reads it back whole, without a process group. A checkpoint
+saved with ``save_distributed_checkpoint=False`` (or by Lightning's own strategies) is already one
+``.ckpt`` file.
+
+Usage (``lightning-llm export CKPT OUT --format torch`` does the same)::
+
+    python -m lightning_llm.checkpoint runs/step=1000.ckpt model.pt
+    state = torch.load("model.pt", weights_only=False)["state_dict"]   # full, unsharded tensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+MODEL_KEY = "state_dict"  # Lightning's key of the model's tensors; DCP stores them as "state_dict.<name>"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_checkpoint(path: Path) -> None:
+    """Refuse what is not a DCP directory or a checkpoint file, naming what it looks like instead."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Checkpoint {str(path)!r} does not exist; pass a .ckpt file or a sharded checkpoint directory."
+        )
+    if (path / ".metadata").is_file():
+        return
+    if (path / "latest").is_file() or (path / "checkpoint").is_dir():
+        raise ValueError(
+            f"{path} is a DeepSpeed checkpoint directory; convert it to one file first with Lightning's "
+            f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict({str(path)!r}, "
+            "'full.ckpt'), then export full.ckpt."
+        )
+    raise ValueError(
+        f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside); pass a "
+        ".ckpt file or a directory saved by LLMParallelStrategy."
+    )
+
+
+def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's full tensors and the checkpoint's other entries (``hyper_parameters``, ``global_step``, ...).
+
+    A sharded directory is read by DCP in this one process (no process group); only the model's
+    tensors are read, not the optimizer state. A file is memory-mapped.
+
+    Example::
+
+        state, rest = read_model_state("checkpoints/step=1000.ckpt")
+        model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    """
+    path = Path(checkpoint)
+    _check_checkpoint(path)
+    if path.is_file():
+        rest = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        if MODEL_KEY not in rest:
+            raise ValueError(
+                f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (keys: {sorted(rest)[:8]}); "
+                "pass a checkpoint saved by trainer.save_checkpoint or ModelCheckpoint."
+            )
+        return rest.pop(MODEL_KEY), rest
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = f"{MODEL_KEY}."
+    state = {
+        key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    nested = {MODEL_KEY: state}
+    with warnings.catch_warnings():  # DCP warns that it reads in one process, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(nested, checkpoint_id=path, no_dist=True)
+    meta = path / _METADATA_FILENAME
+    rest = torch.load(meta, weights_only=False) if meta.is_file() else {}
+    return nested[MODEL_KEY], rest
+
+
+def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` with its floating-point tensors in ``dtype`` (integer buffers and ``None`` dtype: unchanged)."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"`` -> ``torch.bfloat16``; refuses names outside :data:`DTYPES`."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype={name!r} is not supported; choose one of {sorted(DTYPES)} (or leave it unset to keep the saved dtype)."
+        )
+    return DTYPES[name]
+
+
+def consolidate_checkpoint(
+    checkpoint: str | Path, output_file: str | Path, dtype: str | torch.dtype | None = None
+) -> Path:
+    """Write the full (unsharded) state of a checkpoint (sharded directory or ``.ckpt`` file) to ``output_file``.
+
+    The file holds Lightning's checkpoint keys (``state_dict``, ``optimizer_0``, ``global_step``,
+    ...) with plain tensors, so ``torch.load(f)["state_dict"]`` fits ``model.load_state_dict``.
+    A directory goes through torch's ``dcp_to_torch_save``; Lightning's ``meta.pt`` entries are then
+    merged in. ``dtype`` casts the model's floating-point tensors (``state_dict``); optimizer state
+    is left as saved.
+
+    Example::
+
+        consolidate_checkpoint("checkpoints/last.ckpt", "last-full.pt", dtype="bfloat16")
+    """
+    source, output_file = Path(checkpoint), Path(output_file)
+    _check_checkpoint(source)
+    dtype = parse_dtype(dtype)
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = output_file.with_name(output_file.name + ".partial")
+    if source.is_dir():
+        dcp_to_torch_save(source, partial)
+        meta = source / _METADATA_FILENAME
+        if not meta.is_file() and dtype is None:
+            os.replace(partial, output_file)
+            return output_file
+        # Merge Lightning's entries; the tensors are memory-mapped from the file just written, not copied.
+        state = torch.load(partial, weights_only=False, mmap=True)
+        if meta.is_file():
+            state.update(torch.load(meta, weights_only=False))
+    elif dtype is None:
+        shutil.copyfile(source, partial)
+        os.replace(partial, output_file)
+        return output_file
+    else:
+        state = torch.load(source, weights_only=False, mmap=True)
+    state[MODEL_KEY] = cast_floats(state[MODEL_KEY], dtype)
+    torch.save(state, output_file.with_name(output_file.name + ".tmp"))
+    os.replace(output_file.with_name(output_file.name + ".tmp"), output_file)
+    partial.unlink(missing_ok=True)
+    return output_file
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_llm.checkpoint CKPT OUT``: an alias of ``lightning-llm export CKPT OUT --format torch``."""
+    parser = argparse.ArgumentParser(description=consolidate_checkpoint.__doc__.splitlines()[0])
+    parser.add_argument(
+        "checkpoint", help="a sharded checkpoint directory saved by LLMParallelStrategy, or a .ckpt file"
+    )
+    parser.add_argument("output_file", help="where to write the single-file checkpoint")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model's tensors (default: as saved)")
+    args = parser.parse_args(argv)
+    print(consolidate_checkpoint(args.checkpoint, args.output_file, args.dtype))

@@ -1,0 +1,265 @@
+"""Pipeline parallelism for LightningModules whose model was not written for it.
+
+Mechanism: a module-level split that keeps the user's code in charge. Every rank keeps the
+whole LightningModule *structure* but only the parameters of its stages: blocks of other ranks
+become parameter-free placeholders, embeddings become zero-producing stand-ins off the first
+stage, and what follows the blocks (norm, head) disappears off the last stage. A stage runs the
+user's own ``training_step`` on its micro-batch; the block list yields, while that stage is
+active:
+
+* the received activation in place of the hidden state at the stage's first block,
+* pass-through calls for blocks outside the stage,
+* an early exit (carrying the hidden state) after the stage's last block, unless it is the
+  last stage, where the user's forward goes on to the head and the user's loss.
+
+So any model whose forward loops over one ``nn.ModuleList`` of blocks that each map a hidden
+state tensor to a tensor (the reference Llama, Hugging Face Llama, GPT-2 and most decoders)
+pipelines unchanged, with parameter names, checkpoints and tensor-parallel plans as before.
+Graph tracing (``torch.distributed.pipelining.pipeline``) was not used: it needs the user's
+``training_step`` (loss included) to export as one graph, which Hugging Face models and most
+user code do not. The schedules, stages and communication are torch's
+(``torch.distributed.pipelining``); only the stage boundary logic is ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class StageOutput(Exception):
+    """Raised after a non-last stage's last block to leave the user's forward with the hidden state."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.hidden = hidden
+
+
+@dataclass
+class StageChunk:
+    """One pipeline stage held by this rank."""
+
+    index: int
+    blocks: range
+    is_first: bool
+    is_last: bool
+
+
+@dataclass
+class PipelineState:
+    """What the running schedule needs: the active stage, the micro-batches and the step function."""
+
+    chunks: list[StageChunk]
+    num_microbatches: int
+    active: StageChunk | None = None
+    received: torch.Tensor | None = None
+    microbatches: list = field(default_factory=list)
+    step_fn: Callable | None = None
+    batch_idx: int = 0
+    loss_scale: float = 1.0
+    logs: dict[int, dict[str, tuple[torch.Tensor, dict]]] = field(default_factory=dict)
+
+    @contextmanager
+    def activate(self, chunk: StageChunk, received: torch.Tensor | None):
+        self.active, self.received = chunk, received
+        try:
+            yield
+        finally:
+            self.active, self.received = None, None
+
+
+def _hidden_arg_name(block: nn.Module) -> str:
+    params = [p for p in inspect.signature(block.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return params[0].name if params else "hidden_states"
+
+
+def _hidden(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
+    return args[0] if args else kwargs[name]
+
+
+def _replace_hidden(args: tuple, kwargs: dict, name: str, value: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+class _BlockCall:
+    """What the block list yields for a block of the active stage."""
+
+    def __init__(self, block: nn.Module, index: int, name: str, hidden_name: str, state: PipelineState) -> None:
+        self._block, self._index, self._name, self._hidden_name, self._state = block, index, name, hidden_name, state
+
+    def __call__(self, *args, **kwargs):
+        chunk = self._state.active
+        if self._index == chunk.blocks.start and not chunk.is_first:
+            args, kwargs = _replace_hidden(args, kwargs, self._hidden_name, self._state.received)
+        out = self._block(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"Pipeline parallelism needs blocks that return the hidden-state tensor, but {self._name} returned "
+                f"{type(out).__name__}. Wrap the block so it returns a tensor, or train without pipeline parallelism."
+            )
+        if self._index == chunk.blocks.stop - 1 and not chunk.is_last:
+            raise StageOutput(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._block, name)
+
+
+class _PassThrough:
+    """What the block list yields for a block outside the active stage: returns its hidden-state input."""
+
+    def __init__(self, hidden_name: str, attributes: dict) -> None:
+        self._hidden_name, self._attributes = hidden_name, attributes
+
+    def __call__(self, *args, **kwargs):
+        return _hidden(args, kwargs, self._hidden_name)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_attributes"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _RemovedBlock(nn.Module):
+    """Stands in for a block another pipeline rank holds (no parameters)."""
+
+    is_pipeline_placeholder = True
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.attributes = {
+            k: v for k, v in vars(block).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)
+        }
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("A block of another pipeline stage was called outside the pipeline schedule.")
+
+
+class _GatedBlocks(nn.ModuleList):
+    """The user's block list, iterated through the active pipeline stage (installed by class swap)."""
+
+    def _calls(self) -> list:
+        state: PipelineState = self.__dict__["_pipeline_state"]
+        chunk = state.active
+        if chunk is None:
+            raise RuntimeError(
+                "The model was called outside the pipeline schedule; with pipeline parallelism every forward "
+                "runs through LLMParallelStrategy's training/validation step."
+            )
+        calls = []
+        for index, module in enumerate(self._modules.values()):
+            hidden_name = self.__dict__["_hidden_names"][index]
+            if index in chunk.blocks:
+                calls.append(_BlockCall(module, index, f"{self.__dict__['_blocks_name']}.{index}", hidden_name, state))
+            else:
+                attributes = module.attributes if isinstance(module, _RemovedBlock) else {}
+                calls.append(_PassThrough(hidden_name, attributes))
+        return calls
+
+    def __iter__(self):
+        return iter(self._calls())
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return self._calls()[idx]
+        return self._calls()[idx] if isinstance(idx, int) else super().__getitem__(idx)
+
+
+class _ZeroEmbedding(nn.Module):
+    """Stands in for an embedding on stages after the first: the real input arrives from the previous stage."""
+
+    is_pipeline_placeholder = True
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding_dim, self.dtype = embedding.embedding_dim, embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
+
+
+class _Unreachable(nn.Module):
+    """Stands in for what follows the blocks on ranks without the last stage."""
+
+    is_pipeline_placeholder = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.module_name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.module_name!r} runs after the transformer blocks, yet was called on a pipeline rank without the "
+            "last stage. Pipeline parallelism needs everything but embeddings to follow the block loop."
+        )
+
+
+def _gated_embedding_class(base: type, state: PipelineState) -> type:
+    def forward(self, ids, *args, **kwargs):
+        if state.active is not None and state.active.is_first:
+            return base.forward(self, ids, *args, **kwargs)
+        if isinstance(self.weight, DTensor):
+            # A tensor-parallel embedding's output hook expects the DTensor (placements included) that
+            # its lookup returns; zero times that lookup is it, and adds nothing to the weight's gradient.
+            return base.forward(self, ids, *args, **kwargs) * 0
+        return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype, device=ids.device)
+
+    return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward})
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def outer_modules(module: nn.Module, blocks_name: str) -> tuple[list[str], list[str]]:
+    """Modules with parameters outside the blocks: (before the blocks: embeddings, after: the rest)."""
+    prefix = blocks_name + "."
+    before, after = [], []
+    for name, m in module.named_modules():
+        if not name or name.startswith(prefix) or name == blocks_name or not m._parameters:
+            continue
+        (before if isinstance(m, nn.Embedding) else after).append(name)
+    return before, after
+
+
+def prune_to_stages(
+    module: nn.Module, blocks_name: str, blocks: nn.ModuleList, chunks: list[StageChunk]
+) -> dict[str, list]:
+    """Drop what this rank's stages do not run; return the module names each stage owns (for its runner)."""
+    owned = {i for c in chunks for i in c.blocks}
+    for index in range(len(blocks)):
+        if index not in owned:
+            blocks[index] = _RemovedBlock(blocks[index])
+    before, after = outer_modules(module, blocks_name)
+    has_first, has_last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
+    for name in before if not has_first else []:
+        _set_submodule(module, name, _ZeroEmbedding(module.get_submodule(name)))
+    for name in after if not has_last else []:
+        _set_submodule(module, name, _Unreachable(name))
+    return {
+        "before": before if has_first else [],
+        "after": after if has_last else [],
+    }
+
+
+def install_gates(
+    module: nn.Module, blocks_name: str, blocks: nn.ModuleList, owned_outer: dict[str, list], state: PipelineState
+) -> None:
+    """Make the block list and the embeddings follow ``state`` (the stage boundaries described above)."""
+    hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in blocks]
+    blocks.__class__ = _GatedBlocks
+    blocks.__dict__.update(_pipeline_state=state, _hidden_names=hidden_names, _blocks_name=blocks_name)
+    for name in owned_outer["before"]:
+        embedding = module.get_submodule(name)
+        embedding.__class__ = _gated_embedding_class(type(embedding), state)

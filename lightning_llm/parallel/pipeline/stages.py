@@ -1,0 +1,113 @@
+"""The stages and schedule torch's ``torch.distributed.pipelining`` runs over a gated model.
+
+:mod:`lightning_llm.parallel.pipeline.gates` cuts the user's module into stages and gates its block list;
+this module wraps each stage in the ``nn.Module`` a ``PipelineStage`` drives, builds torch's
+schedule, and cuts a batch into micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.tensor import DTensor
+
+from lightning_llm.parallel.dtensor import local_tensor
+from lightning_llm.parallel.pipeline.gates import (
+    PipelineState,
+    StageChunk,
+    StageOutput,
+    install_gates,
+)
+from lightning_llm.parallel.pipeline.split import SCHEDULES, SINGLE_STAGE_SCHEDULES
+
+
+class StageRunner(nn.Module):
+    """The ``nn.Module`` torch's ``PipelineStage`` drives for one stage.
+
+    Its registered children are exactly the stage's own modules (so zero-bubble schedules find the
+    right weights); its forward runs the user's step function on the micro-batch whose index
+    travels with the activation.
+    """
+
+    def __init__(
+        self, chunk: StageChunk, state: PipelineState, owned: dict[str, nn.Module], boundary_layout=None
+    ) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.boundary_layout = boundary_layout
+        self.owned = nn.ModuleDict({name.replace(".", "__"): m for name, m in owned.items()})
+        self.__dict__["_state"] = state
+
+    def forward(self, *inputs: torch.Tensor):
+        state: PipelineState = self.__dict__["_state"]
+        hidden, index = (None, inputs[0]) if self.chunk.is_first else inputs
+        if hidden is not None and self.boundary_layout is not None:
+            # Sequence-parallel activations travel as their local shards and become DTensors again here.
+            hidden = DTensor.from_local(hidden, *self.boundary_layout, run_check=False)
+        # Shape inference runs once on uninitialised tensors: any valid index will do.
+        mb = int(index.reshape(-1)[0]) % state.num_microbatches
+        with state.activate(self.chunk, hidden):
+            try:
+                out = state.step_fn(state.microbatches[mb], state.batch_idx, mb)
+            except StageOutput as boundary:
+                hidden = boundary.hidden
+                return local_tensor(hidden), index
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if loss is None:  # validation steps return nothing: send a placeholder through the schedule
+            return torch.zeros((), device=index.device)
+        return loss * state.loss_scale
+
+
+def build_stages(
+    module: nn.Module,
+    blocks_name: str,
+    blocks: nn.ModuleList,
+    chunks: list[StageChunk],
+    owned_outer: dict[str, list],
+    state: PipelineState,
+    *,
+    num_stages: int,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    boundary_layout=None,
+) -> list[PipelineStage]:
+    """Install the gated block list and embeddings (:func:`install_gates`), and make one ``PipelineStage`` per chunk."""
+    install_gates(module, blocks_name, blocks, owned_outer, state)
+    stages = []
+    for chunk in chunks:
+        owned = {f"{blocks_name}.{i}": blocks._modules[str(i)] for i in chunk.blocks}
+        if chunk.is_first:
+            owned.update({n: module.get_submodule(n) for n in owned_outer["before"]})
+        if chunk.is_last:
+            owned.update({n: module.get_submodule(n) for n in owned_outer["after"]})
+        runner = StageRunner(chunk, state, owned, boundary_layout)
+        stages.append(PipelineStage(runner, chunk.index, num_stages, device, group=group))
+    return stages
+
+
+def make_schedule(name: str, stages: list[PipelineStage], num_microbatches: int):
+    """torch's schedule object; the last stage's output already is the (scaled) loss."""
+    cls = SCHEDULES[name]
+    stage_arg = stages[0] if name in SINGLE_STAGE_SCHEDULES else stages
+    try:
+        return cls(stage_arg, num_microbatches, loss_fn=_identity_loss, scale_grads=False)
+    except (ValueError, AssertionError) as err:
+        raise ValueError(
+            f"pipeline_schedule={name!r} cannot run {num_microbatches} micro-batches over {len(stages)} stage(s) per "
+            f"rank: {err}. Raise num_microbatches (a multiple of pipeline_parallel_size works for every schedule)."
+        ) from err
+
+
+def _identity_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list:
+    """The batch cut along dim 0 into equal micro-batches (tensors, dicts, tuples of them)."""
+    args, _ = split_args_kwargs_into_chunks((batch,), {}, num_microbatches)
+    return [a[0] for a in args]

@@ -1,0 +1,3 @@
+"""Tensor (+ sequence) parallelism: which plan applies (:mod:`.plan`, Hugging Face styles in :mod:`.hf_styles`), the
+styles themselves (:mod:`.styles`, fused projections in :mod:`.fused`, MoE experts in :mod:`.experts`), head counts
+(:mod:`.heads`), gradients of parameters left whole (:mod:`.replicated_grads`), and applying it (:mod:`.apply`)."""

@@ -1,0 +1,112 @@
+"""Attention head counts under tensor parallelism: checked against tp before anything changes, then divided.
+
+Column-split q/k/v give each rank ``heads / tp`` whole heads only when both the query and the
+key/value head counts divide by ``tp``; otherwise the first forward fails in a reshape (or, with a
+count that still divides the width, mixes halves of heads). Counts live on attention modules
+(``self.num_heads``) or on a config object the modules read (HF ``config.num_key_value_heads``,
+litgpt ``config.n_query_groups``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+HEAD_ATTRS = (
+    "num_heads",
+    "n_heads",
+    "n_head",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "n_query_groups",
+)
+
+
+def _counts(obj: object) -> dict[str, int]:
+    found = {}
+    for attr in HEAD_ATTRS:
+        value = getattr(obj, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found[attr] = value
+    return found
+
+
+def check_head_counts(model: nn.Module, blocks: nn.ModuleList, tp: int) -> None:
+    """Raise ValueError naming the module, the count and ``tp`` if a query or KV head count does not divide by ``tp``.
+
+    Example::
+
+        check_head_counts(model, blocks, tp=4)  # ValueError if num_key_value_heads=2
+    """
+    places: list[tuple[str, object]] = [(f"{name or 'block 0'}", m) for name, m in blocks[0].named_modules()]
+    places += [(f"{name or 'model'}.config", m.config) for name, m in model.named_modules() if hasattr(m, "config")]
+    places += [
+        (f"{name or 'block 0'}.config", m.config) for name, m in blocks[0].named_modules() if hasattr(m, "config")
+    ]
+    for where, obj in places:
+        counts = _counts(obj)
+        bad = {a: v for a, v in counts.items() if v % tp}
+        if bad:
+            attr, value = next(iter(bad.items()))
+            raise ValueError(
+                f"{where}.{attr}={value} is not divisible by tensor_parallel_size={tp} (head counts there: {counts}); "
+                f"each tensor-parallel rank must hold whole heads. Use a tensor_parallel_size that divides "
+                f"{sorted(set(counts.values()))}, e.g. {_largest_divisor(list(counts.values()), tp)}."
+            )
+
+
+def _largest_divisor(values: list[int], tp: int) -> int:
+    return max(d for d in range(1, tp + 1) if all(v % d == 0 for v in values))
+
+
+def divide_head_counts(blocks: list[nn.Module], tp: int, owners: set[str] | None = None) -> int:
+    """Divide the head counts that the attention code of each block reads by ``tp``; return how many changed.
+
+    Attention code that reshapes or slices with a stored head count must see the local count once
+    q/k/v are split column-wise. ``owners`` names (inside a block) the modules whose projections are
+    split (see :func:`.tp_replicated_grads.region_owners`); counts are divided on them, their
+    submodules and the block itself, not where attention stays whole (a gathered plan). Counts are
+    read from module attributes (``self.num_heads``), from a config object the module holds (litgpt's
+    ``self.config.n_head``, Phi-3's ``self.config.num_attention_heads``: the module gets its own copy
+    of the config with the local counts, so the model's own config is unchanged), and from the
+    per-rank widths some classes keep (:data:`WIDTH_ATTRS`).
+    """
+    changed = 0
+    copies: dict[int, object] = {}
+    for block_idx, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            if owners is not None and name and not any(name == o or name.startswith(o + ".") or not o for o in owners):
+                continue
+            where = f"{name or 'block'}.{{}} in block {block_idx}"
+            changed += _divide(module, _counts(module), tp, where)
+            changed += _divide(
+                module, {a: getattr(module, a) for a in WIDTH_ATTRS.get(type(module).__name__, ())}, tp, where
+            )
+            config = getattr(module, "config", None)
+            if config is not None and _counts(config):
+                if id(config) not in copies:
+                    copies[id(config)] = copy.copy(config)
+                    changed += _divide(
+                        copies[id(config)], _counts(config), tp, f"{name or 'block'}.config.{{}} in block {block_idx}"
+                    )
+                module.config = copies[id(config)]
+    return changed
+
+
+# Widths (not head counts) that some attention classes keep and slice with: GPT-2 splits c_attn's output by split_size.
+WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim")}
+
+
+def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:
+    for attr, value in values.items():  # set from the originals: HF configs alias names (n_head = num_attention_heads)
+        if value % tp:
+            raise ValueError(
+                f"{where.format(f'{attr}={value}')} is not divisible by tensor_parallel_size={tp}; choose a tensor_parallel_size "
+                "that divides the head counts."
+            )
+        setattr(obj, attr, value // tp)
+    return len(values)

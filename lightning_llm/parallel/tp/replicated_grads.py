@@ -1,0 +1,115 @@
+"""Parameters a TP plan leaves whole inside the head-sharded region of a block: found, summed, verified.
+
+Between a column-split layer (``colwise``: each rank gets its own heads or MLP columns) and the
+row-split layer that closes it (``rowwise``), activations are per-rank pieces. A module there with
+its own replicated parameters (Qwen3/Gemma3 per-head ``q_norm``/``k_norm``) gets on each rank only
+its heads' share of the gradient; left alone, the copies drift apart silently. Outside that region
+activations and their gradients are identical on all ranks (torch's TP all-reduces them at the
+region's boundaries), so those parameters need nothing.
+
+:func:`sharded_region_modules` finds such modules statically (they sit under the module holding
+both the column- and the row-split layers, e.g. ``self_attn``) so they can get the
+``replicate_grad_sum`` style before FSDP and the optimizer see the parameters. Because "under
+``self_attn``" is not proof of "applied to sharded activations" (a pre-norm could live there),
+:func:`verify_on_first_forward` checks the real execution order in the first forward and stops
+training with the module's name before a wrong gradient is ever applied.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+OPENS = ("colwise",)
+CLOSES = ("rowwise",)
+
+
+def opens(style: str | None) -> bool:
+    """Whether ``style`` starts a head-sharded region (a column split, fused or not)."""
+    return style in OPENS or (style or "").startswith("fused_colwise:")
+
+
+def _owns_plain_params(module: nn.Module) -> bool:
+    return any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
+def region_owners(styles: dict[str, str]) -> set[str]:
+    """Names of the smallest modules holding both a column-split layer and the row-split layer closing it.
+
+    ``styles`` maps module names inside a block to their plan style; ``""`` is the block itself.
+    """
+    owners = set()
+    for name, style in styles.items():
+        if not opens(style):
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            owner = ".".join(parts[:cut])
+            if any(styles.get(n) in CLOSES and (not owner or n.startswith(owner + ".")) for n in styles):
+                owners.add(owner)
+                break
+    return owners
+
+
+def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str]:
+    """Names (inside ``block``) of modules with their own parameters, outside the plan, under a region owner.
+
+    ``styles`` maps module names inside ``block`` to their plan style. A region owner is the
+    smallest ancestor of a column-split layer that also contains a row-split layer.
+    """
+    owners = region_owners(styles)
+    found = []
+    for name, module in block.named_modules():
+        if not name or name in styles or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        # The block itself is never a region owner here: its own norms see whole activations.
+        inside = [o for o in owners if o and name.startswith(o + ".")]
+        holds_planned = any(n.startswith(name + ".") for n in styles)
+        if inside and not holds_planned:
+            found.append(name)
+    return found
+
+
+def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str) -> None:
+    """Check, in ``block``'s first forward, that exactly the modules run inside the region sum their gradients.
+
+    Raises RuntimeError (before any optimizer step) naming the module and the plan entry that fixes it.
+    """
+    events: list[tuple[str, str]] = []
+    handles = []
+    for name, module in block.named_modules():
+        style = styles.get(name)
+        if opens(style) or style in CLOSES or (name and _has_params(module)):
+            kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: events.append((n, k))))
+
+    def check(module, args, output):
+        for handle in handles:
+            handle.remove()
+        inside = False
+        for name, kind in events:
+            if kind == "open":
+                inside = True
+            elif kind == "close":
+                inside = False
+            elif inside and kind == "plain" and _owns_plain_params(block.get_submodule(name)):
+                raise RuntimeError(_message(label, name, "runs on head-sharded activations", "replicate_grad_sum"))
+            elif not inside and kind == "replicate_grad_sum":
+                raise RuntimeError(
+                    _message(label, name, "runs on activations that are whole on every rank", "replicate")
+                )
+
+    handles.append(block.register_forward_hook(check))
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _message(label: str, name: str, where: str, style: str) -> str:
+    return (
+        f"Tensor parallelism: {label}.{name} keeps whole parameters but {where}, so its gradient "
+        f"{'would differ between tp ranks' if style == 'replicate_grad_sum' else 'must not be summed over tp ranks'}. "
+        f"Name it in the plan: tensor_parallel_plan={{'{label}.{name}': '{style}', ...}} "
+        "(with the other entries), so its gradient is handled as the math requires."
+    )
