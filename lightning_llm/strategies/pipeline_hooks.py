@@ -8,6 +8,7 @@ through the schedule.
 
 from __future__ import annotations
 
+from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 
@@ -23,7 +24,8 @@ class PipelineHooks:
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         with self.precision_plugin.train_step_context():
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            return self._pipelined.training_step(self.lightning_module, batch, batch_idx, accumulate)
+            scaler = self.precision_plugin.scaler if isinstance(self.precision_plugin, MixedPrecision) else None
+            return self._pipelined.training_step(self.lightning_module, batch, batch_idx, accumulate, scaler)
 
     @override
     def validation_step(self, *args, **kwargs):

@@ -101,8 +101,18 @@ class PipelinedSteps:
             p.grad = fresh if p.grad is None else p.grad.add_(fresh)
         self._fresh = []
 
-    def training_step(self, module, batch, batch_idx: int, accumulate: int) -> dict[str, torch.Tensor]:
+    def training_step(
+        self, module, batch, batch_idx: int, accumulate: int, grad_scaler: torch.amp.GradScaler | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One optimizer step's micro-batches through the schedule; returns the loss as one process reports it.
+
+        Backward runs inside the schedule, where Lightning cannot scale the loss: with fp16's ``grad_scaler`` the
+        loss is multiplied by its scale here (a power of two, so exactly what ``GradScaler.scale`` does), and
+        Lightning's ``unscale_`` before the optimizer step divides it out again.
+        """
         scale = 1.0 / (self.state.num_microbatches * accumulate)
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            scale *= grad_scaler.get_scale()
         loss = self._run(module, module.training_step, batch, batch_idx, scale, train=True)
         return {"loss": loss}
 

@@ -17,6 +17,8 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llm.parallel.grad_scaler import DistributedGradScaler
+
 ClipFn = Callable[[Optimizer, float], None]
 
 
@@ -57,7 +59,9 @@ def global_norm_precision(plugin: Precision | None, clip_fn: ClipFn) -> Precisio
     if type(plugin) is Precision:
         ours = GlobalNormPrecision()
     elif type(plugin) is MixedPrecision:
-        ours = GlobalNormMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
+        # fp16's loss scaler unscales plain and DTensor gradients alike and skips a step on every rank together.
+        scaler = None if plugin.scaler is None else DistributedGradScaler.like(plugin.scaler, plugin.device)
+        ours = GlobalNormMixedPrecision(plugin.precision, plugin.device, scaler)
     elif type(plugin) is HalfPrecision:
         ours = GlobalNormHalfPrecision(plugin.precision)
     else:

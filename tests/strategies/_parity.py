@@ -76,6 +76,8 @@ def train(
     precision: str = "32-true",
     model=None,
     datamodule=None,
+    plugins=None,
+    callbacks=(),
 ):
     """Train until optimizer step ``steps``; return (global losses, full final parameters).
 
@@ -86,7 +88,7 @@ def train(
     run would (a save after ``fit`` returns marks the epoch finished); ``resume_from`` continues from one.
     """
     model = make_model(arch, layers) if model is None else model
-    callbacks = [GlobalLoss()]
+    callbacks = [GlobalLoss(), *callbacks]
     if save_to is not None:
         save_to = Path(save_to)
         callbacks.append(
@@ -105,7 +107,8 @@ def train(
         max_steps=steps,
         gradient_clip_val=clip,
         accumulate_grad_batches=accumulate,
-        precision=precision,
+        precision=None if plugins else precision,
+        plugins=plugins,
         logger=False,
         enable_checkpointing=save_to is not None,
         enable_progress_bar=False,

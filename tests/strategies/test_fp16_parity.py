@@ -1,0 +1,101 @@
+"""fp16 with a loss scaler trains under every layout as one process does (issue: the recipe under every layout).
+
+One process runs Lightning's own ``MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))``:
+autocast to float16, the loss scaled before backward, gradients unscaled and checked for inf/NaN before clipping,
+a step skipped and the scale halved on overflow. Each layout gets the same plugin; its per-step losses, every
+parameter and the scale after every step must match. Before the fix, pp2's schedule ran backward on the unscaled
+loss (losses 1.7% off, a different final scale: it never saw the overflow one process sees) and tp2 crashed in
+``_amp_foreach_non_finite_check_and_unscale_`` on mixed plain and DTensor gradients.
+
+``init_scale=2**24`` forces overflows in the first steps (fp16's largest value is 65504): one process skips them,
+and so must every rank of every layout at the same steps, whichever rank's shard or stage overflowed.
+"""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing import run_distributed
+from tests.strategies._parity import assert_parity, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+# fp16 rounds the forward's matmuls: layouts that split or reorder them differ from one process by rounding only.
+LOSS_RTOL, PARAM_RTOL = 2e-3, 5e-3
+INIT_SCALE = 2.0**24  # overflows at first, so skipped steps and halvings are part of what must match
+# Each layout against the run that does the same arithmetic in one process or in Lightning's own DDP: a data-parallel
+# rank's loss is the mean over its half of the batch (its activation gradients are twice one process's, so fp16
+# overflows at a different scale, exactly as under DDP), and a pipeline's micro-batch is one of
+# accumulate_grad_batches=4 micro-batches of one process.
+LAYOUTS = {
+    "tp2": ({"tensor_parallel_size": 2}, "single"),
+    "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, "single"),
+    "zero3": ({"zero_stage": 3}, "ddp"),
+    "pp2-1f1b": ({"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B", "num_microbatches": 4}, "accumulate4"),
+    "pp2-interleaved1f1b": (
+        {
+            "pipeline_parallel_size": 2,
+            "pipeline_schedule": "Interleaved1F1B",
+            "num_microbatches": 4,
+            "virtual_stages": 2,
+        },
+        "accumulate4",
+    ),
+}
+
+
+class ScaleHistory(L.Callback):
+    """The loss scale after every training batch (it halves on a skipped step and grows after clean ones)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def _fp16():
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
+
+
+def _run(strategy=None, devices=1, dp=1, accumulate=1):
+    history = ScaleHistory()
+    losses, params = train(
+        "reference",
+        strategy,
+        devices=devices,
+        dp=dp,
+        layers=4,
+        plugins=[_fp16()],
+        callbacks=[history],
+        clip=0.5,
+        accumulate=accumulate,
+    )
+    return losses, params, history.scales[accumulate - 1 :: accumulate]  # the scale after each optimizer step
+
+
+def _layouts(world_size):
+    results = {"ddp": _run("ddp", devices=world_size, dp=world_size)}
+    for label, (layout, _) in LAYOUTS.items():
+        dp = world_size // layout.get("tensor_parallel_size", 1) // layout.get("pipeline_parallel_size", 1)
+        results[label] = _run(LLMParallelStrategy(**layout), devices=world_size, dp=dp)
+    return results
+
+
+def test_fp16_with_a_loss_scaler_matches_the_same_arithmetic_under_every_layout():
+    oracles = {"single": _run(), "accumulate4": _run(accumulate=4)}
+    assert oracles["single"][2][0] < INIT_SCALE, "the forced overflow did not happen: the test would prove nothing"
+    per_rank = run_distributed(_layouts, 2, 2, timeout=560)
+    oracles["ddp"] = per_rank[0]["ddp"]
+    for label, (_, oracle) in LAYOUTS.items():
+        losses, params, scales = per_rank[0][label]
+        want_losses, want_params, want_scales = oracles[oracle]
+        assert scales == want_scales, f"{label}: loss scale per step {scales} vs {oracle} {want_scales}"
+        assert per_rank[1][label][2] == scales, f"{label}: the ranks' loss scales differ (a step skipped on one only)"
+        if oracle == "accumulate4":  # one process logs a loss per micro-batch: compare the parameters
+            want_losses = losses
+        assert_parity(
+            (losses, params), (want_losses, want_params), f"fp16 {label}", rtol=PARAM_RTOL, loss_rtol=LOSS_RTOL
+        )
