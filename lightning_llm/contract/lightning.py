@@ -55,6 +55,11 @@ class LightningContract(WholeModelContract):
     the strategy's ``CheckpointIO`` (single device, DDP): the tensors are copied to host memory, then
     written by a background thread. Lightning's ``AsyncCheckpointIO`` does the same but exposes no
     per-save completion, which a caller committing the checkpoint needs.
+
+    This adapter is the one place that probes Lightning's strategy classes (DeepSpeed computes the norm inside
+    its step and cannot skip one; strategies overriding ``save_checkpoint``/``load_checkpoint`` bypass the
+    CheckpointIO), so callbacks need not. Built from a strategy alone (``strategy=``, before a trainer), it
+    answers only the checkpoint members.
     """
 
     def __init__(self, trainer: L.Trainer | None = None, *, strategy: Strategy | None = None) -> None:
