@@ -1,8 +1,13 @@
 """The strategy contract: both strategies implement it, and every callback works under Lightning's own strategies."""
 
+import types
+import uuid
+
+import fsspec
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_llm.callbacks import CheckpointRotation, GradNormMonitor, MFUMonitor
 from lightning_llm.checkpointing.files import complete_checkpoints, read_marker
@@ -97,3 +102,124 @@ def test_callbacks_under_lightnings_ddp_use_the_fallback(tmp_path):
     meta = read_marker(newest)
     assert meta["step"] == 4 and meta["layout"]["dp"] == 2 and meta["layout"]["strategy"] == "DDPStrategy"
     assert torch.load(newest, weights_only=False)["global_step"] == 4  # the thread-written file loads
+
+
+# The members callbacks read instead of probing the strategy, under Lightning's own strategies.
+
+
+class SpyIO(TorchCheckpointIO):
+    """The oracle for the CheckpointIO members: counts the saves and loads that reach the strategy's CheckpointIO."""
+
+    def __init__(self) -> None:
+        self.saves = self.loads = 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        self.loads += 1
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def test_single_device_checkpoints_through_its_checkpoint_io_and_to_urls(tmp_path):
+    spy = SpyIO()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[spy],
+        limit_val_batches=0,
+    )
+    trainer.fit(make_model("reference"), data(2))
+    contract = contract_of(trainer)
+    assert isinstance(contract, LightningContract)
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    trainer.strategy.load_checkpoint(tmp_path / "one.ckpt")
+    assert (spy.saves, spy.loads) == (1, 1)
+    assert contract.saves_through_checkpoint_io and contract.loads_through_checkpoint_io
+    url = f"memory://contract-{uuid.uuid4().hex}/one.ckpt"
+    trainer.save_checkpoint(url)  # written through fsspec, not as a local directory named like the URL
+    assert fsspec.filesystem("memory").exists(url.removeprefix("memory://")) and contract.saves_to_urls
+    # The norm is read before the step, from the gradients; the step is a torch optimizer's, so it can be skipped.
+    assert contract.grad_norm_ready == "before_optimizer_step" and contract.step_grad_norm() is None
+    assert contract.can_skip_optimizer_step
+    # One process: nothing to reduce, the tensor comes back as it is (the same object, in place).
+    values = torch.tensor([1.5, -2.0])
+    for op in ("sum", "mean", "max"):
+        assert contract.reduce_across_ranks(values, op) is values and values.tolist() == [1.5, -2.0]
+    with pytest.raises(ValueError, match="op='avg'"):
+        contract.reduce_across_ranks(values, "avg")
+
+
+def test_strategies_writing_their_own_checkpoints_are_told_apart_before_setup():
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy(), DeepSpeedStrategy()):
+        contract = contract_of(strategy)  # a strategy alone: only the checkpoint members answer
+        assert isinstance(contract, LightningContract)
+        assert not contract.saves_through_checkpoint_io and not contract.loads_through_checkpoint_io
+        assert not contract.saves_to_urls, type(strategy).__name__
+        with pytest.raises(RuntimeError, match="only the members about how it checkpoints"):
+            contract.layout  # noqa: B018
+    assert contract_of(LLMParallelStrategy()).saves_to_urls  # sharded DCP checkpoints by default
+    assert not contract_of(LLMParallelStrategy(save_distributed_checkpoint=False)).saves_to_urls
+    assert not contract_of(LLMDeepSpeedStrategy()).saves_to_urls
+
+
+def test_lightnings_deepspeed_reads_the_engines_norm_after_its_step():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy()
+    contract = LightningContract(types.SimpleNamespace(strategy=strategy))
+    assert contract.grad_norm_ready == "after_optimizer_step" and not contract.can_skip_optimizer_step
+    # The oracle: whatever the engine reports for its last step (None before it computed any).
+    engine = types.SimpleNamespace(norm=None, get_global_grad_norm=lambda: engine.norm)
+    strategy.model = engine  # DeepSpeedStrategy.deepspeed_engine is its model
+    assert contract.step_grad_norm() is None
+    engine.norm = 2.5
+    assert contract.step_grad_norm().item() == 2.5
+    engine.norm = float("nan")  # a norm the engine did compute, even NaN, is reported, not taken for "none"
+    assert torch.isnan(contract.step_grad_norm())
+
+
+class _ReduceAtStart(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        contract = contract_of(trainer)
+        rank = trainer.global_rank
+        self.results = {
+            op: contract.reduce_across_ranks(torch.tensor([rank + 1.0, 10.0 * (rank + 1)]), op).tolist()
+            for op in ("sum", "mean", "max")
+        }
+        self.members = (contract.grad_norm_ready, contract.can_skip_optimizer_step, contract.saves_to_urls)
+
+
+def _reduce_under_ddp(world_size: int) -> dict:
+    probe = _ReduceAtStart()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        limit_val_batches=0,
+    )
+    trainer.fit(make_model("reference"), data(2))
+    return {"results": probe.results, "members": probe.members}
+
+
+@pytest.mark.distributed
+def test_reduce_across_ranks_under_lightnings_ddp():
+    results = run_distributed(_reduce_under_ddp, 2, 2, timeout=180)
+    # Hand-computed over the ranks' [rank + 1, 10 (rank + 1)]: [1, 10] and [2, 20].
+    for result in results:
+        assert result["results"] == {"sum": [3.0, 30.0], "mean": [1.5, 15.0], "max": [2.0, 20.0]}
+        assert result["members"] == ("before_optimizer_step", True, True)

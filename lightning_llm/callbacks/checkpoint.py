@@ -10,7 +10,6 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -159,7 +158,7 @@ class CheckpointRotation(ModelCheckpoint):
         strategy = trainer.strategy
         check_remote(strategy, self.dirpath)
         self._async = can_save_async(trainer, self.async_save)
-        single_file = type(strategy).load_checkpoint is Strategy.load_checkpoint  # loads through checkpoint_io
+        single_file = contract_of(trainer).loads_through_checkpoint_io
         if single_file and not isinstance(strategy.checkpoint_io, VerifiedLoad):
             strategy.checkpoint_io = VerifiedLoad(strategy.checkpoint_io, strategy, lambda: self._resolved_last)
         if trainer.is_global_zero:
@@ -254,7 +253,7 @@ class CheckpointRotation(ModelCheckpoint):
                     pending.future = committed_after(
                         pending.future, pending, lambda: self._rotate(pending.resumed_from)
                     )
-            elif type(strategy).save_checkpoint is Strategy.save_checkpoint:
+            elif contract_of(trainer).saves_through_checkpoint_io:
                 strategy.checkpoint_io = guard = GuardedWrite(strategy.checkpoint_io)
                 try:
                     trainer.save_checkpoint(tmp)

@@ -68,16 +68,14 @@ def default_dirpath(trainer: L.Trainer) -> str:
 def check_remote(strategy: Any, dirpath: str) -> None:
     """Refuse a ``dirpath`` off the local disk for strategies that write checkpoints with local file APIs.
 
-    Single files written through the strategy's CheckpointIO (single device, DDP: Lightning's
-    ``TorchCheckpointIO`` writes through fsspec) and LLMParallelStrategy's sharded checkpoints (torch's
-    fsspec writer) go anywhere; DeepSpeed, Lightning's FSDP/ModelParallel strategies and
-    ``save_distributed_checkpoint=False`` would write a directory named like the URL on the local disk.
-    A ``memory://`` filesystem lives in one process, so it cannot hold the checkpoints of several.
+    Whether a strategy can write to a URL is its contract's ``saves_to_urls``: single files written through the
+    strategy's CheckpointIO (single device, DDP: Lightning's ``TorchCheckpointIO`` writes through fsspec) and
+    LLMParallelStrategy's sharded checkpoints (torch's fsspec writer) go anywhere; DeepSpeed, Lightning's
+    FSDP/ModelParallel strategies and ``save_distributed_checkpoint=False`` would write a directory named like
+    the URL on the local disk. A ``memory://`` filesystem lives in one process, so it cannot hold the checkpoints
+    of several.
     """
     from fsspec.implementations.memory import MemoryFileSystem
-    from lightning.pytorch.strategies import Strategy
-
-    from lightning_llm.strategies.checkpoint_hooks import ShardedCheckpointHooks
 
     if isinstance(cfs.filesystem(dirpath)[0], MemoryFileSystem) and strategy.world_size > 1:
         raise ValueError(
@@ -85,9 +83,7 @@ def check_remote(strategy: Any, dirpath: str) -> None:
             f"{strategy.world_size} processes that would each see only their own. Use a local or shared dirpath "
             "(a path, file://, s3://...)."
         )
-    if cfs.is_local(dirpath) or type(strategy).save_checkpoint is Strategy.save_checkpoint:
-        return
-    if isinstance(strategy, ShardedCheckpointHooks) and strategy.writes_sharded_checkpoints:
+    if cfs.is_local(dirpath) or contract_of(strategy).saves_to_urls:
         return
     raise ValueError(
         f"CheckpointRotation(dirpath={dirpath!r}): {type(strategy).__name__} writes checkpoints with local file "

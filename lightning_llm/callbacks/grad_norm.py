@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
 from lightning_llm.callbacks import cadence
@@ -21,9 +20,10 @@ class GradNormMonitor(L.Callback):
     the Trainer's ``gradient_clip_val``), with ``per_block=True`` ``grad_norm/block_{i}`` for each
     transformer block and with ``per_param_group=True`` ``grad_norm/group_{i}`` for each parameter group
     of the optimizer. Every norm is global: over data-parallel replicas, FSDP and tensor-parallel
-    shards and pipeline stages. Computing one takes collectives, so steps in between add none. With
-    DeepSpeed the engine's own pre-clipping global norm is read after its step (finer norms are not
-    available there: the engine owns the gradient partitions).
+    shards and pipeline stages. Computing one takes collectives, so steps in between add none. Where the
+    strategy computes the norm inside its step (DeepSpeed: ``grad_norm_ready == "after_optimizer_step"`` in
+    its contract) its own pre-clipping global norm is read after the step (finer norms are not available
+    there: the engine owns the gradient partitions).
 
     Arguments:
         log_every_n_steps: optimizer steps between logs; default: the Trainer's.
@@ -52,7 +52,7 @@ class GradNormMonitor(L.Callback):
         self.per_block = per_block
         self.per_param_group = per_param_group
         self.last_norm: torch.Tensor | None = None
-        self._read_at = 0  # the global step whose DeepSpeed norm was read last
+        self._read_at = 0  # the global step whose after-the-step norm (DeepSpeed) was read last
 
     def _due(self, trainer: L.Trainer) -> bool:
         # on_before_optimizer_step runs before global_step counts this step.
@@ -65,9 +65,9 @@ class GradNormMonitor(L.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if isinstance(trainer.strategy, DeepSpeedStrategy) or not self._due(trainer):
-            return
         contract = contract_of(trainer)
+        if contract.grad_norm_ready != "before_optimizer_step" or not self._due(trainer):
+            return
         self._log(trainer, pl_module, contract.grad_norm(norm_type=self.norm_type))
         if self.per_block:
             _, blocks = find_blocks(pl_module, contract.blocks_name)
@@ -81,16 +81,17 @@ class GradNormMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
+        contract = contract_of(trainer)
         if (
-            not isinstance(trainer.strategy, DeepSpeedStrategy)
+            contract.grad_norm_ready != "after_optimizer_step"
             or not cadence.due(trainer, self.log_every_n_steps, counted=True)
             or step == self._read_at
         ):
-            return  # not DeepSpeed, not due, or a micro-batch that accumulated without a step
+            return  # read before the step, not due, or a micro-batch that accumulated without a step
         self._read_at = step
-        norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
+        norm = contract.step_grad_norm()
         if norm is not None:
-            self._log(trainer, pl_module, torch.as_tensor(float(norm)))
+            self._log(trainer, pl_module, norm)
 
     def _log(self, trainer, pl_module, norm: torch.Tensor) -> None:
         self.last_norm = norm

@@ -8,12 +8,11 @@ from typing import Literal
 
 import lightning as L
 import torch
-import torch.distributed as dist
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_llm.callbacks import cadence
+from lightning_llm.contract import contract_of
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
@@ -91,7 +90,7 @@ class LossSpikeGuard(L.Callback):
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.action == "skip":
-            if isinstance(trainer.strategy, DeepSpeedStrategy):
+            if not contract_of(trainer).can_skip_optimizer_step:  # DeepSpeed: the engine steps its own partitions
                 raise ValueError(
                     "LossSpikeGuard(action='skip') cannot skip inside DeepSpeed's engine step; use 'warn' or 'stop' "
                     "with LLMDeepSpeedStrategy (DeepSpeed skips overflowing fp16 steps itself)."
@@ -158,9 +157,9 @@ class LossSpikeGuard(L.Callback):
         if self.check_gradients and not self._scaler_owns_overflow:
             flag = (~_local_grads_finite(pl_module, loss.device)).float()
         stats = torch.stack([loss.reshape(()), flag])
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(stats)
-            stats[0] /= trainer.world_size  # pipeline and tensor peers carry the same loss: the mean is unchanged
+        # Over every rank, not only the data-parallel replicas: pipeline and tensor peers carry the same loss, so
+        # the mean is unchanged; the flag's mean is positive exactly when some rank saw a non-finite gradient.
+        stats = contract_of(trainer).reduce_across_ranks(stats, "mean")
         loss_value, flag_value = stats.tolist()
         return loss_value, flag_value > 0
 

@@ -6,7 +6,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 import torch
@@ -21,7 +21,7 @@ from lightning_llm.checkpointing.write_gate import (
     background_writer,
     resume_background_writes,
 )
-from lightning_llm.contract.protocol import ParallelLayout, completed
+from lightning_llm.contract.protocol import ParallelLayout, completed, reduce_across_ranks
 from lightning_llm.parallel.grad_norm import total_grad_norm
 
 if TYPE_CHECKING:
@@ -55,10 +55,30 @@ class LightningContract(WholeModelContract):
     the strategy's ``CheckpointIO`` (single device, DDP): the tensors are copied to host memory, then
     written by a background thread. Lightning's ``AsyncCheckpointIO`` does the same but exposes no
     per-save completion, which a caller committing the checkpoint needs.
+
+    This adapter is the one place that probes Lightning's strategy classes (DeepSpeed computes the norm inside
+    its step and cannot skip one; strategies overriding ``save_checkpoint``/``load_checkpoint`` bypass the
+    CheckpointIO), so callbacks need not. Built from a strategy alone (``strategy=``, before a trainer), it
+    answers only the checkpoint members.
     """
 
-    def __init__(self, trainer: L.Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: L.Trainer | None = None, *, strategy: Strategy | None = None) -> None:
+        if (trainer is None) == (strategy is None):
+            raise TypeError("LightningContract(trainer) or LightningContract(strategy=...): exactly one of them.")
+        self._trainer, self._strategy = trainer, strategy
+
+    @property
+    def trainer(self) -> L.Trainer:
+        if self._trainer is None:
+            raise RuntimeError(
+                f"This contract was made for a {type(self._strategy).__name__} alone; only the members about how it "
+                "checkpoints answer without a trainer."
+            )
+        return self._trainer
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._trainer.strategy if self._trainer is not None else self._strategy
 
     @property
     def layout(self) -> ParallelLayout:
@@ -85,7 +105,38 @@ class LightningContract(WholeModelContract):
 
     @property
     def supports_async_save(self) -> bool:
-        return type(self.trainer.strategy).save_checkpoint is Strategy.save_checkpoint
+        return self.saves_through_checkpoint_io
+
+    @property
+    def saves_through_checkpoint_io(self) -> bool:
+        # Lightning's base Strategy saves through checkpoint_io; FSDP, ModelParallel and DeepSpeed override it.
+        return type(self.strategy).save_checkpoint is Strategy.save_checkpoint
+
+    @property
+    def loads_through_checkpoint_io(self) -> bool:
+        return type(self.strategy).load_checkpoint is Strategy.load_checkpoint
+
+    @property
+    def saves_to_urls(self) -> bool:
+        # Lightning's TorchCheckpointIO writes through fsspec; the strategies writing directories use local file APIs.
+        return self.saves_through_checkpoint_io
+
+    @property
+    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
+        return "after_optimizer_step" if isinstance(self.strategy, DeepSpeedStrategy) else "before_optimizer_step"
+
+    def step_grad_norm(self) -> torch.Tensor | None:
+        if not isinstance(self.strategy, DeepSpeedStrategy):
+            return None
+        norm = self.strategy.deepspeed_engine.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    @property
+    def can_skip_optimizer_step(self) -> bool:
+        return not isinstance(self.strategy, DeepSpeedStrategy)  # DeepSpeed's engine steps its own partitions
+
+    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
+        return reduce_across_ranks(tensor, op, self.trainer.world_size)
 
     def grad_norm(self, parameters: Iterable[torch.Tensor] | None = None, norm_type: float = 2.0) -> torch.Tensor:
         params = self.trainer.lightning_module.parameters() if parameters is None else parameters

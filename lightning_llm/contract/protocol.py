@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,11 @@ class StrategyContract(Protocol):
         blocks_name: the dotted name of the transformer-block list, if the strategy found or was given one.
         pipeline_group: the process group of this rank's pipeline peers (``None`` without pipeline parallelism).
         supports_async_save: whether :meth:`save_checkpoint_async` writes in the background.
+        saves_through_checkpoint_io: whether a save hands the whole checkpoint dict to ``strategy.checkpoint_io``.
+        loads_through_checkpoint_io: whether a load reads the checkpoint through ``strategy.checkpoint_io``.
+        saves_to_urls: whether checkpoints can be written to an fsspec URL, not only to a local path.
+        grad_norm_ready: when the global gradient norm of a step can be read.
+        can_skip_optimizer_step: whether dropping the gradients before the optimizer step skips it.
     """
 
     @property
@@ -87,6 +92,73 @@ class StrategyContract(Protocol):
     @property
     def supports_async_save(self) -> bool: ...
 
+    @property
+    def saves_through_checkpoint_io(self) -> bool:
+        """Whether a save hands the whole checkpoint dict to ``strategy.checkpoint_io`` (one file, written by rank 0).
+
+        Why: a caller may wrap that CheckpointIO for one save (CheckpointRotation catches a failed write of rank 0
+        there); strategies that write collectively (DCP shards, DeepSpeed) fail on every rank alike instead.
+        """
+        ...
+
+    @property
+    def loads_through_checkpoint_io(self) -> bool:
+        """Whether a load reads the checkpoint through ``strategy.checkpoint_io`` (one file).
+
+        Why: a caller may wrap that CheckpointIO to verify a file before it is loaded (CheckpointRotation's
+        checksums); strategies loading shards verify committed checkpoints themselves.
+        """
+        ...
+
+    @property
+    def saves_to_urls(self) -> bool:
+        """Whether checkpoints can be written to an fsspec URL (``s3://``, ``memory://``), not only to a local path.
+
+        Why: strategies that write with local file APIs would create a directory named like the URL on the local
+        disk; CheckpointRotation refuses such a ``dirpath`` before training instead.
+        """
+        ...
+
+    @property
+    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
+        """When a step's global gradient norm can be read.
+
+        ``"before_optimizer_step"``: :meth:`grad_norm` in ``on_before_optimizer_step``, with the gradients the
+        optimizer is about to use (any parameters, any norm type). ``"after_optimizer_step"``: the strategy's own
+        step computes it (DeepSpeed's engine, which owns the gradient partitions); read :meth:`step_grad_norm`
+        once the step is taken.
+        """
+        ...
+
+    def step_grad_norm(self) -> torch.Tensor | None:
+        """The global 2-norm of all gradients (before clipping) that the strategy's last optimizer step computed.
+
+        ``None`` where that step computed none, and for strategies whose norm is ready before the step
+        (``grad_norm_ready == "before_optimizer_step"``: ask :meth:`grad_norm` then).
+        """
+        ...
+
+    @property
+    def can_skip_optimizer_step(self) -> bool:
+        """Whether ``optimizer.zero_grad(set_to_none=True)`` in ``on_before_optimizer_step`` skips the coming step.
+
+        True where the step is a torch optimizer's (a parameter without a gradient is left alone); False where
+        the strategy steps gradients it holds itself (DeepSpeed's engine), so a guard cannot skip a bad step there.
+        """
+        ...
+
+    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over every rank of the run (the default process group) and return it.
+
+        Every rank: data-parallel replicas and also tensor and pipeline peers (which may hold the same value; a
+        sum counts it once per rank, a mean is unchanged by it). "mean" is the sum divided by the world size.
+        Unchanged without a process group or with one rank. Call it on every rank.
+
+        Why: a callback's decision (LossSpikeGuard's skip) must be the same on every rank, and raw collectives
+        would tie callbacks to one process-group layout.
+        """
+        ...
+
     def grad_norm(self, parameters: Iterable[torch.Tensor] | None = None, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of these parameters' gradients (default: all) over every shard, stage and replica.
 
@@ -101,6 +173,21 @@ class StrategyContract(Protocol):
         background save before returning a completed future (``supports_async_save`` is False).
         """
         ...
+
+
+REDUCE_OPS = ("sum", "mean", "max")
+
+
+def reduce_across_ranks(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """:meth:`StrategyContract.reduce_across_ranks` for a run of ``world_size`` ranks: one all-reduce on the
+    default group where there is one and more than one rank ("mean": the sum, then divided by ``world_size``)."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op={op!r}: choose one of {list(REDUCE_OPS)}.")
+    if dist.is_available() and dist.is_initialized() and world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            tensor /= world_size
+    return tensor
 
 
 def completed(value: Any = None) -> Future:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.strategies import Strategy
 
 from lightning_llm.contract.lightning import LightningContract
 from lightning_llm.contract.protocol import StrategyContract
@@ -11,18 +12,23 @@ from lightning_llm.contract.protocol import StrategyContract
 _MEMBERS = tuple(name for name in vars(StrategyContract) if not name.startswith("_"))
 
 
-def contract_of(trainer: L.Trainer) -> StrategyContract:
+def contract_of(run: L.Trainer | Strategy) -> StrategyContract:
     """The trainer's strategy if it implements :class:`StrategyContract`, else a :class:`LightningContract` for it.
+
+    ``run`` may also be a strategy not attached to a trainer (yet): its :class:`LightningContract` then answers
+    only the members about how it checkpoints (``saves_to_urls`` and the like).
 
     Example::
 
         contract = contract_of(trainer)
         tokens_per_step = batch_tokens * contract.layout.dp
     """
-    strategy = trainer.strategy
+    if isinstance(run, Strategy):
+        return run if implements_contract(run) else LightningContract(strategy=run)
+    strategy = run.strategy
     if implements_contract(strategy):
         return strategy
-    return LightningContract(trainer)
+    return LightningContract(run)
 
 
 def implements_contract(strategy: object) -> bool:

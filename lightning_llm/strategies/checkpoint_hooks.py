@@ -30,11 +30,6 @@ log = logging.getLogger(__name__)
 class ShardedCheckpointHooks:
     """Lightning's checkpoint hooks for a strategy holding ``self._saver`` (a :class:`~.dcp_checkpoint.AsyncSaver`)."""
 
-    @property
-    def writes_sharded_checkpoints(self) -> bool:
-        """Whether checkpoints are DCP directories (written through fsspec, so to any URL) rather than one file."""
-        return self._save_distributed_checkpoint
-
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""

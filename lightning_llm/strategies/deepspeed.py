@@ -21,6 +21,7 @@ from lightning_llm.checkpointing.errors import save_on_every_rank
 from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.contract.lightning import WholeModelContract
+from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
@@ -256,8 +257,42 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
                 "Under DeepSpeed only the engine's global 2-norm of all gradients is available "
                 "(parameters=None, norm_type=2.0); the engine owns the gradient partitions."
             )
+        norm = self.step_grad_norm()
+        return torch.as_tensor(float("nan")) if norm is None else norm
+
+    @property
+    def saves_through_checkpoint_io(self) -> bool:
+        """False: DeepSpeed's engine writes its checkpoint directory on every rank."""
+        return False
+
+    @property
+    def loads_through_checkpoint_io(self) -> bool:
+        """False: DeepSpeed's engine loads its checkpoint directory (verified first by ``load_checkpoint``)."""
+        return False
+
+    @property
+    def saves_to_urls(self) -> bool:
+        """False: DeepSpeed writes with local file APIs."""
+        return False
+
+    @property
+    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
+        """After the step: the engine computes the global norm inside its step (it owns the gradient partitions)."""
+        return "after_optimizer_step"
+
+    def step_grad_norm(self) -> torch.Tensor | None:
+        """The engine's global gradient norm of its last step, before clipping (``None`` if it computed none)."""
         norm = self.deepspeed_engine.get_global_grad_norm()
-        return torch.as_tensor(float("nan") if norm is None else float(norm))
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    @property
+    def can_skip_optimizer_step(self) -> bool:
+        """False: the engine steps the gradient partitions it holds, whatever the module's ``.grad`` say."""
+        return False
+
+    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
+        """Reduce in place over every rank of the run and return it."""
+        return reduce_across_ranks(tensor, op, self.world_size)
 
     def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
         """DeepSpeed writes its checkpoints synchronously: saves, then returns a completed future."""

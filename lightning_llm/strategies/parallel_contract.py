@@ -7,11 +7,13 @@ A mixin so the strategy module keeps only Lightning's lifecycle; it reads the st
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Literal
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_llm.contract import ParallelLayout, completed
+from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 
@@ -58,6 +60,40 @@ class ParallelContract:
     @property
     def supports_async_save(self) -> bool:
         return self._save_distributed_checkpoint
+
+    @property
+    def saves_through_checkpoint_io(self) -> bool:
+        """False: saves go through the strategy's own ``save_checkpoint`` (DCP shards, or a full file on every rank's
+        behalf after gathering), and a failed write raises on every rank."""
+        return False
+
+    @property
+    def loads_through_checkpoint_io(self) -> bool:
+        """False: loads go through the strategy's own ``load_checkpoint``, which verifies committed checkpoints."""
+        return False
+
+    @property
+    def saves_to_urls(self) -> bool:
+        """Whether checkpoints are DCP directories (torch's fsspec writer, so any URL) rather than one local file."""
+        return self._save_distributed_checkpoint
+
+    @property
+    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
+        """Before the step: :meth:`grad_norm` reduces the gradients the optimizer is about to use."""
+        return "before_optimizer_step"
+
+    def step_grad_norm(self) -> torch.Tensor | None:
+        """None: the norm is read before the step (:meth:`grad_norm`), not computed inside it."""
+        return None
+
+    @property
+    def can_skip_optimizer_step(self) -> bool:
+        """True: the step is a torch optimizer's, which leaves parameters without gradients alone."""
+        return True
+
+    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
+        """Reduce in place over every rank of the run (all data, tensor and pipeline peers) and return it."""
+        return reduce_across_ranks(tensor, op, self.world_size)
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of these parameters' gradients (default: all) across every shard and stage, as clipping sees it.
