@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -45,7 +47,10 @@ _EPILOG = (
 _DEFAULT_CLASSES = {"model": CausalLM, "data": LLMDataModule}
 _DEFAULTS = {key: lazy_instance(cls) for key, cls in _DEFAULT_CLASSES.items()}
 # W&B by default (its mode resolved as W&B resolves it: see lightning_llm.wandb_mode), and the LR in it.
+# wandb is optional (the `wandb` extra): without it the default is a CSVLogger, said on stderr.
 _DEFAULT_LOGGER = "lightning.pytorch.loggers.WandbLogger"
+_FALLBACK_LOGGER = "lightning.pytorch.loggers.CSVLogger"
+WANDB_INSTALL_HINT = "pip install 'lightning_llm[wandb]'"
 _DEFAULT_CALLBACKS = [
     ("lightning.pytorch.callbacks.LearningRateMonitor", {"logging_interval": "step"}),
     ("lightning_llm.callbacks.MemoryMonitor", {}),
@@ -111,7 +116,8 @@ class LLMCLI(LightningCLI):
         if trainer is None:
             return
         if trainer.get("logger") is None:
-            trainer.logger = Namespace(class_path=_DEFAULT_LOGGER, init_args=Namespace(project="lightning-llm"))
+            trainer.logger = _default_logger(trainer)
+        _refuse_wandb_logger_without_wandb(self.parser, trainer.get("logger"))
         if not trainer.get("callbacks"):
             trainer.callbacks = [
                 Namespace(class_path=path, init_args=Namespace(**args)) for path, args in _DEFAULT_CALLBACKS
@@ -123,6 +129,40 @@ class LLMCLI(LightningCLI):
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+
+
+def wandb_installed() -> bool:
+    """Whether ``wandb`` can be found (without importing it: that takes 0.2 s and starts nothing useful here)."""
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _default_logger(trainer) -> Namespace:
+    """A WandbLogger when wandb is installed; else a CSVLogger under the Trainer's root directory, and a note why."""
+    if wandb_installed():
+        return Namespace(class_path=_DEFAULT_LOGGER, init_args=Namespace(project="lightning-llm"))
+    save_dir = str(trainer.get("default_root_dir") or ".")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"wandb is not installed: logging to CSV files under {save_dir}/lightning_logs instead. "
+            f"For W&B: {WANDB_INSTALL_HINT}",
+            file=sys.stderr,
+        )
+    return Namespace(class_path=_FALLBACK_LOGGER, init_args=Namespace(save_dir=save_dir))
+
+
+def _refuse_wandb_logger_without_wandb(parser, logger) -> None:
+    """A config naming a WandbLogger, on a machine without wandb: a parser error naming the extra to install."""
+    loggers = logger if isinstance(logger, list) else [logger]
+    if not any(str(getattr(each, "class_path", "")).endswith("WandbLogger") for each in loggers):
+        return
+    if not wandb_installed():
+        parser.error(
+            "The config's logger is a WandbLogger, but wandb is not installed. Install it "
+            f"({WANDB_INSTALL_HINT}) or choose another logger (--trainer.logger CSVLogger, or false for none)."
+        )
 
 
 def run_name(config) -> str:
@@ -294,8 +334,6 @@ def _check_layout(module, world_size: int, tp: int, pp: int) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-llm`` console script."""
-    import sys
-
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["plan"]:
         plan(argv[1:])
@@ -310,7 +348,7 @@ def main(args: list[str] | None = None) -> None:
 
         export.main(argv[1:])
         return
-    message = default_to_offline()
+    message = default_to_offline() if wandb_installed() else None
     if message and int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr)
     LLMCLI(args=args)

@@ -8,6 +8,7 @@ import pytest
 from lightning_llm.models import LlamaConfig
 from lightning_llm.testing import run_distributed
 from lightning_llm.testing.setup_memory import measure_setup_memory
+from tests._optional import requires_deepspeed
 
 
 def test_zero3_setup_allocates_only_the_rank_shard():
@@ -23,6 +24,7 @@ def test_zero3_setup_allocates_only_the_rank_shard():
         )
 
 
+@requires_deepspeed
 def test_deepspeed_zero3_builds_only_the_rank_partitions():
     """LLMDeepSpeedStrategy ZeRO 3: built on meta, each rank allocates its partitions and the init fills them in
     chunks. Under zero.Init each module was whole for a moment (the 250 MiB embedding here, and the tied head's own

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from lightning_llm.wandb_mode import default_to_offline, wandb_configuration
+from tests._optional import requires_wandb
 
 
 @pytest.fixture
@@ -47,6 +48,7 @@ def test_wandb_login_netrc_is_respected(bare, monkeypatch):
     assert default_to_offline() is None
 
 
+@requires_wandb
 def test_wandb_offline_command_is_respected(bare, tmp_path):
     # W&B's own CLI writes its settings file; reading it back is what W&B does too.
     result = subprocess.run(

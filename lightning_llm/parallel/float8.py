@@ -34,7 +34,7 @@ def _torchao_float8():
         import torchao.float8 as float8
     except ImportError as err:
         raise RuntimeError(
-            "fp8 training needs torchao's float8 package, which is not importable here "
+            "fp8 training (fp8=...) needs torchao's float8 package, which is not importable here "
             f"({err}). Install the extra: pip install 'lightning_llm[fp8]'."
         ) from err
     return float8
@@ -47,6 +47,7 @@ def validate_fp8(fp8: bool | str) -> str | None:
     recipe = "tensorwise" if fp8 is True else fp8
     if recipe not in FP8_RECIPES:
         raise ValueError(f"fp8={fp8!r} is not supported; use True, False or one of {FP8_RECIPES}.")
+    _torchao_float8()  # refused at construction, not at the first step, when torchao is missing
     return recipe
 
 

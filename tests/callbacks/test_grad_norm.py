@@ -11,6 +11,7 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.parallel.grad_norm import total_grad_norm
 from lightning_llm.testing import run_distributed
+from tests._optional import requires_deepspeed
 from tests.strategies._parity import data, make_model
 
 pytestmark = pytest.mark.distributed
@@ -115,6 +116,7 @@ def _deepspeed_norm(world_size):
     return _first_norms(LLMDeepSpeedStrategy(zero_stage=2), world_size, dp=2, arch="reference", clip=1e3)
 
 
+@requires_deepspeed
 def test_norm_under_deepspeed_zero2_equals_single_process():
     norms = run_distributed(_deepspeed_norm, 2, 2, timeout=240)[0]
     want = _first_norms(arch="reference", clip=1e3)

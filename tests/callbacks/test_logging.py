@@ -8,6 +8,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
+from tests._optional import requires_wandb
 
 EXPECTED = {
     "throughput/tokens_per_sec",
@@ -47,6 +48,7 @@ class Capture(Logger):
         pass
 
 
+@requires_wandb
 def test_metrics_reach_every_logger(tmp_path, monkeypatch):
     import wandb
 

@@ -12,6 +12,7 @@ from lightning_llm.models import CausalLM
 from lightning_llm.planning.zero import NATIVE_OPTIONS
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
+from tests._optional import requires_wandb
 from tests.callbacks.test_logging import Capture
 
 OURS = ("throughput/", "grad_norm/", "memory/", "loss_guard/")
@@ -89,6 +90,7 @@ def _fit_logging_to_wandb(save_dir: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@requires_wandb
 def test_layout_memory_and_the_zero_plan_reach_an_offline_wandb_run(tmp_path):
     run_distributed(_fit_logging_to_wandb, 1, str(tmp_path), timeout=240)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.testing import run_distributed
+from tests._optional import requires_deepspeed
 from tests.hf._pretrained import finetune, finetune_deepspeed, finetune_layouts, hf_config, save
 
 
@@ -39,6 +40,7 @@ def deepspeed_losses(saved):
     return run_distributed(finetune_deepspeed, 2, saved, timeout=600)[0]
 
 
+@requires_deepspeed
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_deepspeed_zero3_finetune_from_pretrained_matches_single_process(saved, deepspeed_losses, arch):
     """LLMDeepSpeedStrategy(zero_stage=3, load_pretrained=dir), dp=2, every parameter partitioned: each rank reads its
@@ -49,6 +51,7 @@ def test_deepspeed_zero3_finetune_from_pretrained_matches_single_process(saved, 
     assert got == pytest.approx(expected, abs=1e-5)
 
 
+@requires_deepspeed
 def test_deepspeed_zero3_refuses_mismatched_checkpoint(deepspeed_losses):
     assert "unexpected ['model.layers.0.self_attn.k_proj.bias'" in deepspeed_losses["unexpected"]
     assert re.search(

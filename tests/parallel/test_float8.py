@@ -10,11 +10,15 @@ import fnmatch
 import pytest
 import torch
 from torch import nn
-from torchao.float8.float8_linear import Float8Linear  # the fp8 extra is part of the dev install
 
 from lightning_llm.parallel.float8 import apply_fp8, validate_fp8
 from lightning_llm.strategies import LLMParallelStrategy
+from tests._optional import TORCHAO_REASON
 from tests.strategies._parity import make_model
+
+# The fp8 extra (torchao) is part of the dev install; without it these tests skip (tests/test_optional_dependencies.py
+# checks the refusal).
+Float8Linear = pytest.importorskip("torchao.float8.float8_linear", reason=TORCHAO_REASON).Float8Linear
 
 
 class _OddBlock(nn.Module):

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from lightning_llm.callbacks import CheckpointRotation
 from lightning_llm.checkpointing import files
 from lightning_llm.testing import run_distributed
+from tests._optional import HAS_DEEPSPEED, requires_deepspeed
 from tests.callbacks.test_checkpoint_safety import FullDisk
 from tests.strategies._parity import GlobalLoss, data, full_state, make_model
 
@@ -142,27 +143,32 @@ def _disk_full(root: str) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
         return original(self, plan, planner)
 
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    cases = [
+        ("zero3-sync", _zero3, False, ()),
+        ("zero3-async", _zero3, True, ()),
+        ("ddp-sync", lambda: "ddp", False, (FullDisk(),)),
+        ("ddp-async", lambda: "ddp", True, (FullDisk(),)),
+    ]
+    restore = [(_FileSystemWriter, "write_data", original)]
+    _FileSystemWriter.write_data = write_data
+    if HAS_DEEPSPEED:  # the DeepSpeed case only where DeepSpeed is installed (an optional extra)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from lightning_llm.strategies import LLMDeepSpeedStrategy
+        from lightning_llm.strategies import LLMDeepSpeedStrategy
 
-    original_ds = TorchCheckpointEngine.save
+        original_ds = TorchCheckpointEngine.save
 
-    def deepspeed_save(self, state_dict, path):
-        if "step=00000004" in str(path) and torch.distributed.get_rank() == 1:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return original_ds(self, state_dict, path)
+        def deepspeed_save(self, state_dict, path):
+            if "step=00000004" in str(path) and torch.distributed.get_rank() == 1:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return original_ds(self, state_dict, path)
 
-    _FileSystemWriter.write_data, TorchCheckpointEngine.save = write_data, deepspeed_save
+        TorchCheckpointEngine.save = deepspeed_save
+        restore.append((TorchCheckpointEngine, "save", original_ds))
+        cases.append(("deepspeed", lambda: LLMDeepSpeedStrategy(zero_stage=2), False, ()))
     results = {}
     try:
-        for label, strategy, asynchronous, plugins in [
-            ("zero3-sync", _zero3, False, ()),
-            ("zero3-async", _zero3, True, ()),
-            ("ddp-sync", lambda: "ddp", False, (FullDisk(),)),
-            ("ddp-async", lambda: "ddp", True, (FullDisk(),)),
-            ("deepspeed", lambda: LLMDeepSpeedStrategy(zero_stage=2), False, ()),
-        ]:
+        for label, strategy, asynchronous, plugins in cases:
             directory = f"{root}/full/{label}"
             rotation = CheckpointRotation(
                 dirpath=directory, every_n_train_steps=2, keep_last=1, async_save=asynchronous
@@ -174,7 +180,8 @@ def _disk_full(root: str) -> dict:
                 "steps": [files.read_marker(p)["step"] for p in files.complete_checkpoints(Path(directory))],
             }
     finally:
-        _FileSystemWriter.write_data, TorchCheckpointEngine.save = original, original_ds
+        for owner, name, value in restore:
+            setattr(owner, name, value)
     # The checkpoint kept after the failed async DCP save resumes.
     trainer, _, _ = _fit(
         root,
@@ -208,7 +215,7 @@ def _full_state_resume(root: str) -> dict:
 def _all_cases(root: str) -> dict:
     return {
         "strict": _strict_loading(root),
-        "deepspeed": _deepspeed_strict(root),
+        "deepspeed": _deepspeed_strict(root) if HAS_DEEPSPEED else None,
         "corrupt": _corrupt_shard_fallback(root),
         "disk_full": _disk_full(root),
         "full_state": _full_state_resume(root),
@@ -238,6 +245,7 @@ def test_a_two_layer_checkpoint_into_a_one_layer_model_is_refused_unless_strict_
         torch.testing.assert_close(tensor, saved[name].float(), rtol=0, atol=0, msg=name)
 
 
+@requires_deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(450)
 def test_deepspeed_zero3_refuses_a_checkpoint_of_another_model(results):
@@ -265,7 +273,7 @@ def test_corrupted_shard_falls_back_to_the_older_checkpoint(results):
 @pytest.mark.distributed
 @pytest.mark.timeout(450)
 def test_disk_full_on_one_rank_is_the_same_clear_error_on_both_and_keeps_the_older_checkpoint(results):
-    for label in ("zero3-sync", "zero3-async", "ddp-sync", "ddp-async", "deepspeed"):
+    for label in ("zero3-sync", "zero3-async", "ddp-sync", "ddp-async") + (("deepspeed",) if HAS_DEEPSPEED else ()):
         errors = [rank["disk_full"][label]["error"] for rank in results]
         assert errors[0] == errors[1] and errors[0] is not None, (label, errors)
         failing_rank = 0 if label.startswith("ddp") else 1

@@ -23,7 +23,10 @@ from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy
 from lightning_llm.strategies.deepspeed_config import default_config, merge_config
 from lightning_llm.strategies.zero_auto import choose_zero_stage
 from lightning_llm.testing import run_distributed
+from tests._optional import requires_deepspeed
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
+
+pytestmark = requires_deepspeed  # an optional extra; tests/test_optional_dependencies.py checks the refusal without it
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny_deepspeed.yaml"
 SAVE_STEP = 5

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.testing import run_distributed
+from tests._optional import requires_deepspeed
 from tests.parallel._init_layouts import CONFIG, SEED, TIED, build
 from tests.parallel.test_materialize import single_process_hf, single_process_reference
 
@@ -86,6 +87,7 @@ def zero3():
     return rank0, rank1
 
 
+@requires_deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
