@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import torch
 from torch.optim import Optimizer
 
+from lightning_llm._compat.lightning import saves_distributed_checkpoint
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.grad_norm import clip_grad_norm_, total_grad_norm
@@ -57,7 +58,7 @@ class ParallelContract:
 
     @property
     def supports_async_save(self) -> bool:
-        return self._save_distributed_checkpoint
+        return saves_distributed_checkpoint(self)
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of these parameters' gradients (default: all) across every shard and stage, as clipping sees it.
