@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from torch import nn
 from typing_extensions import override
 
 from lightning_llm.callbacks import cadence
@@ -72,7 +73,8 @@ class GradNormMonitor(L.Callback):
         if self.per_block:
             _, blocks = find_blocks(pl_module, contract.blocks_name)
             # Blocks held by another pipeline stage contribute zero here and their norm over the group.
-            for index, block in enumerate(blocks._modules.values()):
+            # ModuleList.__iter__ itself: a pipeline stage's gated list yields stand-ins for other stages' blocks.
+            for index, block in enumerate(nn.ModuleList.__iter__(blocks)):
                 self._log_one(pl_module, f"block_{index}", contract.grad_norm(block.parameters(), self.norm_type))
         if self.per_param_group:
             for index, group in enumerate(optimizer.param_groups):

@@ -178,5 +178,5 @@ def _local_grads_finite(module, device: torch.device) -> torch.Tensor:
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(True, device=device)
-    # One fused pass: the sum of per-tensor norms is finite exactly when every gradient is.
-    return torch.stack(torch._foreach_norm(grads)).sum().isfinite().to(device)
+    # One fused pass: the total norm is finite exactly when every gradient is.
+    return torch.nn.utils.get_total_norm(grads).isfinite().to(device)

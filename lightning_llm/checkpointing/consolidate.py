@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_llm._compat.lightning import METADATA_FILENAME
 
 MODEL_KEY = "state_dict"  # Lightning's key of the model's tensors; DCP stores them as "state_dict.<name>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +87,7 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
     with warnings.catch_warnings():  # DCP warns that it reads in one process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load(nested, checkpoint_id=path, no_dist=True)
-    meta = path / _METADATA_FILENAME
+    meta = path / METADATA_FILENAME
     rest = torch.load(meta, weights_only=False) if meta.is_file() else {}
     return nested[MODEL_KEY], rest
 
@@ -131,7 +132,7 @@ def consolidate_checkpoint(
     partial = output_file.with_name(output_file.name + ".partial")
     if source.is_dir():
         dcp_to_torch_save(source, partial)
-        meta = source / _METADATA_FILENAME
+        meta = source / METADATA_FILENAME
         if not meta.is_file() and dtype is None:
             os.replace(partial, output_file)
             return output_file

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_llm._compat.lightning import METADATA_FILENAME, unwrap_optimizer
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.checksums import refusal
 from lightning_llm.checkpointing.fs import Location
@@ -43,7 +43,7 @@ MODEL_PREFIX = "state_dict."  # DCP flattens {"state_dict": {name: tensor}} to "
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter name (hyperparameters included), this rank's shards."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer wraps the real one
+    optimizer = unwrap_optimizer(optimizer)  # Lightning's LightningOptimizer wraps the real one
     return get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
 
 
@@ -100,7 +100,7 @@ def _finish(shards: Callable[[], Any] | Future, rest: dict[str, Any] | None, pat
     BACKGROUND_WRITES.wait()
     result = shards() if callable(shards) else shards.result()
     if rest is not None:
-        cfs.torch_save(rest, cfs.join(path, _METADATA_FILENAME))
+        cfs.torch_save(rest, cfs.join(path, METADATA_FILENAME))
     return result
 
 
@@ -109,7 +109,7 @@ def save(checkpoint: dict[str, Any], path: Location, global_rank: int) -> None:
     (Lightning's layout, which its ``ModelParallelStrategy`` writes to local paths only)."""
     dcp.save(_split(checkpoint, path), storage_writer=cfs.storage_writer(path))
     if global_rank == 0:
-        cfs.torch_save(checkpoint, cfs.join(path, _METADATA_FILENAME))
+        cfs.torch_save(checkpoint, cfs.join(path, METADATA_FILENAME))
 
 
 def _split(checkpoint: dict[str, Any], path: Location) -> dict[str, Any]:
@@ -177,7 +177,5 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
         dcp.load(
             request, storage_reader=cfs.storage_reader(path), planner=DefaultLoadPlanner(allow_partial_load=not strict)
         )
-        set_optimizer_state_dict(
-            model, getattr(optimizer, "_optimizer", optimizer), {**full, **request[key]}, options=FLAT_OPTIMIZER
-        )
-    return cfs.torch_load(cfs.join(path, _METADATA_FILENAME), weights_only=weights_only)
+        set_optimizer_state_dict(model, unwrap_optimizer(optimizer), {**full, **request[key]}, options=FLAT_OPTIMIZER)
+    return cfs.torch_load(cfs.join(path, METADATA_FILENAME), weights_only=weights_only)

@@ -19,6 +19,7 @@ import json
 import re
 import zipfile
 
+from lightning_llm._compat.torch_distributed import load_whole_checkpoint
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.fs import Location
 
@@ -152,13 +153,7 @@ def _trial_load(checkpoint: Location, parts: list[str]) -> None:
 def load_sharded(checkpoint: Location) -> dict:
     """A whole sharded checkpoint in one process's memory (as Lightning's ``_load_distributed_checkpoint``), on any
     filesystem."""
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    _load_state_dict(
-        state, storage_reader=cfs.storage_reader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    state = load_whole_checkpoint(cfs.storage_reader(checkpoint))
     state.update(cfs.torch_load(cfs.join(checkpoint, "meta.pt"), map_location="cpu"))
     return state
 

@@ -34,6 +34,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from lightning_llm._compat.torch_distributed import fsspec_reader, fsspec_writer
+
 Location = str | Path
 
 
@@ -256,9 +258,7 @@ def storage_writer(location: Location) -> Any:
 
     if is_local(location):
         return dcp.FileSystemWriter(local_path(location))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(str(location))
+    return fsspec_writer(str(location))
 
 
 def storage_reader(location: Location) -> Any:
@@ -267,6 +267,4 @@ def storage_reader(location: Location) -> Any:
 
     if is_local(location):
         return dcp.FileSystemReader(local_path(location))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(str(location))
+    return fsspec_reader(str(location))

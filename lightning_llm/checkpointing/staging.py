@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from lightning_llm._compat.torch import foreach_copy_
+
 
 def reusable_stager() -> DefaultStager:
     """A synchronous stager whose host buffers persist across saves (pinned on CUDA).
@@ -161,10 +163,10 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     on_host = [i for i, s in enumerate(sources) if s.device.type == "cpu"]
     with torch.no_grad():
         if len(on_host) == len(sources):
-            torch._foreach_copy_(targets, sources)
+            foreach_copy_(targets, sources)
             return
         if on_host:
-            torch._foreach_copy_([targets[i] for i in on_host], [sources[i] for i in on_host])
+            foreach_copy_([targets[i] for i in on_host], [sources[i] for i in on_host])
         devices = set()
         for target, source in zip(targets, sources):
             if source.device.type != "cpu":

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_llm._compat.torch import FAKE_TENSOR_LOGGER, TorchDispatchMode, tree_leaves
+from lightning_llm._compat.torch_distributed import local_tensor
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
@@ -59,7 +59,7 @@ class _Dropped:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # The shard itself, without to_local()'s autograd node (this runs inside autograd's pack hook).
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
@@ -282,7 +282,7 @@ def measure_activations(
 @contextmanager
 def _quiet_fake_kernel_errors(quiet: bool):
     """Silence torch's log of a failed fake kernel while a real-forward fallback is there to take over."""
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = fake_log.level
     if quiet:
         fake_log.setLevel(logging.CRITICAL)

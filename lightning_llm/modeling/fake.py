@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_llm._compat.torch import FakeTensorMode
 
 
 class _Call(nn.Module):

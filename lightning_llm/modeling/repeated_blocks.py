@@ -21,6 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_llm._compat.torch import module_buffers, module_parameters
+
 log = logging.getLogger(__name__)
 
 # Attributes that number a block in its stack (Hugging Face's layer_idx, Megatron's layer_number): they
@@ -44,7 +46,7 @@ def identical_blocks(blocks: Sequence[nn.Module]) -> bool:
 
 def _signature(block: nn.Module) -> list:
     return [
-        (name, type(m), _tensors(m._parameters), _tensors(m._buffers), _settings(m))
+        (name, type(m), _tensors(module_parameters(m)), _tensors(module_buffers(m)), _settings(m))
         for name, m in block.named_modules()
     ]
 

@@ -26,9 +26,9 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_llm._compat.torch_distributed import composable_checkpoint, functional_collective_ops
 from lightning_llm.modeling.activations import BlockActivations, measure_blocks
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.parallel.kv_cache import refuse_cache_argument
@@ -53,11 +53,7 @@ _ATTENTION = {
     if hasattr(_aten, name)
 }
 # Tensor-parallel outputs: recomputing them would repeat a collective in backward.
-_COLLECTIVES = {
-    getattr(torch.ops._c10d_functional, name).default
-    for name in ("reduce_scatter_tensor", "all_reduce")
-    if hasattr(torch.ops._c10d_functional, name)
-}
+_COLLECTIVES = functional_collective_ops(("reduce_scatter_tensor", "all_reduce"))
 
 
 def saves_output(op) -> bool:
@@ -94,7 +90,7 @@ def checkpoint_block(block: nn.Module, context_fn: Callable | None = None) -> No
     if context_fn is not None:
         options["context_fn"] = context_fn
     try:
-        composable_checkpoint(block, **options)
+        composable_checkpoint()(block, **options)
     except AssertionError as err:  # torch's composable APIs refuse a second application this way
         raise RuntimeError(
             f"{type(block).__name__} is already activation-checkpointed; apply checkpointing once per block."
@@ -109,7 +105,7 @@ def _refuse_kv_cache(block: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def is_checkpointed(block: nn.Module) -> bool:
     """Whether :func:`checkpoint_block` (torch's composable ``checkpoint``) was applied to ``block``."""
-    return composable_checkpoint.state(block) is not None
+    return composable_checkpoint().state(block) is not None
 
 
 @dataclass

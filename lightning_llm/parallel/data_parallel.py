@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_llm._compat.torch_distributed import replicate_with_fsdp
+
 log = logging.getLogger(__name__)
 
 # The stages the native (FSDP2) path implements; "auto" is resolved to one of them before this point.
@@ -77,11 +79,9 @@ def apply_data_parallel(
     if zero_stage == 0:
         # FSDP2's replicate() is DDP built on the fully_shard machinery: it composes with tensor-parallel
         # DTensor parameters and per-block units as fully_shard does, which the DistributedDataParallel
-        # wrapper does not. It lives in a private module, imported here only.
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
+        # wrapper does not. It lives in a private module (lightning_llm._compat).
         for module in [*blocks, *roots]:
-            replicate(module, mesh=dp_mesh, **kwargs)
+            replicate_with_fsdp(module, mesh=dp_mesh, **kwargs)
     else:
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)

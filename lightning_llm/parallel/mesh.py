@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_llm._compat.torch_distributed import flatten_mesh
+
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -98,7 +100,7 @@ class ParallelDims:
         """The 4-D named mesh (pp, dp_replicate, dp_shard, tp) plus the flattened ``dp`` axis."""
         shape = tuple(getattr(self, axis) for axis in AXES)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-        self.mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "dp")
         return self.mesh
 
     def dp_rank(self) -> int:

@@ -6,7 +6,8 @@ import atexit
 import gc
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+from lightning_llm._compat.lightning import destroy_dist_connection
 
 _registered = False
 
@@ -33,5 +34,5 @@ def destroy_process_group_at_exit() -> None:
 
 
 def _destroy_and_collect() -> None:
-    _destroy_dist_connection()
+    destroy_dist_connection()
     gc.collect()

@@ -16,6 +16,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_llm._compat.lightning import saves_distributed_checkpoint
 from lightning_llm.checkpointing import dcp as dcp_checkpoint
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe, save_on_every_rank
@@ -33,7 +34,7 @@ class ShardedCheckpointHooks:
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
-        if not self._save_distributed_checkpoint:
+        if not saves_distributed_checkpoint(self):
             return super().optimizer_state(optimizer)
         return dcp_checkpoint.optimizer_state(self.model, optimizer)
 
@@ -49,12 +50,12 @@ class ShardedCheckpointHooks:
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
         path = self.broadcast(str(filepath))  # a local path or an fsspec URL, the same on every rank
         if isinstance(storage_options, AsyncSave):
-            if self._save_distributed_checkpoint:
+            if saves_distributed_checkpoint(self):
                 storage_options.future = self._saver.save(checkpoint, path, self.global_rank)
                 return
             storage_options = None
         self._saver.wait()  # one save at a time: an asynchronous one still writing finishes first
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             dcp_checkpoint.save(checkpoint, path, self.global_rank)
             return
         super().save_checkpoint(checkpoint, cfs.local_path(path), storage_options)

@@ -15,6 +15,13 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from typing_extensions import override
 
+from lightning_llm._compat.lightning import (
+    deepspeed_initialize_inference,
+    deepspeed_setup_model_and_optimizer,
+    init_deepspeed_config,
+    init_deepspeed_distributed,
+    reset_deepspeed_config,
+)
 from lightning_llm.checkpointing.dcp import refuse_unverified
 from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes
 from lightning_llm.checkpointing.errors import save_on_every_rank
@@ -151,7 +158,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         # have no index. The rest is the parent's sequence.
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        init_deepspeed_distributed(self)
         destroy_process_group_at_exit()
 
     @contextmanager
@@ -165,7 +172,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         self._rng_before_model = torch.get_rng_state()
         self._zero_init = None
         if self.zero_stage == 3:
-            self._init_config_if_needed()
+            init_deepspeed_config(self)
             init = zero_init(self.config, self.remote_device)
             if partitions_directly(init) is None:
                 self._zero_init = init
@@ -225,7 +232,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         )
         # offload is "none" whenever it was not "auto"
         self.config = self._build_config(self.decision.stage, self.decision.offload)
-        self._config_initialized = False  # Lightning formats the new config (batch size, precision) again
+        reset_deepspeed_config(self)  # Lightning formats the new config (batch size, precision) again
 
     # The StrategyContract (lightning_llm.contract): what callbacks and the CLI read.
 
@@ -331,7 +338,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         if not isinstance(self.accelerator, CPUAccelerator):
-            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            return deepspeed_setup_model_and_optimizer(self, model, optimizer, lr_scheduler)
         engine, deepspeed_optimizer, _, _ = self._cpu_initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -344,7 +351,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model) -> None:
         if not isinstance(self.accelerator, CPUAccelerator):
-            super()._initialize_deepspeed_inference(model)
+            deepspeed_initialize_inference(self, model)
             return
         config = {"train_micro_batch_size_per_gpu": 1}
         config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})

@@ -14,13 +14,13 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_llm._compat import lightning as compat
 from lightning_llm.checkpointing import dcp as dcp_checkpoint
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
@@ -194,18 +194,17 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        compat.setup_distributed(self)
         destroy_process_group_at_exit()
         self.parallel_dims = self._parallel_dims()
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_device_mesh(self, self.parallel_dims.build_mesh(self.root_device.type))
 
     def _parallel_dims(self) -> ParallelDims:
         return ParallelDims.for_world(
             self.world_size,
-            tp=self._tensor_parallel_size,
+            tp=compat.tensor_parallel_size(self),
             pp=self.pipeline_parallel_size,
-            dp=self._data_parallel_size,
+            dp=compat.data_parallel_size(self),
             dp_replicate=self.data_parallel_replicate_size,
             replicate_all=self.zero_stage == 0,
         )
@@ -248,7 +247,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             find_blocks(module, self.blocks)[1],
             mode=self.activation_checkpointing,
             options=self.ac_options,
-            tp=self._tensor_parallel_size,
+            tp=compat.tensor_parallel_size(self),
             sequence_parallel=self.sequence_parallel,
             num_microbatches=self.pipeline.num_microbatches if pipelined else None,
             device=self.root_device,
@@ -295,7 +294,7 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
         self._log_layout()
 
     @override
@@ -342,12 +341,12 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning's connector hands over the plugin chosen from precision=; take its global-norm twin.
-        self._precision_plugin = global_norm_precision(plugin, self.clip_by_global_norm)
+        compat.set_precision_plugin(self, global_norm_precision(plugin, self.clip_by_global_norm))
 
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks that split each layer's matrices."""
-        return self._tensor_parallel_size
+        return compat.tensor_parallel_size(self)
 
     @override
     def model_to_device(self) -> None:

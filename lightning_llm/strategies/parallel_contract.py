@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch.optim import Optimizer
 
+from lightning_llm._compat.lightning import saves_distributed_checkpoint
 from lightning_llm.contract import ParallelLayout, completed
 from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.modeling.shape import ModelShape
@@ -59,7 +60,7 @@ class ParallelContract:
 
     @property
     def supports_async_save(self) -> bool:
-        return self._save_distributed_checkpoint
+        return saves_distributed_checkpoint(self)
 
     @property
     def saves_through_checkpoint_io(self) -> bool:
@@ -75,7 +76,7 @@ class ParallelContract:
     @property
     def saves_to_urls(self) -> bool:
         """Whether checkpoints are DCP directories (torch's fsspec writer, so any URL) rather than one local file."""
-        return self._save_distributed_checkpoint
+        return saves_distributed_checkpoint(self)
 
     @property
     def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:

@@ -15,9 +15,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import IterableDataset
 
+from lightning_llm._compat.lightning import fit_loop_data_source
+from lightning_llm._compat.torch import tree_leaves
 from lightning_llm.modeling.activations import activation_bytes_by_mode, parameter_counts
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.planning.memory import ModelFootprint
@@ -138,7 +139,7 @@ def example_batch(trainer: L.Trainer, device: torch.device) -> Any:
     loader = trainer.datamodule.train_dataloader() if trainer.datamodule is not None else None
     if loader is None:
         # Dataloaders passed straight to fit(): Lightning keeps them in the fit loop's data source (private).
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = fit_loop_data_source(trainer).dataloader()
     dataset, size = loader.dataset, loader.batch_size
     if size is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise ValueError(

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_llm._compat.transformers import clear_hf_initialized
+
 
 def _entry_point(module: nn.Module) -> Callable[[], None] | None:
     # A Hugging Face model can only exist if transformers is imported; importing it otherwise costs memory and time.
@@ -40,8 +42,7 @@ def _hf_init(model) -> Callable[[], None]:
         # Hugging Face marks what it has initialized (or loaded) and skips it afterwards; a model
         # built on the meta device may carry those marks from construction, so they are cleared.
         for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
-            if getattr(obj, "_is_hf_initialized", False):
-                obj._is_hf_initialized = False
+            clear_hf_initialized(obj)
         model.init_weights()
 
     return init

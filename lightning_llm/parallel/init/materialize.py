@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_llm._compat.torch import TorchDispatchMode
 from lightning_llm.parallel.init.entry import init_entry_points
 
 _RANDOM_FILLS = {

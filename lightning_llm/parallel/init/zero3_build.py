@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_llm._compat.deepspeed import aligned_size, convert_to_deepspeed_param, partition_world_size
+from lightning_llm._compat.torch import module_buffers, module_parameters
+
 
 def zero_init(config: dict, remote_device=None):
     """A ``deepspeed.zero.Init`` for ``config`` (the strategy's, as Lightning passes it), not entered: only its
@@ -57,9 +60,9 @@ def _partition_without_data(init, param: nn.Parameter) -> None:
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
 
-    init._convert_to_deepspeed_param(param)
-    aligned = init._aligned_size(param)
-    size = aligned // init._partition_world_size(param)
+    convert_to_deepspeed_param(init, param)
+    aligned = aligned_size(init, param)
+    size = aligned // partition_world_size(init, param)
     device = init.local_device if param.ds_persist else init.remote_device
     partition = torch.empty(size, dtype=param.dtype, device=device)
     if device == OffloadDeviceEnum.cpu and init.pin_memory:
@@ -87,7 +90,7 @@ def partition_meta_model(module: nn.Module, init) -> set[int]:
     """
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old kept alive: ids stay unique, new)
     for owner in module.modules():
-        for name, param in list(owner._parameters.items()):
+        for name, param in list(module_parameters(owner).items()):
             if param is None or not (param.is_meta or id(param) in replaced):
                 continue
             if id(param) not in replaced:
@@ -97,11 +100,11 @@ def partition_meta_model(module: nn.Module, init) -> set[int]:
                 new.__dict__.update(param.__dict__)
                 _partition_without_data(init, new)
                 replaced[id(param)] = (param, new)
-            owner._parameters[name] = replaced[id(param)][1]
-        for name, buffer in list(owner._buffers.items()):
+            module_parameters(owner)[name] = replaced[id(param)][1]
+        for name, buffer in list(module_buffers(owner).items()):
             if buffer is None or not (buffer.is_meta or id(buffer) in replaced):
                 continue
             if id(buffer) not in replaced:
                 replaced[id(buffer)] = (buffer, torch.empty_like(buffer, device=init.local_device))
-            owner._buffers[name] = replaced[id(buffer)][1]
+            module_buffers(owner)[name] = replaced[id(buffer)][1]
     return {id(new) for _, new in replaced.values()}

@@ -27,9 +27,8 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm.parallel.init import materialize
 from lightning_llm.parallel.init.entry import init_entry_points
 from lightning_llm.parallel.init.materialize import RandomFill, check_same_rng_state

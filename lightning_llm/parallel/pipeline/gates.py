@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm._compat.torch import module_parameters
+
 
 class StageOutput(Exception):
     """Raised after a non-last stage's last block to leave the user's forward with the hidden state."""
@@ -157,7 +159,7 @@ class _GatedBlocks(nn.ModuleList):
                 "runs through LLMParallelStrategy's training/validation step."
             )
         calls = []
-        for index, module in enumerate(self._modules.values()):
+        for index, module in enumerate(nn.ModuleList.__iter__(self)):  # every block: __iter__ below hides some
             hidden_name = self.__dict__["_hidden_names"][index]
             if index in chunk.blocks:
                 calls.append(_BlockCall(module, index, f"{self.__dict__['_blocks_name']}.{index}", hidden_name, state))
@@ -227,7 +229,7 @@ def outer_modules(module: nn.Module, blocks_name: str) -> tuple[list[str], list[
     prefix = blocks_name + "."
     before, after = [], []
     for name, m in module.named_modules():
-        if not name or name.startswith(prefix) or name == blocks_name or not m._parameters:
+        if not name or name.startswith(prefix) or name == blocks_name or not module_parameters(m):
             continue
         (before if isinstance(m, nn.Embedding) else after).append(name)
     return before, after

@@ -80,7 +80,8 @@ def build_stages(
     install_gates(module, blocks_name, blocks, owned_outer, state)
     stages = []
     for chunk in chunks:
-        owned = {f"{blocks_name}.{i}": blocks._modules[str(i)] for i in chunk.blocks}
+        # ModuleList.__getitem__ itself: the gated list answers only inside the schedule.
+        owned = {f"{blocks_name}.{i}": nn.ModuleList.__getitem__(blocks, i) for i in chunk.blocks}
         if chunk.is_first:
             owned.update({n: module.get_submodule(n) for n in owned_outer["before"]})
         if chunk.is_last:

@@ -33,6 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llm._compat.torch import module_parameters
+from lightning_llm._compat.transformers import mark_expert_parallel
+
 INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
@@ -89,7 +92,7 @@ class ExpertsParallel(ParallelStyle):
         tp, count = device_mesh.size(), expert_count(module)
         distribute_module(module, device_mesh, partition_fn=_shard_experts)
         module.num_experts = count // tp
-        module._is_expert_parallel = True  # Hugging Face's experts skip the off-rank id only when this is set
+        mark_expert_parallel(module)  # Hugging Face's experts skip the off-rank id only when this is set
         first = device_mesh.get_local_rank() * module.num_experts
         signature = inspect.signature(module.forward)
         module.register_forward_pre_hook(
@@ -118,13 +121,13 @@ def _enter(module, signature, args, kwargs, mesh, first):
     bound.arguments["hidden_states"] = _sum_grad(hidden, mesh)
     module._lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     for name, param in module._lent.items():
-        module._parameters[name] = param.to_local()  # lent for this call; the hook below puts the DTensor back
+        module_parameters(module)[name] = param.to_local()  # lent for this call; the hook below puts the DTensor back
     return bound.args, bound.kwargs
 
 
 def _exit(module, output, mesh):
     for name, param in getattr(module, "_lent", {}).items():
-        module._parameters[name] = param
+        module_parameters(module)[name] = param
     module._lent = {}
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"'experts' expects the experts module to return one tensor, got {type(output).__name__}.")

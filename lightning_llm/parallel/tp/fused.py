@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from lightning_llm._compat.torch_distributed import all_to_all_single, apply_parallel_style
 
 FUSED_PREFIX = "fused_colwise:"
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
@@ -149,7 +150,7 @@ class FusedColwise(ParallelStyle):
             else ColwiseParallel(input_layouts=self.input_layouts)
         )
         colwise.src_data_rank = self.src_data_rank
-        colwise._apply(module, device_mesh)
+        apply_parallel_style(colwise, module, device_mesh)
         if len(self.sizes) > 1:
             send, input_splits, output_splits = _exchange(self.sizes, tp, device_mesh.get_local_rank())
             module.register_forward_hook(_Regroup(send, input_splits, output_splits, device_mesh))
@@ -168,8 +169,8 @@ class _Regroup:
             self._index = torch.tensor(self.send, dtype=torch.long, device=output.device)
         columns = output.index_select(-1, self._index).movedim(-1, 0).contiguous()
         # torch's functional collective carries autograd (the backward is the reverse all-to-all).
-        received = funcol.all_to_all_single(columns, self.output_splits, self.input_splits, self.mesh)
-        return funcol.wait_tensor(received).movedim(0, -1)
+        received = all_to_all_single(columns, self.output_splits, self.input_splits, self.mesh)
+        return received.movedim(0, -1)
 
 
 class Conv1DColwise(ParallelStyle):

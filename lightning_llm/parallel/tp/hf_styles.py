@@ -12,6 +12,9 @@ import fnmatch
 
 from torch import nn
 
+from lightning_llm._compat.torch import module_parameters
+from lightning_llm._compat.transformers import tp_plan
+
 # HF style -> our style. Layouts as HF registers them (input, output of the module):
 HF_STYLES = {
     "colwise": "colwise",  # Replicate -> Shard(-1)
@@ -62,7 +65,7 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
         plan = hf_plan(lightning_module)  # {"model.model.layers.*.self_attn.q_proj": "colwise", ...}
     """
     for prefix, module in model.named_modules():
-        plan = getattr(module, "_tp_plan", None)
+        plan = tp_plan(module)
         if not (isinstance(plan, dict) and plan):
             continue
         full = _present(module, _without_expert_weights(module, plan))
@@ -90,7 +93,7 @@ def _without_expert_weights(root: nn.Module, plan: dict[str, str]) -> dict[str, 
         owner, _, leaf = pattern.rpartition(".")
         if style not in _EXPERT_WEIGHT_STYLES or owner not in experts:
             return False
-        return any(fnmatch.fnmatchcase(n, owner) and leaf in m._parameters for n, m in modules.items())
+        return any(fnmatch.fnmatchcase(n, owner) and leaf in module_parameters(m) for n, m in modules.items())
 
     return {p: s for p, s in plan.items() if not expert_weight(p, s)}
 

@@ -1,0 +1,270 @@
+"""Private Lightning APIs: the sharded-checkpoint layout, optimizer moves, process-group teardown, and the
+attributes of the strategies our subclasses extend (``ModelParallelStrategy``, ``DeepSpeedStrategy``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_llm._compat.registry import Private, register, resolve
+
+CHECKED = "lightning 2.6.6"
+
+from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402  (a constant since lightning 2.1)
+
+METADATA_FILENAME: str = _METADATA_FILENAME
+"""Lightning's ``_METADATA_FILENAME`` (``"meta.pt"``): the non-tensor part of a sharded (DCP) checkpoint directory,
+so the project reads and writes the layout Lightning's ``ModelParallelStrategy`` uses. Checked on lightning 2.6.6."""
+
+register(
+    Private(
+        name="lightning.fabric.utilities.load._METADATA_FILENAME",
+        upstream="lightning",
+        accessor="lightning.METADATA_FILENAME",
+        used_by=("checkpointing/dcp.py", "checkpointing/consolidate.py"),
+        why="read and write the same sharded layout Lightning's ModelParallelStrategy uses",
+        caught_by="`tests/strategies/test_parallel_strategy.py` (consolidation), `tests/callbacks/test_checkpoint_rotation.py`",
+        checked=CHECKED,
+        check=lambda: resolve("lightning.fabric.utilities.load:_METADATA_FILENAME"),
+    )
+)
+
+
+def optimizers_to_device(optimizers, device) -> None:
+    """Lightning's ``_optimizers_to_device``: move restored optimizer state to ``device``, as Lightning's own
+    strategies do after loading; no public helper. Checked on lightning 2.6.6."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+register(
+    Private(
+        name="lightning.fabric.utilities.optimizer._optimizers_to_device",
+        upstream="lightning",
+        accessor="lightning.optimizers_to_device",
+        used_by=("strategies/parallel.py",),
+        why="move restored optimizer state, as Lightning's own strategies do",
+        caught_by="resume tests in `tests/strategies/test_parallel_strategy.py`",
+        checked=CHECKED,
+        check=lambda: resolve("lightning.fabric.utilities.optimizer:_optimizers_to_device"),
+    )
+)
+
+
+def destroy_dist_connection() -> None:
+    """Lightning's ``_destroy_dist_connection``: the process-group teardown Lightning registers at exit (for NCCL
+    only); registered for gloo too. Checked on lightning 2.6.6."""
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    _destroy_dist_connection()
+
+
+register(
+    Private(
+        name="lightning.fabric.utilities.distributed._destroy_dist_connection",
+        upstream="lightning",
+        accessor="lightning.destroy_dist_connection",
+        used_by=("parallel/shutdown.py",),
+        why="the process-group teardown Lightning registers at exit for NCCL only, registered for gloo too (then a "
+        "garbage collection so gloo's threads are joined before finalization)",
+        caught_by="`tests/multinode/test_two_nodes.py` (torchrun exit codes)",
+        checked=CHECKED,
+        check=lambda: resolve("lightning.fabric.utilities.distributed:_destroy_dist_connection"),
+    )
+)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` wrapper (its ``_optimizer``), or ``optimizer`` itself
+    when it has none. ``LightningOptimizer.optimizer`` is the public name, but any wrapper keeping ``_optimizer``
+    (Fabric's too) is unwrapped the same way here. Checked on lightning 2.6.6."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+register(
+    Private(
+        name="LightningOptimizer._optimizer",
+        upstream="lightning",
+        accessor="lightning.unwrap_optimizer",
+        used_by=("checkpointing/dcp.py",),
+        why="the real optimizer for DCP's `get/set_optimizer_state_dict` (which key by the optimizer's own param "
+        "groups), unwrapping any Lightning wrapper",
+        caught_by="resume tests in `tests/strategies/test_parallel_strategy.py`",
+        checked=CHECKED,
+        check=lambda: _has_instance_attr("lightning.pytorch.core.optimizer:LightningOptimizer", "_optimizer"),
+    )
+)
+
+
+def _has_instance_attr(cls_path: str, attr: str) -> None:
+    import inspect
+    import re
+
+    cls = resolve(cls_path)
+    if not re.search(rf"self\.{attr}\b\s*(:[^=\n]*)?=", inspect.getsource(cls.__init__)):
+        raise AttributeError(f"{cls_path} no longer sets {attr} in __init__")
+
+
+def fit_loop_data_source(trainer) -> Any:
+    """``trainer.fit_loop._data_source``: where the fit loop gets its training dataloader (the dataloaders passed to
+    ``fit()``, or the datamodule/module hooks); Lightning loads it only after ``setup``, and no public API exposes
+    it before. Checked on lightning 2.6.6."""
+    return trainer.fit_loop._data_source
+
+
+register(
+    Private(
+        name="trainer.fit_loop._data_source",
+        upstream="lightning",
+        accessor="lightning.fit_loop_data_source",
+        used_by=("strategies/zero_auto.py",),
+        why='one example batch for "auto" planning when dataloaders are passed straight to `fit()` (Lightning loads '
+        "them only after `setup`)",
+        caught_by='`tests/parallel/test_activation_checkpointing.py` ("auto" through the strategy), `tests/planning/test_zero.py`',
+        checked=CHECKED,
+        check=lambda: _has_instance_attr("lightning.pytorch.loops.fit_loop:_FitLoop", "_data_source"),
+    )
+)
+
+
+def set_precision_plugin(strategy, plugin) -> None:
+    """Store ``plugin`` where Lightning's ``Strategy.precision_plugin`` property reads it (``_precision_plugin``);
+    for a subclass that overrides the setter. Checked on lightning 2.6.6."""
+    strategy._precision_plugin = plugin
+
+
+register(
+    Private(
+        name="Strategy._precision_plugin",
+        upstream="lightning",
+        accessor="lightning.set_precision_plugin",
+        used_by=("strategies/parallel.py",),
+        why="the parent's property keeps the plugin there; our setter stores the global-norm-clipping plugin in the "
+        "same place",
+        caught_by="`tests/strategies/test_parallel_parity.py` (clipping active)",
+        checked=CHECKED,
+        check=lambda: _has_instance_attr("lightning.pytorch.strategies.strategy:Strategy", "_precision_plugin"),
+    )
+)
+
+
+def tensor_parallel_size(strategy) -> Any:
+    """``ModelParallelStrategy._tensor_parallel_size``: the ``tensor_parallel_size`` argument as the parent stores
+    it (``"auto"`` or an int); Lightning exposes no public getter. Checked on lightning 2.6.6."""
+    return strategy._tensor_parallel_size
+
+
+def data_parallel_size(strategy) -> Any:
+    """``ModelParallelStrategy._data_parallel_size``: the ``data_parallel_size`` argument as the parent stores it.
+    Checked on lightning 2.6.6."""
+    return strategy._data_parallel_size
+
+
+def saves_distributed_checkpoint(strategy) -> bool:
+    """``ModelParallelStrategy._save_distributed_checkpoint``: the ``save_distributed_checkpoint`` argument (sharded
+    DCP directory vs one consolidated file). Checked on lightning 2.6.6."""
+    return strategy._save_distributed_checkpoint
+
+
+def setup_distributed(strategy) -> None:
+    """``ModelParallelStrategy._setup_distributed()``: the parent's process-group setup (world ranks, environment,
+    ``init_process_group``), reused by a ``setup_environment`` that builds its own mesh. Checked on lightning 2.6.6."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy, mesh) -> None:
+    """Set the mesh where ``ModelParallelStrategy`` keeps it (``strategy._device_mesh``) and where
+    ``LightningModule.device_mesh`` reads it (``_device_mesh``, which has no public setter). Checked on lightning
+    2.6.6."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
+
+
+register(
+    Private(
+        name="ModelParallelStrategy._tensor_parallel_size, _data_parallel_size, _save_distributed_checkpoint, "
+        "_setup_distributed, _device_mesh; LightningModule._device_mesh",
+        upstream="lightning",
+        accessor="lightning.tensor_parallel_size, data_parallel_size, saves_distributed_checkpoint, "
+        "setup_distributed, set_device_mesh",
+        used_by=("strategies/parallel.py", "strategies/parallel_contract.py", "strategies/checkpoint_hooks.py"),
+        why="the parent stores its arguments and mesh there and sets up the process group in `_setup_distributed`; "
+        "our subclass builds its own 4-D mesh (exposed publicly as `tensor_parallel_size`)",
+        caught_by="`tests/strategies/test_parallel_strategy.py`",
+        checked=CHECKED,
+        check=lambda: (
+            _has_instance_attr(
+                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_tensor_parallel_size"
+            ),
+            _has_instance_attr(
+                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_data_parallel_size"
+            ),
+            _has_instance_attr(
+                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_save_distributed_checkpoint"
+            ),
+            _has_instance_attr("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_device_mesh"),
+            resolve("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy._setup_distributed"),
+            _has_instance_attr("lightning.pytorch.core.module:LightningModule", "_device_mesh"),
+        ),
+    )
+)
+
+
+def init_deepspeed_distributed(strategy) -> None:
+    """``DeepSpeedStrategy._init_deepspeed_distributed()``: DeepSpeed's ``init_distributed`` with Lightning's
+    environment, the part of ``setup_distributed`` that does not require CUDA device indices. Checked on lightning
+    2.6.6."""
+    strategy._init_deepspeed_distributed()
+
+
+def init_deepspeed_config(strategy) -> None:
+    """``DeepSpeedStrategy._init_config_if_needed()``: format the DeepSpeed config (batch size, precision) once.
+    Checked on lightning 2.6.6."""
+    strategy._init_config_if_needed()
+
+
+def reset_deepspeed_config(strategy) -> None:
+    """Clear ``DeepSpeedStrategy._config_initialized`` so Lightning formats a replaced config again. Checked on
+    lightning 2.6.6."""
+    strategy._config_initialized = False
+
+
+def deepspeed_setup_model_and_optimizer(strategy, model, optimizer, lr_scheduler=None):
+    """Lightning's ``DeepSpeedStrategy._setup_model_and_optimizer`` for ``strategy`` (the next one in its MRO after
+    the caller's class is Lightning's): the ``deepspeed.initialize`` call of ``setup``. Checked on lightning 2.6.6."""
+    from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy._setup_model_and_optimizer(strategy, model, optimizer, lr_scheduler)
+
+
+def deepspeed_initialize_inference(strategy, model) -> None:
+    """Lightning's ``DeepSpeedStrategy._initialize_deepspeed_inference`` for ``strategy``. Checked on lightning
+    2.6.6."""
+    from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
+
+    DeepSpeedStrategy._initialize_deepspeed_inference(strategy, model)
+
+
+register(
+    Private(
+        name="DeepSpeedStrategy._setup_model_and_optimizer, _initialize_deepspeed_inference, "
+        "_init_deepspeed_distributed, _init_config_if_needed, _config_initialized",
+        upstream="lightning",
+        accessor="lightning.deepspeed_setup_model_and_optimizer, deepspeed_initialize_inference, "
+        "init_deepspeed_distributed, init_deepspeed_config, reset_deepspeed_config",
+        used_by=("strategies/deepspeed.py",),
+        why="the CPU path only (CUDA goes straight to the parent): Lightning passes `root_device.index` (None on CPU) "
+        "as DeepSpeed's device rank and refuses non-CUDA accelerators; our subclass overrides the two hooks and "
+        "copies one `deepspeed.initialize` call per method",
+        caught_by="`tests/strategies/test_deepspeed.py` (parity, resume, inference on CPU), "
+        "`tests/strategies/test_deepspeed_init.py`",
+        checked=CHECKED,
+        check=lambda: (
+            resolve("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._setup_model_and_optimizer"),
+            resolve("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._initialize_deepspeed_inference"),
+            resolve("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._init_deepspeed_distributed"),
+            resolve("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy._init_config_if_needed"),
+            _has_instance_attr("lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy", "_config_initialized"),
+        ),
+    )
+)

@@ -1,0 +1,145 @@
+"""Private torch APIs outside ``torch.distributed``: fake tensors, dispatch modes, pytrees, foreach kernels and
+``nn.Module``'s parameter/buffer dictionaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Exist unchanged since torch 2.0; imported at module level (every torch this project supports has them), and
+# re-exported under their own names.
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._pytree import tree_leaves as tree_leaves
+
+from lightning_llm._compat.registry import Private, register, resolve
+
+CHECKED = "torch 2.13.0"
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""The logger of torch's fake-tensor kernels (its private module's name), silenced while a real-forward fallback
+is there to take over."""
+
+register(
+    Private(
+        name="torch._subclasses.fake_tensor.FakeTensorMode",
+        upstream="torch",
+        accessor="torch.FakeTensorMode, torch.FAKE_TENSOR_LOGGER",
+        used_by=("modeling/fake.py", "modeling/activations.py"),
+        why="forward of a model without allocating (planning 70B on a laptop); no public equivalent",
+        caught_by="`tests/planning/test_flops.py`, `tests/planning/test_zero.py`, `tests/parallel/test_activation_checkpointing.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch._subclasses.fake_tensor:FakeTensorMode"),
+    )
+)
+register(
+    Private(
+        name="torch.utils._python_dispatch.TorchDispatchMode",
+        upstream="torch",
+        accessor="torch.TorchDispatchMode",
+        used_by=("modeling/activations.py", "parallel/init/materialize.py", "parallel/init/zero3_init.py"),
+        why="see each aten op a forward or an init runs (which outputs the selective policy saves; record and replay "
+        "an init; gather a ZeRO-3 parameter on touch); torch has no public dispatch-mode base class",
+        caught_by="`tests/parallel/test_activation_checkpointing.py`, `tests/strategies/test_deepspeed_init.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch.utils._python_dispatch:TorchDispatchMode"),
+    )
+)
+register(
+    Private(
+        name="torch.utils._pytree.tree_leaves",
+        upstream="torch",
+        accessor="torch.tree_leaves",
+        used_by=("modeling/activations.py", "parallel/init/zero3_init.py", "strategies/zero_auto.py"),
+        why="the tensors of nested args/outputs/batches; torch 2.13 ships no public `torch.utils.pytree`",
+        caught_by="`tests/parallel/test_activation_checkpointing.py`, `tests/strategies/test_deepspeed_init.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch.utils._pytree:tree_leaves"),
+    )
+)
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``torch._foreach_copy_``: one fused copy of every source into its target (the optimizers' multi-tensor path).
+
+    No public multi-tensor copy exists. Checked on torch 2.13.0.
+    """
+    torch._foreach_copy_(targets, sources)
+
+
+register(
+    Private(
+        name="torch._foreach_copy_",
+        upstream="torch",
+        accessor="torch.foreach_copy_",
+        used_by=("checkpointing/staging.py",),
+        why="one fused copy of every tensor of a single-file checkpoint into its reused host buffer; no public "
+        "multi-tensor copy exists",
+        caught_by="`tests/strategies/test_host_staging.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch:_foreach_copy_"),
+    )
+)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """``torch._foreach_norm``: one norm per tensor in a fused kernel. The public ``torch.nn.utils.get_total_norm``
+    returns only the total, not the per-tensor norms. Checked on torch 2.13.0."""
+    return torch._foreach_norm(tensors, ord)
+
+
+register(
+    Private(
+        name="torch._foreach_norm",
+        upstream="torch",
+        accessor="torch.foreach_norm",
+        used_by=("callbacks/spike.py (still direct: callbacks are another worker's)",),
+        why="per-tensor norms in one fused kernel; `torch.nn.utils.get_total_norm` returns only the total",
+        caught_by="`tests/callbacks/` spike tests",
+        checked=CHECKED,
+        check=lambda: resolve("torch:_foreach_norm"),
+    )
+)
+
+
+def module_parameters(module: nn.Module) -> dict[str, Any]:
+    """``module._parameters``: the module's own parameter slots, ``None`` entries included (``Linear(bias=False)``),
+    as the live dictionary (assigning an entry swaps a parameter without ``register_parameter``'s checks).
+
+    ``named_parameters(recurse=False)`` skips ``None`` slots and de-duplicates, and ``setattr`` refuses a plain tensor
+    where a ``Parameter`` is registered; FSDP2 (``unsafe_setattr_param``) and Hugging Face swap parameters through
+    this dictionary the same way. Checked on torch 2.13.0.
+    """
+    return module._parameters
+
+
+def module_buffers(module: nn.Module) -> dict[str, Any]:
+    """``module._buffers``: the module's own buffer slots, ``None`` entries included, as the live dictionary
+    (see :func:`module_parameters`). Checked on torch 2.13.0."""
+    return module._buffers
+
+
+register(
+    Private(
+        name="nn.Module._parameters, nn.Module._buffers",
+        upstream="torch",
+        accessor="torch.module_parameters, torch.module_buffers",
+        used_by=(
+            "modeling/repeated_blocks.py",
+            "parallel/init/zero3_build.py",
+            "parallel/pipeline/gates.py",
+            "parallel/tp/experts.py",
+            "parallel/tp/hf_styles.py",
+        ),
+        why='a module\'s own slots with `None` entries (block signatures, "has parameters"), and swapping a '
+        "parameter in place: lend an experts module its local shards for one forward (FSDP2's "
+        "`unsafe_setattr_param` and HF's `_use_local_dtensor_params` do the same), put ZeRO-3 partitions in place "
+        "of meta parameters",
+        caught_by="`tests/parallel/test_experts_parallel.py`, `tests/strategies/test_deepspeed_init.py`, "
+        "`tests/test_setup_memory.py`",
+        checked=CHECKED,
+        check=lambda: (nn.Linear(1, 1)._parameters, nn.BatchNorm1d(1)._buffers),
+    )
+)

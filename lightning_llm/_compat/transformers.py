@@ -1,0 +1,65 @@
+"""Private Hugging Face transformers attributes: init marks, tensor-parallel plans and the expert-parallel flag.
+
+transformers is optional: nothing is imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_llm._compat.registry import Private, register
+
+CHECKED = "transformers 5.24"
+
+
+def clear_hf_initialized(obj: Any) -> None:
+    """Clear the ``_is_hf_initialized`` mark Hugging Face leaves on modules/tensors it has initialized or loaded
+    (``init_weights`` skips marked ones); a model built on the meta device may carry the marks from construction.
+    No public API resets them. Checked on transformers 5.24."""
+    if getattr(obj, "_is_hf_initialized", False):
+        obj._is_hf_initialized = False
+
+
+def tp_plan(module: Any) -> Any:
+    """A Hugging Face model's ``_tp_plan`` (module pattern -> style name), or ``None``; the class attribute
+    ``PreTrainedModel`` fills from the config's ``base_model_tp_plan``, which has no public getter. Checked on
+    transformers 5.24."""
+    return getattr(module, "_tp_plan", None)
+
+
+def mark_expert_parallel(module: Any) -> None:
+    """Set ``_is_expert_parallel`` on an experts module: Hugging Face's ``grouped_mm``/``batched_mm`` experts then
+    skip the off-rank sentinel id, as under its own expert parallelism. Checked on transformers 5.24."""
+    module._is_expert_parallel = True
+
+
+def _check():
+    import inspect
+
+    try:
+        from transformers import PreTrainedModel, modeling_utils
+    except ImportError:
+        return "skipped: transformers is not installed"
+    if "_is_hf_initialized" not in inspect.getsource(modeling_utils):
+        raise AttributeError("transformers no longer uses _is_hf_initialized")
+    if not hasattr(PreTrainedModel, "_tp_plan") and "_tp_plan" not in inspect.getsource(modeling_utils):
+        raise AttributeError("transformers no longer has PreTrainedModel._tp_plan")
+    from transformers.integrations import moe
+
+    if "_is_expert_parallel" not in inspect.getsource(moe):
+        raise AttributeError("transformers' experts no longer read _is_expert_parallel")
+
+
+register(
+    Private(
+        name="transformers `_is_hf_initialized`, `PreTrainedModel._tp_plan`, experts' `_is_expert_parallel`",
+        upstream="transformers",
+        accessor="transformers.clear_hf_initialized, tp_plan, mark_expert_parallel",
+        used_by=("parallel/init/entry.py", "parallel/tp/hf_styles.py", "parallel/tp/experts.py"),
+        why="re-run HF's `init_weights` on a meta-built model; read HF's own TP plan; make HF's experts skip the "
+        "off-rank sentinel id under our expert sharding. No public API for any of the three",
+        caught_by="`tests/parallel/test_experts_parallel.py`, `tests/hf/` TP-plan and init tests",
+        checked=CHECKED,
+        check=_check,
+    )
+)
