@@ -1,39 +1,42 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 15 in one run; writes a markdown report.
+# Every GPU measurement in one run, on the image's own python and torch, offline; writes a markdown report.
 #
 #   bash benchmarks/gpu_suite.sh [REPORT.md]            # on a GPU machine, from the repository root
 #   bash benchmarks/gpu_suite.sh --quick [REPORT.md]    # CPU smoke test: tiny model, few steps, same commands
-#   bash benchmarks/gpu_suite.sh --install [REPORT.md]  # first `pip install -e '.[dev,fp8]'` (PyPI only)
 #
-# Measures, in order (each step's failure is recorded in the report and the suite goes on):
-#   1. benchmarks/mfu.py, 1B preset, bf16-mixed, seq 2048: AC none/selective x compile off/on, then fp8
+# Nothing is installed from a package index. The project is put on PYTHONPATH as it is; the few small packages an
+# image lacks (jsonargparse, torchao: benchmarks/gpu_wheels.sh downloads them, about 4 MiB) are installed from the
+# wheel folder $WHEELS (default .whl) into a temporary directory when it exists. A step whose package is absent is
+# skipped with a line in the report; every step's wall time is recorded. The whole suite fits in 20 minutes on one
+# H100 (1B model). Measures, in order (a failing step is recorded and the suite goes on):
+#   1. benchmarks/mfu.py, 1B preset, bf16-mixed, seq 2048: AC none/selective x compile off/on, then fp8 (torchao)
 #      (tokens/s, MFU vs the peak table = 989 TFLOP/s bf16 on H100 SXM/H200, peak memory, ratio vs raw loop)
 #   2. the memory planner's estimate for the same runs (compare with the measured peak: >10% off = fix the tables)
-#   3. benchmarks/fp8_loss_curve.py: fp8 vs bf16 over 200 steps, loss difference and tokens/s
+#   3. benchmarks/fp8_loss_curve.py: fp8 vs bf16 over 200 steps, loss difference and tokens/s (torchao)
 #   4. pytest -m gpu (bf16 parity, compile equality, fused AdamW, CUDA checkpoint resume, MFUMonitor)
-#   5. the 8-rank 3D parity tests (gloo on CPU cores; need >= 8 cores)
+#   5. fp16 with a loss scaler against one process under ZeRO-3, TP, TP+SP and two pipeline schedules (gloo)
+#   6. the 8-rank 3D parity tests (gloo on CPU cores; need >= 8 cores)
 set -uo pipefail
 
 QUICK=0
-INSTALL=0
 REPORT=gpu_results.md
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=1 ;;
-    --install) INSTALL=1 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) REPORT=$arg ;;
   esac
 done
-PY=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
 [ -f pyproject.toml ] && [ -d lightning_llm ] || { echo "run from the repository root" >&2; exit 2; }
-if [ "$INSTALL" = 1 ]; then
-  "$PY" -m pip install -e '.[dev,fp8]' || exit 1
+LOG=$(mktemp -d)
+if compgen -G "$WHEELS/*.whl" >/dev/null; then  # offline: the carried wheels only, never the index
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$LOG/site" "$WHEELS"/*.whl || exit 1
 fi
-"$PY" -c "import torch, lightning, torchao.float8" || {
-  echo "missing packages: run with --install (pip install -e '.[dev,fp8]')" >&2; exit 1; }
-
+export PYTHONPATH="$PWD${LOG:+:$LOG/site}${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import torch, lightning, lightning_llm" || { echo "torch, lightning or the project does not import" >&2; exit 1; }
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 if [ "$QUICK" = 1 ]; then
   SIZE=tiny; SEQ=64; BATCH=4; STEPS=6; WARMUP=2; ROUNDS=1; CURVE_STEPS=6; DEVICE=cpu; PRECISION=bf16-mixed
   PEAK=(--peak-flops 1e12)
@@ -42,14 +45,21 @@ else
   PEAK=()
 fi
 LOG=$(mktemp -d)
-MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"
-FAILED=()
+MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"; STEPS_TABLE="$LOG/steps.md"
+FAILED=(); SKIPPED=()
+START=$SECONDS
 
-run() {  # run NAME CMD...: keep the log, note a failure, go on
+run() {  # run NAME CMD...: keep the log, time it, note a failure, go on
   local name=$1; shift
+  local began=$SECONDS status=ok
   echo ">>> $name: $*"
   if "$@" >"$LOG/$name.log" 2>&1; then tail -n 4 "$LOG/$name.log"; else
-    echo "FAILED (exit $?), see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
+    status="failed (exit $?)"; echo "FAILED, see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
+  echo "| $name | $status | $((SECONDS - began)) s |" >>"$STEPS_TABLE"
+}
+
+skip() {  # skip NAME REASON: a step this image cannot run, said in the report
+  echo ">>> $1: skipped ($2)"; SKIPPED+=("$1"); echo "| $1 | skipped: $2 | 0 s |" >>"$STEPS_TABLE"
 }
 
 # 1. MFU: four bf16 configurations, then fp8 with the same four (--quick: four that use every flag,
@@ -59,6 +69,7 @@ for fp8 in "" "--fp8"; do
     for compile in "" "--compile"; do
       name="mfu-$SIZE-ac_$ac${compile:+-compile}${fp8:+-fp8}"
       case "$QUICK:$name" in 1:*-ac_none-compile*|1:*-ac_selective-fp8|1:*-ac_selective-compile-fp8) continue ;; esac
+      if [ -n "$fp8" ] && ! has torchao.float8; then skip "$name" "torchao is not installed"; continue; fi
       run "$name" "$PY" benchmarks/mfu.py --size "$SIZE" --device "$DEVICE" --precision "$PRECISION" --ac "$ac" \
         $compile $fp8 --batch "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" \
         "${PEAK[@]}" --markdown "$MFU_TABLE"
@@ -71,10 +82,13 @@ for ac in none selective; do
     --batch "$BATCH" --seq-len "$SEQ"
 done
 # 3. fp8 vs bf16 loss curves.
+if ! has torchao.float8; then skip fp8-loss-curve "torchao is not installed"; else
 run "fp8-loss-curve" "$PY" benchmarks/fp8_loss_curve.py --size "$SIZE" --device "$DEVICE" --steps "$CURVE_STEPS" \
   --batch "$BATCH" --seq-len "$SEQ" --markdown "$CURVE_TABLE"
+fi
 # 4. and 5. Tests: gpu-marked, then the 8-rank layouts (collected only in --quick: 8 ranks are slow on few cores).
 run "pytest-gpu" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider
+run "pytest-fp16-scaler" "$PY" -m pytest tests/strategies/test_fp16_parity.py -q -rs -p no:cacheprovider
 if [ "$QUICK" = 1 ]; then
   run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py --collect-only -q -p no:cacheprovider
 else
@@ -102,9 +116,20 @@ fi
   echo
   echo "## Tests"
   echo
-  for name in pytest-gpu pytest-8-ranks; do echo "- $name: $(tail -n 1 "$LOG/$name.log")"; done
+  for name in pytest-gpu pytest-fp16-scaler pytest-8-ranks; do echo "- $name: $(tail -n 1 "$LOG/$name.log")"; done
   echo
-  echo "Failed steps: ${FAILED[*]:-none}. Logs: $LOG"
+  echo "## Steps and wall time ($((SECONDS - START)) s in all)"
+  echo
+  echo "| step | result | wall time |"
+  echo "| --- | --- | --- |"
+  cat "$STEPS_TABLE"
+  echo
+  echo "Packages: $("$PY" -c 'import importlib.metadata as m
+for n in ("torch", "lightning", "transformers", "deepspeed", "torchao", "wandb", "jsonargparse"):
+    try: print(n, m.version(n), end="; ")
+    except m.PackageNotFoundError: print(n, "absent", end="; ")')"
+  echo
+  echo "Failed steps: ${FAILED[*]:-none}. Skipped: ${SKIPPED[*]:-none}. Logs: $LOG"
 } >"$REPORT"
 echo "Report written to $REPORT"
 [ ${#FAILED[@]} -eq 0 ]
