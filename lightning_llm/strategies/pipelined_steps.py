@@ -64,7 +64,9 @@ class PipelinedSteps:
         state.microbatches = split_microbatches(batch, state.num_microbatches)
         state.batch_idx, state.loss_scale, state.logs = batch_idx, loss_scale, {}
         state.step_fn = lambda mb, idx, mb_index: self._call_recording_logs(module, step_fn, mb, idx, mb_index)
-        index = torch.arange(state.num_microbatches, device=_device(module))
+        # The micro-batch index travels with the activations. Floating point: torch 2.11's stages mark every received
+        # buffer as requiring grad, which integer tensors cannot.
+        index = torch.arange(state.num_microbatches, device=_device(module), dtype=torch.float32)
         args = (index,) if self.has_first else ()
         kwargs = {"target": index} if self.has_last else {}
         losses: list[torch.Tensor] = []

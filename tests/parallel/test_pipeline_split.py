@@ -4,6 +4,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank
 
@@ -77,3 +78,20 @@ def test_explicit_split_names_blocks_by_pattern():
 def test_explicit_split_refuses_bad_splits(split, message):
     with pytest.raises(ValueError, match=message):
         explicit_split(split, "m", 4, 3)
+
+
+def test_zbv_is_refused_by_name_on_torch_older_than_2_13(monkeypatch):
+    # torch 2.11's ZBVZeroBubble fails in its first step's shape exchange between the two stages of one rank
+    # (measured on gloo, .ci/image_versions); the refusal names the schedule and the version it needs.
+    from torch.torch_version import TorchVersion
+
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0"))
+    with pytest.raises(
+        RuntimeError, match=r"pipeline_schedule='ZBVZeroBubble' needs torch >= 2.13; this is torch 2.11"
+    ):
+        LLMParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble")
+    LLMParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="InterleavedZeroBubble")  # runs on 2.11
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0"))
+    LLMParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble")

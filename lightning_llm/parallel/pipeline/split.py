@@ -21,6 +21,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lightning_llm._compat.versions import require_torch
+
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
     "1F1B": Schedule1F1B,
@@ -44,6 +46,13 @@ def validate_schedule(schedule: str, virtual_stages: int | None) -> int:
                 "use Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or LoopedBFS for several."
             )
         return 1
+    if schedule == "ZBVZeroBubble":
+        require_torch(
+            "2.13",
+            "pipeline_schedule='ZBVZeroBubble'",
+            "on torch 2.11 its first step's shape exchange between the two stages of one rank fails; "
+            "InterleavedZeroBubble and every other schedule run there",
+        )
     if schedule in V_SHAPED_SCHEDULES and virtual_stages not in (None, 2):
         raise ValueError(f"{schedule} places exactly 2 stages on each rank (a V); got virtual_stages={virtual_stages}.")
     stages = virtual_stages or 2

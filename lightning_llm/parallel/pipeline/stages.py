@@ -46,6 +46,10 @@ class StageRunner(nn.Module):
     def forward(self, *inputs: torch.Tensor):
         state: PipelineState = self.__dict__["_state"]
         hidden, index = (None, inputs[0]) if self.chunk.is_first else inputs
+        if self.chunk.is_first and not index.requires_grad:
+            # The index travels as a differentiable leaf with a zero gradient (see the end of this method): torch
+            # 2.11's split backward (zero-bubble schedules) refuses a stage output that does not require grad.
+            index = index.detach().requires_grad_(True)
         if hidden is not None and self.boundary_layout is not None:
             # Sequence-parallel activations travel as their local shards and become DTensors again here.
             hidden = DTensor.from_local(hidden, *self.boundary_layout, run_check=False)
@@ -56,11 +60,18 @@ class StageRunner(nn.Module):
                 out = state.step_fn(state.microbatches[mb], state.batch_idx, mb)
             except StageOutput as boundary:
                 hidden = boundary.hidden
-                return local_tensor(hidden), index
+                # A new tensor, not the received buffer itself: split-backward schedules detach a stage's outputs
+                # after its input gradients, which would otherwise detach this stage's input too.
+                return local_tensor(hidden), index + 0
         loss = out.get("loss") if isinstance(out, dict) else out
         if loss is None:  # validation steps return nothing: send a placeholder through the schedule
             return torch.zeros((), device=index.device)
-        return loss * state.loss_scale
+        loss = loss * state.loss_scale
+        if index.requires_grad:
+            # Every stage sends its received index's gradient back (torch 2.11 marks every received buffer as
+            # requiring grad): the index, passed through unchanged, gets its zero gradient here. Adding 0 is exact.
+            loss = loss + index.sum() * 0
+        return loss
 
 
 def build_stages(
