@@ -10,7 +10,6 @@ for callbacks and the CLI (:mod:`.parallel_contract`); every Lightning hook and 
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,8 +42,6 @@ from lightning_llm.strategies.precision import check_clipping, global_norm_preci
 from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
 from lightning_llm.strategies.run_state import Forwarded, RunState
 from lightning_llm.strategies.sharded_checkpoints import ShardedCheckpoints, add_export_info
-
-log = logging.getLogger(__name__)
 
 
 class LLMParallelStrategy(ModelParallelStrategy):
@@ -295,12 +292,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint this strategy saved into this layout, whatever layout saved it (DCP reshards by name).
-
-        A full single file (``save_distributed_checkpoint=False``) goes through Lightning's loader. Both are
-        strict both ways unless ``strict_loading=False``, and a checkpoint committed by CheckpointRotation is
-        first checked against its checksums (:mod:`lightning_llm.checkpointing.dcp`).
-        """
+        """Load into this layout, whatever layout saved it; strict unless ``strict_loading=False``; verified first."""
         self.checkpoints.wait()
         # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
         # by time for ckpt_path="last" (lightning_llm.checkpointing.commit.last_candidate).
@@ -323,31 +315,26 @@ class LLMParallelStrategy(ModelParallelStrategy):
         finally:
             super().teardown()
 
-    # The StrategyContract members (see lightning_llm.contract.StrategyContract and .parallel_contract).
+    # The StrategyContract members (documented there): calls of .parallel_contract's functions of the run state.
 
     @property
     def layout(self) -> ParallelLayout:
-        """The parallel layout of this run (valid from ``setup_environment`` on)."""
         return contract.layout(self.run_state, type(self).__name__, self.num_nodes)
 
     @property
     def model_shape(self) -> ModelShape | None:
-        """The whole model's shape, read before it was sharded and cut into stages."""
         return self.run_state.model_shape
 
     @property
     def activation_checkpointing_policies(self) -> list[str]:
-        """ "none", "full" or "op" per transformer block."""
         return list(self.run_state.ac_policies)
 
     @property
     def blocks_name(self) -> str | None:
-        """The dotted name of the transformer-block list (found, or given as ``blocks``)."""
         return self.report.blocks_name if self.report is not None else self.blocks
 
     @property
     def pipeline_group(self):
-        """The process group of this rank's pipeline stages (``None`` without pipeline parallelism)."""
         return contract.pipeline_group(self.run_state, self.pipeline_parallel_size)
 
     @property
@@ -355,53 +342,32 @@ class LLMParallelStrategy(ModelParallelStrategy):
         return self.checkpoints.distributed
 
     @property
-    def saves_through_checkpoint_io(self) -> bool:
-        """False: saves go through the strategy's own ``save_checkpoint`` (DCP shards, or a full file on every rank's
-        behalf after gathering), and a failed write raises on every rank."""
-        return False
-
-    @property
-    def loads_through_checkpoint_io(self) -> bool:
-        """False: loads go through the strategy's own ``load_checkpoint``, which verifies committed checkpoints."""
-        return False
-
-    @property
     def saves_to_urls(self) -> bool:
         """Whether checkpoints are DCP directories (torch's fsspec writer, so any URL) rather than one local file."""
         return self.checkpoints.distributed
 
-    @property
-    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
-        """Before the step: :meth:`grad_norm` reduces the gradients the optimizer is about to use."""
-        return "before_optimizer_step"
+    # Saves and loads go through save_checkpoint / load_checkpoint above (a failed write raises on every rank; loads
+    # verify committed checkpoints); the gradient norm is read before the step; a torch optimizer's step leaves
+    # parameters without gradients alone.
+    saves_through_checkpoint_io = property(lambda self: False)
+    loads_through_checkpoint_io = property(lambda self: False)
+    grad_norm_ready = property(lambda self: "before_optimizer_step")
+    can_skip_optimizer_step = property(lambda self: True)
 
     def step_grad_norm(self) -> torch.Tensor | None:
-        """None: the norm is read before the step (:meth:`grad_norm`), not computed inside it."""
-        return None
-
-    @property
-    def can_skip_optimizer_step(self) -> bool:
-        """True: the step is a torch optimizer's, which leaves parameters without gradients alone."""
-        return True
+        return None  # read before the step (grad_norm), not computed inside it
 
     def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
         """Reduce in place over every rank of the run (all data, tensor and pipeline peers) and return it."""
         return reduce_across_ranks(tensor, op, self.world_size)
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of these parameters' gradients (default: all) across every shard and stage, as clipping sees it.
-
-        Identical on all ranks; a weight tied across the first and last stage counts once.
-        """
+        """The global norm of these parameters' gradients (default: all), as clipping sees it; equal on all ranks."""
         params = self.lightning_module.parameters() if parameters is None else parameters
         return contract.grad_norm(self.run_state, params, norm_type, self.pipeline_group)
 
     def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
-        """Save the trainer's checkpoint with DCP's ``async_save``: returns once the state is copied to host memory.
-
-        The future completes when this rank's files are written. Without sharded checkpoints
-        (``save_distributed_checkpoint=False``) the save is synchronous and the future already done.
-        """
+        """Save with DCP's ``async_save`` (synchronous, future already done, with ``save_distributed_checkpoint=False``)."""
         return contract.save_checkpoint_async(self.lightning_module.trainer, filepath, weights_only)
 
     def clip_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
