@@ -40,7 +40,7 @@ class StageBreakdown(L.Callback):
         self._marks: dict[str, float] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        pipelined = trainer.strategy._pipelined  # benchmark-only: the strategy's pipeline runtime
+        pipelined = trainer.strategy.run_state.pipelined  # benchmark-only: the strategy's pipeline runtime
         schedule = pipelined.schedule
         self._wrap(schedule, "step", "schedule")
         self._wrap(pipelined, "_publish", "log broadcast")

@@ -187,7 +187,7 @@ register(
         upstream="lightning",
         accessor="lightning.tensor_parallel_size, data_parallel_size, saves_distributed_checkpoint, "
         "setup_distributed, set_device_mesh",
-        used_by=("strategies/parallel.py", "strategies/parallel_contract.py", "strategies/checkpoint_hooks.py"),
+        used_by=("strategies/parallel.py",),
         why="the parent stores its arguments and mesh there and sets up the process group in `_setup_distributed`; "
         "our subclass builds its own 4-D mesh (exposed publicly as `tensor_parallel_size`)",
         caught_by="`tests/strategies/test_parallel_strategy.py`",

@@ -1,52 +1,50 @@
 """LLMParallelStrategy: ZeRO 0-3 data parallelism, tensor/sequence and pipeline parallelism for any LightningModule LLM.
 
-The strategy translates Lightning's lifecycle into calls of plain functions: the layout
-(:mod:`lightning_llm.parallel.mesh`), the parallelization itself (:mod:`lightning_llm.parallel.parallelize`),
-activation-checkpointing and ZeRO "auto" planning (:mod:`.ac_planning`, :mod:`.zero_auto`), sharded
-checkpoints (:mod:`.dcp_checkpoint`) and pipeline steps (:mod:`.pipelined_steps`). It implements
-:class:`lightning_llm.contract.StrategyContract` for callbacks and the CLI.
+The strategy translates Lightning's lifecycle into calls of plain functions and composed parts: its checked
+options (:mod:`.parallel_options`) and the run's state (:mod:`.run_state`); the setup steps
+(:mod:`.parallel_setup`: layout, ZeRO "auto" and activation-checkpointing planning, the parallelization itself);
+sharded checkpoints (:class:`.sharded_checkpoints.ShardedCheckpoints`) and pipeline steps
+(:mod:`.pipeline_routing`, :mod:`.pipelined_steps`). It implements :class:`lightning_llm.contract.StrategyContract`
+for callbacks and the CLI (:mod:`.parallel_contract`); every Lightning hook and contract member is a short method here.
 """
 
 from __future__ import annotations
 
-import logging
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llm._compat import lightning as compat
-from lightning_llm.checkpointing import dcp as dcp_checkpoint
-from lightning_llm.hf.load import load_pretrained
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.dcp import refuse_unverified
+from lightning_llm.checkpointing.errors import save_on_every_rank
+from lightning_llm.checkpointing.files import checkpoint_of
+from lightning_llm.contract import ParallelLayout
+from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
-from lightning_llm.parallel.float8 import check_fp8_device, precompute_fp8_scales, validate_fp8
-from lightning_llm.parallel.init.materialize import materialize, record_init
-from lightning_llm.parallel.mesh import ParallelDims
-from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec, parallelize
+from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
-from lightning_llm.strategies.ac_planning import plan_checkpointing
-from lightning_llm.strategies.checkpoint_hooks import ShardedCheckpointHooks
-from lightning_llm.strategies.parallel_contract import ParallelContract
-from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, validate_arguments
-from lightning_llm.strategies.pipeline_hooks import PipelineHooks
-from lightning_llm.strategies.pipelined_steps import PipelinedSteps, build_pipelined_steps
+from lightning_llm.strategies import parallel_contract as contract
+from lightning_llm.strategies import parallel_setup, pipeline_routing
+from lightning_llm.strategies.parallel_contract import AsyncSave
+from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, build_options
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
 from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
-from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
-from lightning_llm.validation import check_int, check_timeout
-
-log = logging.getLogger(__name__)
+from lightning_llm.strategies.run_state import Forwarded, RunState
+from lightning_llm.strategies.sharded_checkpoints import ShardedCheckpoints, add_export_info
 
 
-class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHooks, ModelParallelStrategy):
+class LLMParallelStrategy(ModelParallelStrategy):
     """Train an ordinary LightningModule LLM with ZeRO data parallelism and tensor (+ sequence) parallelism.
 
     Unlike Lightning's ``ModelParallelStrategy`` the user writes no ``configure_model``
@@ -129,85 +127,47 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
         load_pretrained: str | None = None,
     ) -> None:
-        validate_arguments(
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            data_parallel_size,
-            data_parallel_replicate_size,
-            zero_stage,
-            sequence_parallel,
-            num_microbatches,
-            virtual_stages,
-            device_memory,
-        )
-        timeout = check_timeout("timeout", timeout)
-        check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
-        check_int("seq_len", seq_len, minimum=1, optional=True)
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        self.options = options = build_options(**arguments)  # every check, in one place
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=options.timeout,
         )
-        self.zero_stage = zero_stage
-        self.device_memory, self.micro_batch_size, self.seq_len = device_memory, micro_batch_size, seq_len
-        self.decision = None  # the planner's ZeroDecision once zero_stage="auto" is resolved
-        self.sequence_parallel = sequence_parallel
-        self.tensor_parallel_plan = tensor_parallel_plan
-        self.blocks = blocks
-        self.cpu_offload = cpu_offload
-        self.compile_blocks = compile_blocks
-        self.fp8 = validate_fp8(fp8)
-        if self.fp8 is not None and tensor_parallel_size > 1:
-            raise ValueError(
-                f"fp8={fp8!r} with tensor_parallel_size={tensor_parallel_size} is not supported yet (torchao's float8 "
-                "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
-            )
-        self.fp8_exclude = list(fp8_exclude or [])
-        self.data_parallel_replicate_size = data_parallel_replicate_size
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.pipeline = PipelineSpec(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
-        if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
-            raise ValueError(
-                f"save_distributed_checkpoint=False with pipeline_parallel_size={pipeline_parallel_size}: rank 0 holds "
-                "only the first stage, so a full checkpoint written by it would lack the others. Keep "
-                "save_distributed_checkpoint=True (consolidate with `python -m lightning_llm.checkpoint`)."
-            )
-        if pipeline_parallel_size > 1:
-            stages = pipeline_parallel_size * self.pipeline.stages_per_rank()
-            self.pipeline.num_microbatches = num_microbatches or stages
-            if self.pipeline.num_microbatches < pipeline_parallel_size:
-                raise ValueError(
-                    f"num_microbatches={num_microbatches} is fewer than pipeline_parallel_size={pipeline_parallel_size}: "
-                    "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
-                )
-        self._pipelined: PipelinedSteps | None = None
-        self._saver = dcp_checkpoint.AsyncSaver()
-        self.activation_checkpointing = activation_checkpointing
-        self.ac_options = ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options)
-        self._ac_policies: list[str] = []
-        self._model_shape: ModelShape | None = None
-        self.parallel_dims: ParallelDims | None = None
-        self.report: ParallelizeReport | None = None
-        self.load_pretrained = load_pretrained
+        self.run_state = RunState.before_setup(options)
+        self.checkpoints = ShardedCheckpoints(distributed=save_distributed_checkpoint)
+
+    # The arguments as checked (read-only), and what the run resolves and builds (see RunState).
+    tensor_parallel_size = Forwarded("options.parallel.tensor_parallel_size")
+    pipeline_parallel_size = Forwarded("options.parallel.pipeline_parallel_size")
+    data_parallel_replicate_size = Forwarded("options.parallel.data_parallel_replicate_size")
+    sequence_parallel = Forwarded("options.parallel.sequence_parallel")
+    tensor_parallel_plan = Forwarded("options.parallel.tensor_parallel_plan")
+    blocks = Forwarded("options.parallel.blocks")
+    compile_blocks = Forwarded("options.parallel.compile_blocks")
+    fp8 = Forwarded("options.parallel.fp8")
+    fp8_exclude = Forwarded("options.parallel.fp8_exclude")
+    activation_checkpointing = Forwarded("options.planning.activation_checkpointing")
+    ac_options = Forwarded("options.planning.ac_options")
+    device_memory = Forwarded("options.planning.device_memory")
+    micro_batch_size = Forwarded("options.planning.micro_batch_size")
+    seq_len = Forwarded("options.planning.seq_len")
+    load_pretrained = Forwarded("options.checkpointing.load_pretrained")
+    zero_stage = Forwarded("run_state.zero_stage")
+    cpu_offload = Forwarded("run_state.cpu_offload")
+    decision = Forwarded("run_state.decision")
+    pipeline = Forwarded("run_state.pipeline")
+    parallel_dims = Forwarded("run_state.parallel_dims")
+    report = Forwarded("run_state.report")
 
     @override
     def setup_environment(self) -> None:
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
-        self.parallel_dims = self._parallel_dims()
-        compat.set_device_mesh(self, self.parallel_dims.build_mesh(self.root_device.type))
-
-    def _parallel_dims(self) -> ParallelDims:
-        return ParallelDims.for_world(
-            self.world_size,
-            tp=compat.tensor_parallel_size(self),
-            pp=self.pipeline_parallel_size,
-            dp=compat.data_parallel_size(self),
-            dp_replicate=self.data_parallel_replicate_size,
-            replicate_all=self.zero_stage == 0,
-        )
+        self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
+        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
     @contextmanager
     @override
@@ -229,73 +189,20 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
     @override
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        on_meta = any(p.is_meta for p in module.parameters())
-        if not on_meta:
-            module.to(self.root_device)
-        try:  # read before the model is cut into shards and stages; MFUMonitor uses it
-            self._model_shape = ModelShape.of(module, self.blocks)
-        except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
-            self._model_shape = None
-        self._check_microbatches(trainer)
-        if self.zero_stage == "auto":
-            self._choose_zero_stage(trainer, module)
-        pipelined = self.pipeline_parallel_size > 1
-        self._ac_policies, checkpointing = plan_checkpointing(
-            trainer,
-            module,
-            find_blocks(module, self.blocks)[1],
-            mode=self.activation_checkpointing,
-            options=self.ac_options,
-            tp=compat.tensor_parallel_size(self),
-            sequence_parallel=self.sequence_parallel,
-            num_microbatches=self.pipeline.num_microbatches if pipelined else None,
-            device=self.root_device,
-        )
-        if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
-            hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
-            self.pipeline.seq_len = self.seq_len or hparams.get("seq_len")
-        init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
-        self.report = parallelize(
-            module,
-            self.parallel_dims,
-            zero_stage=self.zero_stage,
-            precision=str(trainer.precision),
-            sequence_parallel=self.sequence_parallel,
-            tensor_parallel_plan=self.tensor_parallel_plan,
-            blocks=self.blocks,
-            cpu_offload=self.cpu_offload,
-            compile_blocks=self.compile_blocks,
-            pipeline=self.pipeline if pipelined else None,
-            activation_checkpointing=checkpointing,
-            fp8=check_fp8_device(self.fp8, self.root_device),
-            fp8_exclude=self.fp8_exclude,
-        )
-        if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
-            materialize(module, self.root_device, init_fills)
-        if self.load_pretrained is not None:
-            load_pretrained(module, self.load_pretrained)  # each rank reads only the slices it holds
+        module, state = self.lightning_module, self.run_state
+        parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
-        if not self.cpu_offload:
+        if not state.cpu_offload:
             self.model_to_device()
-        if pipelined:
-            self._pipelined = build_pipelined_steps(
-                module,
-                self.report,
-                self.parallel_dims,
-                schedule=self.pipeline.schedule,
-                num_microbatches=self.pipeline.num_microbatches,
-                device=self.root_device,
-                sequence_parallel=self.sequence_parallel,
-            )
+        parallel_setup.build_pipeline(module, self.options, state, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+        if trainer.state.fn == TrainerFn.FITTING and not state.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
-        self._log_layout()
+        parallel_setup.log_layout(self.options, state)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
@@ -304,34 +211,6 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             # With fp8 all-gather, every weight's scale in one all-reduce (a no-op without sharding).
             precompute_fp8_scales(self.lightning_module)
         return output
-
-    def _log_layout(self) -> None:
-        dims = self.parallel_dims
-        rank_zero_info(
-            f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
-            f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={self.zero_stage}; {self.report.num_blocks} blocks at "
-            f"{self.report.blocks_name!r}"
-            + (f"; TP plan from {self.report.tp_plan_source}" if dims.tp > 1 else "")
-            + (f"; fp8 ({self.fp8}) in {len(self.report.fp8_layers)} Linear layers" if self.fp8 else "")
-        )
-
-    def _choose_zero_stage(self, trainer, module) -> None:
-        """Plan memory for every stage and take the least-communication one that fits (before training)."""
-        dims = self.parallel_dims
-        self.decision = decision = decide_and_report(
-            trainer,
-            module,
-            name="LLMParallelStrategy",
-            world_size=dims.world_size,
-            tp=dims.tp,
-            pp=dims.pp,
-            dp_replicate=dims.dp_replicate,
-            activation_checkpointing=self.activation_checkpointing,
-            backend="native",
-            allow_offload=True,
-            **planning_inputs(trainer, self.root_device, self.device_memory, self.micro_batch_size, self.seq_len),
-        )
-        self.zero_stage, self.cpu_offload = decision.stage, decision.offload != "none"
 
     @property
     @override
@@ -342,11 +221,6 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning's connector hands over the plugin chosen from precision=; take its global-norm twin.
         compat.set_precision_plugin(self, global_norm_precision(plugin, self.clip_by_global_norm))
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """Ranks that split each layer's matrices."""
-        return compat.tensor_parallel_size(self)
 
     @override
     def model_to_device(self) -> None:
@@ -361,6 +235,144 @@ class LLMParallelStrategy(ParallelContract, PipelineHooks, ShardedCheckpointHook
             yield
         finally:
             set_gradient_sync(self.model, True)
+
+    # Step hooks: through the pipeline schedule with pipeline parallelism (see .pipeline_routing), else the parent's.
+
+    @override
+    def training_step(self, *args, **kwargs):
+        steps = self.run_state.pipelined
+        if steps is None:
+            return super().training_step(*args, **kwargs)
+        batch, index = pipeline_routing.batch_and_index(args, kwargs)
+        return pipeline_routing.training_step(steps, self.lightning_module, self.precision_plugin, batch, index)
+
+    @override
+    def validation_step(self, *args, **kwargs):
+        if self.run_state.pipelined is None:
+            return super().validation_step(*args, **kwargs)
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args, **kwargs):
+        if self.run_state.pipelined is None:
+            return super().test_step(*args, **kwargs)
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def _evaluation_step(self, name: str, context, args, kwargs) -> None:
+        batch, index = pipeline_routing.batch_and_index(args, kwargs)
+        pipeline_routing.evaluation_step(self.run_state.pipelined, self.lightning_module, name, context, batch, index)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        steps = self.run_state.pipelined
+        if steps is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return pipeline_routing.backward(steps, self.lightning_module, self.precision_plugin, closure_loss)
+
+    # Checkpoint hooks: sharded DCP through ShardedCheckpoints, or the parent's full file.
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
+        if not self.checkpoints.distributed:
+            return super().optimizer_state(optimizer)
+        return self.checkpoints.optimizer_state(self.model, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        add_export_info(checkpoint, self.lightning_module)
+        # A failed write raises the same SaveFailed on every rank, so no rank is left waiting in a collective.
+        save_on_every_rank(lambda: self._write_checkpoint(checkpoint, filepath, storage_options), filepath)
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
+        path = self.broadcast(str(filepath))  # a local path or an fsspec URL, the same on every rank
+        if not self.checkpoints.save(checkpoint, path, self.global_rank, storage_options):
+            storage_options = None if isinstance(storage_options, AsyncSave) else storage_options
+            super().save_checkpoint(checkpoint, cfs.local_path(path), storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load into this layout, whatever layout saved it; strict unless ``strict_loading=False``; verified first."""
+        self.checkpoints.wait()
+        # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
+        # by time for ckpt_path="last" (lightning_llm.checkpointing.commit.last_candidate).
+        path = checkpoint_of(self.broadcast(str(checkpoint_path)))
+        refuse_unverified(self, path)
+        strict = self.lightning_module.strict_loading
+        if cfs.isfile(path):
+            self.checkpoints.check_file(self.model, path, strict)
+            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only)
+        return self.checkpoints.load(self.model, self.optimizers, path, strict, weights_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the last asynchronous checkpoint is fully written on this rank."""
+        self.checkpoints.wait()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self.checkpoints.finish()
+        finally:
+            super().teardown()
+
+    # The StrategyContract members (documented there): calls of .parallel_contract's functions of the run state.
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return contract.layout(self.run_state, type(self).__name__, self.num_nodes)
+
+    @property
+    def model_shape(self) -> ModelShape | None:
+        return self.run_state.model_shape
+
+    @property
+    def activation_checkpointing_policies(self) -> list[str]:
+        return list(self.run_state.ac_policies)
+
+    @property
+    def blocks_name(self) -> str | None:
+        return self.report.blocks_name if self.report is not None else self.blocks
+
+    @property
+    def pipeline_group(self):
+        return contract.pipeline_group(self.run_state, self.pipeline_parallel_size)
+
+    @property
+    def supports_async_save(self) -> bool:
+        return self.checkpoints.distributed
+
+    @property
+    def saves_to_urls(self) -> bool:
+        """Whether checkpoints are DCP directories (torch's fsspec writer, so any URL) rather than one local file."""
+        return self.checkpoints.distributed
+
+    # Saves and loads go through save_checkpoint / load_checkpoint above (a failed write raises on every rank; loads
+    # verify committed checkpoints); the gradient norm is read before the step; a torch optimizer's step leaves
+    # parameters without gradients alone.
+    saves_through_checkpoint_io = property(lambda self: False)
+    loads_through_checkpoint_io = property(lambda self: False)
+    grad_norm_ready = property(lambda self: "before_optimizer_step")
+    can_skip_optimizer_step = property(lambda self: True)
+
+    def step_grad_norm(self) -> torch.Tensor | None:
+        return None  # read before the step (grad_norm), not computed inside it
+
+    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
+        """Reduce in place over every rank of the run (all data, tensor and pipeline peers) and return it."""
+        return reduce_across_ranks(tensor, op, self.world_size)
+
+    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of these parameters' gradients (default: all), as clipping sees it; equal on all ranks."""
+        params = self.lightning_module.parameters() if parameters is None else parameters
+        return contract.grad_norm(self.run_state, params, norm_type, self.pipeline_group)
+
+    def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
+        """Save with DCP's ``async_save`` (synchronous, future already done, with ``save_distributed_checkpoint=False``)."""
+        return contract.save_checkpoint_async(self.lightning_module.trainer, filepath, weights_only)
+
+    def clip_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip this optimizer's gradients by the global norm (the strategy's precision plugin calls this)."""
+        contract.clip_by_global_norm(self.run_state, optimizer, clip_val, self.pipeline_group)
 
     @classmethod
     @override

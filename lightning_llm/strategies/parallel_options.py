@@ -1,20 +1,176 @@
-"""LLMParallelStrategy's default collective timeout and the checks of its arguments."""
+"""LLMParallelStrategy's options: its keyword arguments, checked in one place and grouped by concept.
+
+:func:`build_options` takes exactly the strategy's keyword arguments, refuses impossible ones before any process
+starts (naming the value and the fix), and returns frozen :class:`StrategyOptions`. What changes during a run
+(the ZeRO stage "auto" resolves to, the mesh, the pipelined steps, ...) lives in
+:class:`~lightning_llm.strategies.run_state.RunState` instead.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
+from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
-from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size
+from lightning_llm.parallel.float8 import validate_fp8
+from lightning_llm.parallel.parallelize import PipelineSpec
+from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
 TRAINING_TIMEOUT = timedelta(minutes=10)
 
 
-def validate_arguments(
-    tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches=None, virtual_stages=None, device_memory=None
-) -> None:
-    """Refuse impossible LLMParallelStrategy arguments before any process starts, naming the value and the fix."""
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The layout and how each block is parallelized (``fp8`` is the recipe name, or None when off)."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int | Literal["auto"]
+    data_parallel_replicate_size: int
+    zero_stage: Literal[0, 1, 2, 3, "auto"]  # as asked; RunState holds the stage "auto" resolves to
+    sequence_parallel: bool
+    tensor_parallel_plan: dict[str, str] | None
+    blocks: str | None
+    cpu_offload: bool  # as asked; RunState holds the choice of "auto"
+    compile_blocks: bool
+    fp8: str | None
+    fp8_exclude: list[str]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline schedule; ``num_microbatches`` defaults to the number of stages with pipeline parallelism."""
+
+    schedule: str
+    num_microbatches: int | None
+    virtual_stages: int | None
+    split: list[list[str]] | None
+
+    def spec(self) -> PipelineSpec:
+        """A fresh :class:`PipelineSpec` for one run (setup fills its ``seq_len``)."""
+        return PipelineSpec(self.schedule, self.num_microbatches, self.virtual_stages, self.split)
+
+
+@dataclass(frozen=True)
+class PlanningOptions:
+    """Activation checkpointing and the inputs of "auto" planning (ZeRO stage, checkpointed blocks)."""
+
+    activation_checkpointing: Literal["none", "full", "selective", "auto"]
+    ac_options: ACOptions
+    device_memory: int | str | None
+    micro_batch_size: int | None
+    seq_len: int | None
+
+
+@dataclass(frozen=True)
+class CheckpointingOptions:
+    """Sharded (DCP) or full checkpoints, and a Hugging Face checkpoint to start from."""
+
+    save_distributed_checkpoint: bool
+    load_pretrained: str | None
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Every argument of an ``LLMParallelStrategy``, checked."""
+
+    parallel: ParallelOptions
+    pipeline: PipelineOptions
+    planning: PlanningOptions
+    checkpointing: CheckpointingOptions
+    process_group_backend: str | None
+    timeout: timedelta | None
+
+
+def build_options(
+    *,
+    tensor_parallel_size,
+    pipeline_parallel_size,
+    data_parallel_size,
+    data_parallel_replicate_size,
+    zero_stage,
+    sequence_parallel,
+    tensor_parallel_plan,
+    blocks,
+    cpu_offload,
+    compile_blocks,
+    fp8,
+    fp8_exclude,
+    pipeline_schedule,
+    num_microbatches,
+    virtual_stages,
+    pipeline_split,
+    activation_checkpointing,
+    activation_checkpointing_options,
+    device_memory,
+    micro_batch_size,
+    seq_len,
+    save_distributed_checkpoint,
+    process_group_backend,
+    timeout,
+    load_pretrained,
+) -> StrategyOptions:
+    """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
+    tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
+    _check_layout(
+        tp,
+        pp,
+        data_parallel_size,
+        replicate,
+        zero_stage,
+        sequence_parallel,
+        num_microbatches,
+        virtual_stages,
+        device_memory,
+    )
+    timeout = check_timeout("timeout", timeout)
+    check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
+    check_int("seq_len", seq_len, minimum=1, optional=True)
+    recipe = validate_fp8(fp8)
+    if recipe is not None and tp > 1:
+        raise ValueError(
+            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported yet (torchao's float8 "
+            "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
+        )
+    pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
+    if pp > 1:
+        pipeline = _pipeline_microbatches(pipeline, pp, save_distributed_checkpoint)
+    return StrategyOptions(
+        parallel=ParallelOptions(
+            tp,
+            pp,
+            data_parallel_size,
+            replicate,
+            zero_stage,
+            sequence_parallel,
+            tensor_parallel_plan,
+            blocks,
+            cpu_offload,
+            compile_blocks,
+            recipe,
+            list(fp8_exclude or []),
+        ),
+        pipeline=pipeline,
+        planning=PlanningOptions(
+            activation_checkpointing,
+            ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options),
+            device_memory,
+            micro_batch_size,
+            seq_len,
+        ),
+        checkpointing=CheckpointingOptions(save_distributed_checkpoint, load_pretrained),
+        process_group_backend=process_group_backend,
+        timeout=timeout,
+    )
+
+
+def _check_layout(
+    tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches, virtual_stages, device_memory
+):
+    """Refuse an impossible layout (sizes, ZeRO stage, sequence parallelism, micro-batches)."""
     check_int("tensor_parallel_size", tp, minimum=1)
     check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")
     if dp != "auto":
@@ -31,3 +187,21 @@ def validate_arguments(
         )
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
+
+
+def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:
+    """With pipeline parallelism: refuse full checkpoints and too few micro-batches; default one per stage."""
+    if not save_distributed_checkpoint:
+        raise ValueError(
+            f"save_distributed_checkpoint=False with pipeline_parallel_size={pp}: rank 0 holds "
+            "only the first stage, so a full checkpoint written by it would lack the others. Keep "
+            "save_distributed_checkpoint=True (consolidate with `python -m lightning_llm.checkpoint`)."
+        )
+    stages = pp * pipeline.spec().stages_per_rank()
+    resolved = pipeline.num_microbatches or stages
+    if resolved < pp:
+        raise ValueError(
+            f"num_microbatches={pipeline.num_microbatches} is fewer than pipeline_parallel_size={pp}: "
+            "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
+        )
+    return PipelineOptions(pipeline.schedule, resolved, pipeline.virtual_stages, pipeline.split)

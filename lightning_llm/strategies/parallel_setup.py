@@ -1,0 +1,132 @@
+"""The steps of LLMParallelStrategy's ``setup_environment`` and ``setup``, as functions of its options and run state.
+
+:func:`parallelize_module` plans (ZeRO "auto", activation checkpointing), splits, shards and materializes the
+LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once the module is on its device.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_llm.hf.load import load_pretrained
+from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.parallel.float8 import check_fp8_device
+from lightning_llm.parallel.init.materialize import materialize, record_init
+from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.parallelize import parallelize
+from lightning_llm.strategies.ac_planning import plan_checkpointing
+from lightning_llm.strategies.parallel_options import StrategyOptions
+from lightning_llm.strategies.pipeline_routing import check_microbatches
+from lightning_llm.strategies.pipelined_steps import build_pipelined_steps
+from lightning_llm.strategies.run_state import RunState
+from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
+
+
+def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
+    """The 4-D layout (pp, dp_replicate, dp_shard, tp) of ``world_size`` ranks these options ask for."""
+    parallel = options.parallel
+    return ParallelDims.for_world(
+        world_size,
+        tp=parallel.tensor_parallel_size,
+        pp=parallel.pipeline_parallel_size,
+        dp=parallel.data_parallel_size,
+        dp_replicate=parallel.data_parallel_replicate_size,
+        replicate_all=parallel.zero_stage == 0,
+    )
+
+
+def parallelize_module(trainer, module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
+    """Read the model's shape, plan, then split, shard and (from the meta device) materialize ``module`` in place."""
+    parallel, planning = options.parallel, options.planning
+    on_meta = any(p.is_meta for p in module.parameters())
+    if not on_meta:
+        module.to(device)
+    try:  # read before the model is cut into shards and stages; MFUMonitor uses it
+        state.model_shape = ModelShape.of(module, parallel.blocks)
+    except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
+        state.model_shape = None
+    check_microbatches(trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches)
+    if state.zero_stage == "auto":
+        choose_zero_stage(trainer, module, options, state, device)
+    pipelined = parallel.pipeline_parallel_size > 1
+    state.ac_policies, checkpointing = plan_checkpointing(
+        trainer,
+        module,
+        find_blocks(module, parallel.blocks)[1],
+        mode=planning.activation_checkpointing,
+        options=planning.ac_options,
+        tp=parallel.tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        num_microbatches=state.pipeline.num_microbatches if pipelined else None,
+        device=device,
+    )
+    if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
+        hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+        state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
+    init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
+    state.report = parallelize(
+        module,
+        state.parallel_dims,
+        zero_stage=state.zero_stage,
+        precision=str(trainer.precision),
+        sequence_parallel=parallel.sequence_parallel,
+        tensor_parallel_plan=parallel.tensor_parallel_plan,
+        blocks=parallel.blocks,
+        cpu_offload=state.cpu_offload,
+        compile_blocks=parallel.compile_blocks,
+        pipeline=state.pipeline if pipelined else None,
+        activation_checkpointing=checkpointing,
+        fp8=check_fp8_device(parallel.fp8, device),
+        fp8_exclude=parallel.fp8_exclude,
+    )
+    if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
+        materialize(module, device, init_fills)
+    if options.checkpointing.load_pretrained is not None:
+        load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
+
+
+def build_pipeline(module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
+    """This rank's pipeline runtime (with pipeline parallelism; a no-op without)."""
+    if options.parallel.pipeline_parallel_size > 1:
+        state.pipelined = build_pipelined_steps(
+            module,
+            state.report,
+            state.parallel_dims,
+            schedule=state.pipeline.schedule,
+            num_microbatches=state.pipeline.num_microbatches,
+            device=device,
+            sequence_parallel=options.parallel.sequence_parallel,
+        )
+
+
+def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
+    """Plan memory for every stage and take the least-communication one that fits (before training)."""
+    dims, planning = state.parallel_dims, options.planning
+    state.decision = decision = decide_and_report(
+        trainer,
+        module,
+        name="LLMParallelStrategy",
+        world_size=dims.world_size,
+        tp=dims.tp,
+        pp=dims.pp,
+        dp_replicate=dims.dp_replicate,
+        activation_checkpointing=planning.activation_checkpointing,
+        backend="native",
+        allow_offload=True,
+        **planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len),
+    )
+    state.zero_stage, state.cpu_offload = decision.stage, decision.offload != "none"
+
+
+def log_layout(options: StrategyOptions, state: RunState) -> None:
+    """One line on rank 0: the layout, the resolved ZeRO stage, the blocks, the TP plan's source and fp8."""
+    dims, report, fp8 = state.parallel_dims, state.report, options.parallel.fp8
+    rank_zero_info(
+        f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
+        f"shard={dims.dp_shard}) tp={dims.tp} zero_stage={state.zero_stage}; {report.num_blocks} blocks at "
+        f"{report.blocks_name!r}"
+        + (f"; TP plan from {report.tp_plan_source}" if dims.tp > 1 else "")
+        + (f"; fp8 ({fp8}) in {len(report.fp8_layers)} Linear layers" if fp8 else "")
+    )

@@ -1,0 +1,52 @@
+"""Lightning's step hooks through a pipeline schedule, as functions of a :class:`~.pipelined_steps.PipelinedSteps`.
+
+With pipeline parallelism, LLMParallelStrategy's ``training_step``, ``validation_step``, ``test_step`` and
+``backward`` call these (without it, the parent strategy's). One training step runs the schedule's forward
+and backward of every micro-batch, so Lightning's own backward only adds the step's gradients (its hooks
+still run); evaluation runs forward-only through the schedule.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+from lightning_llm.strategies.pipelined_steps import PipelinedSteps
+
+
+def batch_and_index(args: tuple, kwargs: dict) -> tuple:
+    """The batch and batch index of a Lightning step hook's arguments."""
+    return args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+
+
+def training_step(steps: PipelinedSteps, module, precision: Precision, batch, batch_idx: int):
+    """One optimizer step's micro-batches through the schedule (fp16's loss scaler reaches it from ``precision``)."""
+    with precision.train_step_context():
+        accumulate = module.trainer.accumulate_grad_batches
+        scaler = precision.scaler if isinstance(precision, MixedPrecision) else None
+        return steps.training_step(module, batch, batch_idx, accumulate, scaler)
+
+
+def evaluation_step(steps: PipelinedSteps, module, name: str, context, batch, batch_idx: int) -> None:
+    """``module``'s ``name`` ("validation_step" or "test_step") forward-only through the schedule, in ``context``."""
+    with context():
+        steps.evaluation_step(module, getattr(module, name), batch, batch_idx)
+
+
+def backward(steps: PipelinedSteps, module, precision: Precision, closure_loss):
+    """The schedule already ran every micro-batch's backward: add the step's gradients between Lightning's hooks."""
+    precision.pre_backward(closure_loss, module)  # Lightning's on_before_backward hooks
+    steps.add_step_gradients(module)
+    precision.post_backward(closure_loss, module)  # and on_after_backward
+    return closure_loss
+
+
+def check_microbatches(trainer, pipeline_parallel_size: int, num_microbatches: int | None) -> None:
+    """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches."""
+    hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
+    batch_size, micro = hparams.get("batch_size"), num_microbatches
+    if pipeline_parallel_size > 1 and isinstance(batch_size, int) and batch_size % micro:
+        raise ValueError(
+            f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}, so it "
+            f"cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
+            "num_microbatches that divides it."
+        )

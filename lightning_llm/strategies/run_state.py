@@ -1,0 +1,57 @@
+"""What one run of an LLMParallelStrategy decides and builds: filled by ``setup_environment`` and ``setup``.
+
+The strategy's options (:mod:`.parallel_options`) are fixed at construction; everything here changes during a
+run: the ZeRO stage and offload "auto" resolves to, the mesh, what parallelization did, the pipeline runtime.
+The contract members (:mod:`.parallel_contract`) and the setup steps (:mod:`.parallel_setup`) are functions of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec
+from lightning_llm.strategies.parallel_options import StrategyOptions
+from lightning_llm.strategies.pipelined_steps import PipelinedSteps
+
+
+@dataclass
+class RunState:
+    """The run's resolved ZeRO stage, mesh, parallelization report, pipeline runtime, AC policies and model shape."""
+
+    zero_stage: Any  # 0-3, or "auto" until setup plans it
+    cpu_offload: bool
+    pipeline: PipelineSpec  # the options' spec; setup fills its seq_len
+    decision: Any = None  # the planner's ZeroDecision once zero_stage="auto" is resolved
+    parallel_dims: ParallelDims | None = None  # from setup_environment on
+    report: ParallelizeReport | None = None  # from setup on
+    pipelined: PipelinedSteps | None = None  # with pipeline parallelism, from setup on
+    ac_policies: list[str] = field(default_factory=list)  # "none" / "full" / "op" per block
+    model_shape: ModelShape | None = None  # read before the model is sharded and cut into stages
+
+    @classmethod
+    def before_setup(cls, options: StrategyOptions) -> RunState:
+        return cls(options.parallel.zero_stage, options.parallel.cpu_offload, options.pipeline.spec())
+
+
+class Forwarded:
+    """A public attribute of the strategy kept in its options or run state, e.g. ``Forwarded("options.parallel.fp8")``.
+
+    Read-only when it names an option (they are frozen); assignable when it names run state.
+    """
+
+    def __init__(self, path: str) -> None:
+        *self.owner, self.name = path.split(".")
+
+    def _holder(self, obj):
+        for part in self.owner:
+            obj = getattr(obj, part)
+        return obj
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(self._holder(obj), self.name)
+
+    def __set__(self, obj, value) -> None:
+        setattr(self._holder(obj), self.name, value)  # frozen options raise FrozenInstanceError

@@ -1,0 +1,92 @@
+"""LLMParallelStrategy's checkpoints: sharded DCP saves and loads, async saves, strict loading.
+
+Saves go through :mod:`lightning_llm.checkpointing.dcp` (one shard per rank, optimizer state keyed by
+parameter name), or Lightning's full-state file with ``save_distributed_checkpoint=False``; both carry the
+model's class and config for a Hugging Face export (:mod:`lightning_llm.hf.export_info`); a failed write
+raises the same error on every rank. Loads are strict both ways unless the module sets ``strict_loading=False``,
+and a checkpoint committed by CheckpointRotation is verified against its checksums first.
+
+:class:`ShardedCheckpoints` does the sharded part; the strategy's Lightning hooks call it and fall back to
+Lightning's own full-file save and load.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_llm.checkpointing import dcp as dcp_checkpoint
+from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe
+from lightning_llm.checkpointing.keys import matching_keys
+from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
+from lightning_llm.strategies.parallel_contract import AsyncSave
+
+log = logging.getLogger(__name__)
+
+
+class ShardedCheckpoints:
+    """One strategy's checkpoint writer and reader; owns the :class:`~.dcp_checkpoint.AsyncSaver` of async saves.
+
+    Arguments:
+        distributed: the strategy's ``save_distributed_checkpoint``: one DCP shard per rank, else one full file
+            that the strategy writes (and reads) with Lightning's own hooks.
+    """
+
+    def __init__(self, distributed: bool) -> None:
+        self.distributed = distributed
+        self.saver = dcp_checkpoint.AsyncSaver()
+
+    def optimizer_state(self, model, optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
+        return dcp_checkpoint.optimizer_state(model, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: str, rank: int, storage_options: Any | None) -> bool:
+        """Write ``checkpoint`` as DCP shards at ``path`` (in the background when ``storage_options`` is an
+        :class:`AsyncSave`, which then holds the future); False where the caller writes a full file instead.
+
+        One save at a time: a synchronous one first waits for an asynchronous one still writing.
+        """
+        if isinstance(storage_options, AsyncSave) and self.distributed:
+            storage_options.future = self.saver.save(checkpoint, path, rank)
+            return True
+        self.saver.wait()
+        if self.distributed:
+            dcp_checkpoint.save(checkpoint, path, rank)
+            return True
+        return False
+
+    def check_file(self, model, path, strict: bool) -> None:
+        """Refuse (when ``strict``) a full checkpoint file whose tensors do not match the model's, both ways."""
+        if strict:
+            matching_keys(dcp_checkpoint.model_shapes(model), dcp_checkpoint.file_shapes(path), strict, path)
+
+    def load(self, model, optimizers, path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Load a DCP checkpoint directory into this layout, whatever layout saved it (DCP reshards by name)."""
+        return dcp_checkpoint.load(model, optimizers, path, strict, weights_only)
+
+    def wait(self) -> None:
+        """Block until the last asynchronous checkpoint is fully written on this rank."""
+        self.saver.wait()
+
+    def finish(self) -> None:
+        """Wait for a background save at teardown; raise its failure unless an error is already propagating.
+
+        Lightning also tears down while an error propagates; a failed background save was already
+        reported then (CheckpointRotation raised it), and must not replace that error.
+        """
+        handling = sys.exc_info()[1] is not None
+        try:
+            self.saver.wait()
+        except SAVE_ERRORS as err:
+            if not handling:
+                raise SaveFailed("(asynchronous save)", describe(err, Path("."))) from err
+            log.warning("An asynchronous checkpoint write failed (already reported): %s", err)
+
+
+def add_export_info(checkpoint: dict[str, Any], module) -> None:
+    """What `lightning-llm export --format hf` needs besides the tensors: the model's class, config and prefix."""
+    entry = describe_model(module)
+    if entry is not None:
+        checkpoint.setdefault(EXPORT_KEY, entry)
