@@ -15,7 +15,7 @@ from lightning_llm.contract import ParallelLayout, contract_of, implements_contr
 from lightning_llm.contract.lightning import LightningContract
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
 from lightning_llm.testing import run_distributed
-from tests._optional import HAS_DEEPSPEED
+from tests._optional import HAS_DEEPSPEED, requires_deepspeed
 from tests.strategies._parity import data, make_model
 
 SEQ = 32
@@ -173,6 +173,7 @@ def test_strategies_writing_their_own_checkpoints_are_told_apart_before_setup():
     assert not contract_of(LLMDeepSpeedStrategy()).saves_to_urls
 
 
+@requires_deepspeed
 def test_lightnings_deepspeed_reads_the_engines_norm_after_its_step():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
