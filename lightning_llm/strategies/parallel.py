@@ -167,9 +167,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
-        self.run_state.agreed_seed = agree_on_seed()  # before configure_model builds (or records the init of) the model
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
-        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
+        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))  # on CUDA, also sets this rank's device
+        self.run_state.agreed_seed = agree_on_seed()  # before configure_model builds (or records the init of) the model
 
     @contextmanager
     @override
