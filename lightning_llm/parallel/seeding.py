@@ -3,6 +3,9 @@
 Replicas and shards are initialized from each rank's CPU generator, so every rank must start from the same
 state. A run seeded the same on every rank (``lightning.seed_everything(42)``) is left exactly as it is;
 only when the ranks' generators differ does rank 0 draw a seed, broadcast it, and every rank seed with it.
+:func:`agree_on_seed` runs just before the model's own init runs on the ranks (LLMParallelStrategy before it
+materializes a meta-device model, DeepSpeed's ZeRO-3 partitioned init), so runs that never initialize there keep
+whatever per-rank generators the user chose.
 """
 
 from __future__ import annotations

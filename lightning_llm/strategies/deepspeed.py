@@ -33,7 +33,6 @@ from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
 from lightning_llm.parallel.init.zero3_init import initialize_partitioned
-from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies.deepspeed_config import (
     check_precision,
@@ -144,12 +143,11 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         check_precision(self.user_config, self.precision_plugin.precision)
         if not isinstance(self.accelerator, CPUAccelerator):
             super().setup_environment()
-        else:
-            _require_deepspeed_cpu_accelerator()
-            # Bypass: DeepSpeedStrategy.setup_environment refuses every accelerator but CUDA. DeepSpeed itself
-            # runs on its CPU accelerator with gloo, so skip that one check and run the DDP/Strategy setup.
-            super(DeepSpeedStrategy, self).setup_environment()
-        agree_on_seed()  # before configure_model builds the model: ranks seeded differently take rank 0's seed
+            return
+        _require_deepspeed_cpu_accelerator()
+        # Bypass: DeepSpeedStrategy.setup_environment refuses every accelerator but CUDA. DeepSpeed itself
+        # runs on its CPU accelerator with gloo, so skip that one check and run the DDP/Strategy setup.
+        super(DeepSpeedStrategy, self).setup_environment()
 
     @override
     def setup_distributed(self) -> None:

@@ -33,7 +33,6 @@ from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.float8 import precompute_fp8_scales
-from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies import parallel_contract as contract
 from lightning_llm.strategies import parallel_setup, pipeline_routing
@@ -168,8 +167,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
-        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))  # on CUDA, also sets this rank's device
-        self.run_state.agreed_seed = agree_on_seed()  # before configure_model builds (or records the init of) the model
+        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
     @contextmanager
     @override

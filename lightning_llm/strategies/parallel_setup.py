@@ -17,6 +17,7 @@ from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
+from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipeline_routing import check_microbatches
@@ -83,6 +84,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         fp8_exclude=parallel.fp8_exclude,
     )
     if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
+        state.agreed_seed = agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed
         materialize(module, device, init_fills)
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds

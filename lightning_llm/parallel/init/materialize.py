@@ -257,10 +257,9 @@ def check_same_rng_state(group=None) -> None:
     if len(set(digests)) > 1:
         raise RuntimeError(
             "The random number generators differ between ranks before the model's weights are initialized, so "
-            "replicas would start from different weights. The strategies agree on one seed when they set up the "
-            "process group; something since then (setup() or configure_model()) drew from torch's generator on "
-            "some ranks only. Draw the same on every rank there, or reseed every rank the same just before "
-            "building the model, e.g. lightning.seed_everything(42)."
+            "replicas would start from different weights. Seed every rank the same first, e.g. "
+            "lightning.seed_everything(42), or call lightning_llm.parallel.seeding.agree_on_seed() just before "
+            "(the strategies do: every rank then takes rank 0's seed)."
         )
 
 
