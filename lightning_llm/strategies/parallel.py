@@ -203,6 +203,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not state.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         parallel_setup.log_layout(self.options, state)
+        parallel_setup.log_global_batch(trainer, self.options, state)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

@@ -7,6 +7,7 @@ LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_llm.hf.load import load_pretrained
@@ -16,6 +17,7 @@ from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
+from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipeline_routing import check_microbatches
@@ -82,6 +84,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         fp8_exclude=parallel.fp8_exclude,
     )
     if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
+        state.agreed_seed = agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed
         materialize(module, device, init_fills)
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
@@ -129,4 +132,32 @@ def log_layout(options: StrategyOptions, state: RunState) -> None:
         f"{report.blocks_name!r}"
         + (f"; TP plan from {report.tp_plan_source}" if dims.tp > 1 else "")
         + (f"; fp8 ({fp8}) in {len(report.fp8_layers)} Linear layers" if fp8 else "")
+    )
+
+
+def global_batch(trainer, options: StrategyOptions, state: RunState) -> tuple[int | None, int | None]:
+    """(sequences, tokens) per optimizer step: micro-batch × data-parallel size × accumulate_grad_batches (× seq_len).
+
+    The micro-batch and sequence length come from the strategy's ``micro_batch_size``/``seq_len``, else the
+    datamodule's ``batch_size``/``seq_len`` hyperparameters; None where neither says.
+    """
+    hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+    micro_batch = options.planning.micro_batch_size or hparams.get("batch_size")
+    seq_len = options.planning.seq_len or hparams.get("seq_len")
+    if not micro_batch:
+        return None, None
+    sequences = int(micro_batch) * state.parallel_dims.dp * int(trainer.accumulate_grad_batches)
+    return sequences, sequences * int(seq_len) if seq_len else None
+
+
+def log_global_batch(trainer, options: StrategyOptions, state: RunState) -> None:
+    """One line on rank 0 when fitting: the global batch in sequences and tokens ("unknown" where not known)."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return
+    sequences, tokens = global_batch(trainer, options, state)
+    dp, accumulate = state.parallel_dims.dp, trainer.accumulate_grad_batches
+    rank_zero_info(
+        f"LLMParallelStrategy: global batch {sequences if sequences is not None else 'unknown'} sequences, "
+        f"{tokens if tokens is not None else 'unknown'} tokens per optimizer step (micro-batch × dp={dp} × "
+        f"accumulate_grad_batches={accumulate} × seq_len)"
     )

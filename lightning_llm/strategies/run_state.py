@@ -30,6 +30,7 @@ class RunState:
     pipelined: PipelinedSteps | None = None  # with pipeline parallelism, from setup on
     ac_policies: list[str] = field(default_factory=list)  # "none" / "full" / "op" per block
     model_shape: ModelShape | None = None  # read before the model is sharded and cut into stages
+    agreed_seed: int | None = None  # rank 0's seed, when setup found the ranks' generators differing
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:

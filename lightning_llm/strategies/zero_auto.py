@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,7 +21,7 @@ from torch.utils.data import IterableDataset
 from lightning_llm._compat.lightning import fit_loop_data_source
 from lightning_llm._compat.torch import tree_leaves
 from lightning_llm.modeling.activations import activation_bytes_by_mode, parameter_counts
-from lightning_llm.parallel.devices import total_device_memory
+from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
 
@@ -67,7 +68,8 @@ def planning_inputs(
 
     The shape comes from, in order: the strategy's arguments, the datamodule's ``batch_size``/``seq_len``
     hyperparameters, and the first training batch (its first tensor of two or more dims, read as
-    (batch, sequence)): a plain DataLoader passed to ``fit`` or a datamodule without those hparams.
+    (batch, sequence)): a plain DataLoader passed to ``fit`` or a datamodule without those hparams. The device
+    memory is the smallest over all ranks (when a process group is initialized), so the job decides once.
     """
     hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
     micro_batch_size = micro_batch_size or hparams.get("batch_size")
@@ -76,6 +78,7 @@ def planning_inputs(
         batch_size, batch_seq_len = _first_batch_shape(trainer, device)
         micro_batch_size, seq_len = micro_batch_size or batch_size, seq_len or batch_seq_len
     memory = parse_size(device_memory) if device_memory is not None else total_device_memory(device)
+    memory = min_over_ranks(memory)  # every rank plans from the same memory, so all choose the same stage
     return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
 
 
@@ -99,8 +102,11 @@ def _first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, i
 def decide_and_report(trainer: L.Trainer, module: nn.Module, *, name: str, **planning: Any) -> ZeroDecision:
     """Plan with :func:`choose_zero_stage`, log the table on rank 0 and put the decision in the loggers' hyperparameters."""
     decision = choose_zero_stage(module, precision=str(trainer.precision), **planning)
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    memory = f"{planning.get('device_memory', 0) / GiB:.1f} GiB, the smallest device memory over {ranks} ranks"
     rank_zero_info(
-        f"{name}: zero_stage='auto' chose ZeRO {decision.stage}, offload {decision.offload!r}:\n{decision.table}"
+        f"{name}: zero_stage='auto' chose ZeRO {decision.stage}, offload {decision.offload!r} ({memory}):\n"
+        f"{decision.table}"
     )
     for logger in trainer.loggers:
         logger.log_hyperparams({"zero_stage": decision.stage, "zero_offload": decision.offload})

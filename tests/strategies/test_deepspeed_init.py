@@ -114,3 +114,49 @@ def test_zero3_init_is_bit_identical_to_single_process(zero3, case):
     # The recipe, not torch's per-layer defaults (embedding std 1.0), which zero.Init left before the fix.
     if arch != "hf_llama":
         assert zero3[0][case]["params"]["model.tok_embeddings.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def _unseeded_zero3() -> dict:
+    import os
+
+    from lightning_llm.data import LLMDataModule
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    torch.manual_seed(100 + int(os.environ["RANK"]))  # each rank differs on purpose: the ranks agree on rank 0's seed
+    module, capture = build("reference"), _Capture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMDeepSpeedStrategy(zero_stage=3, config=SHARD_ALL),
+        max_steps=0,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+    )
+    trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
+    return {"params": capture.params, "seed": int(os.environ["PL_GLOBAL_SEED"])}
+
+
+@requires_deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_zero3_ranks_seeded_differently_init_from_rank_zeros_seed():
+    from lightning_llm.models.llama import Llama
+
+    rank0, rank1 = run_distributed(_unseeded_zero3, 2, timeout=300)
+    assert rank0["seed"] == rank1["seed"]
+    with torch.device("meta"):  # the oracle: the model's own init in one process, seeded with the agreed seed
+        model = Llama(CONFIG)
+    model.to_empty(device="cpu")
+    torch.manual_seed(rank0["seed"])
+    with torch.no_grad():
+        model.reset_parameters()
+    expected = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for result in (rank0, rank1):
+        assert set(result["params"]) == set(expected)
+        for name, value in result["params"].items():
+            assert torch.equal(value, expected[name]), name

@@ -257,8 +257,9 @@ def check_same_rng_state(group=None) -> None:
     if len(set(digests)) > 1:
         raise RuntimeError(
             "The random number generators differ between ranks before the model's weights are initialized, so "
-            "replicas would start from different weights. Seed every rank the same before fit(), e.g. "
-            "lightning.seed_everything(42)."
+            "replicas would start from different weights. Seed every rank the same first, e.g. "
+            "lightning.seed_everything(42), or call lightning_llm.parallel.seeding.agree_on_seed() just before "
+            "(the strategies do: every rank then takes rank 0's seed)."
         )
 
 

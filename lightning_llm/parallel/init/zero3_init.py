@@ -31,7 +31,8 @@ from torch import nn
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm.parallel.init import materialize
 from lightning_llm.parallel.init.entry import init_entry_points
-from lightning_llm.parallel.init.materialize import RandomFill, check_same_rng_state
+from lightning_llm.parallel.init.materialize import RandomFill
+from lightning_llm.parallel.seeding import agree_on_seed
 
 LIVE_BYTES = 64 << 20  # parameters kept gathered at once (at least one, whatever its size)
 
@@ -119,7 +120,7 @@ def initialize_partitioned(
     ``rng_state`` is ``torch.get_rng_state()`` from just before the model was built: the init draws
     from it, as it would in one process after ``torch.manual_seed`` (the numbers the per-layer
     defaults drew during construction are discarded with those defaults). Parameters built outside
-    ``zero.Init`` keep their values. Every rank must hold the same ``rng_state``.
+    ``zero.Init`` keep their values. Ranks whose ``rng_state`` differs take rank 0's seed (:func:`agree_on_seed`).
 
     ``fresh``: ids of the tensors :func:`lightning_llm.parallel.init.zero3_build.partition_meta_model` created from the
     meta device (they hold no values): modules owning them with no init entry point are refused by name.
@@ -138,7 +139,7 @@ def initialize_partitioned(
     params = list({id(p): p for p in module.parameters() if is_partitioned(p)}.values())
     placeholders = [p.data for p in params]
     torch.set_rng_state(rng_state)
-    check_same_rng_state()
+    agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed, logged once
     gather = _GatherOnTouch(params, LIVE_BYTES if live_bytes is None else live_bytes)
     try:
         for param in params:
