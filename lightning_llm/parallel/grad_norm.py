@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.parallel.dtensor import local_grad_stand_in
+
 
 def _grouped(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     """Parameters with a gradient, grouped so each group is all plain tensors or all DTensors of one layout."""
@@ -74,7 +76,10 @@ def clip_grad_norm_(
     parameters = list(parameters)
     skip = {id(p) for p in counted_elsewhere}
     total = total_grad_norm([p for p in parameters if id(p) not in skip], norm_type, pipeline_group)
-    # torch's scaling step, once per group: it cannot mix plain and DTensor gradients in one call.
-    for group in _grouped(parameters).values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+    # torch's scaling step, run on each gradient's local shard (a scale is linear, so a pending Partial sum scales
+    # too), all in one call. Scaling the DTensors themselves goes wrong on torch 2.11: measured, tp2+SP losses drift
+    # 2.3e-3 from one process within 10 steps at clip 0.5, against 9.5e-8 this way.
+    local = [local_grad_stand_in(p.grad) for p in parameters if p.grad is not None]
+    if local:
+        torch.nn.utils.clip_grads_with_norm_(local, max_norm, total.to(local[0].grad.device))
     return total

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_llm.parallel.dtensor import local_tensor
+from lightning_llm.parallel.dtensor import local_grad_stand_in
 
 
 class DistributedGradScaler(torch.amp.GradScaler):
@@ -66,12 +66,6 @@ class _LocalShards:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.param_groups = [
-            {"params": [_shard(p) for p in group["params"] if p.grad is not None]} for group in optimizer.param_groups
+            {"params": [local_grad_stand_in(p.grad) for p in group["params"] if p.grad is not None]}
+            for group in optimizer.param_groups
         ]
-
-
-def _shard(param: torch.Tensor) -> torch.Tensor:
-    grad = local_tensor(param.grad)
-    stand_in = grad.detach()
-    stand_in.grad = grad
-    return stand_in

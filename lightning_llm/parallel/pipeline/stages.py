@@ -53,8 +53,9 @@ class StageRunner(nn.Module):
         if hidden is not None and self.boundary_layout is not None:
             # Sequence-parallel activations travel as their local shards and become DTensors again here.
             hidden = DTensor.from_local(hidden, *self.boundary_layout, run_check=False)
-        # Shape inference runs once on uninitialised tensors: any valid index will do.
-        mb = int(index.reshape(-1)[0]) % state.num_microbatches
+        # Shape inference runs once on uninitialised tensors (a float index may hold NaN): any valid index will do.
+        first = torch.nan_to_num(index.reshape(-1)[0].detach(), nan=0.0, posinf=0.0, neginf=0.0)
+        mb = int(first) % state.num_microbatches
         with state.activate(self.chunk, hidden):
             try:
                 out = state.step_fn(state.microbatches[mb], state.batch_idx, mb)
