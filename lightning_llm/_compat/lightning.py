@@ -160,12 +160,6 @@ def data_parallel_size(strategy) -> Any:
     return strategy._data_parallel_size
 
 
-def saves_distributed_checkpoint(strategy) -> bool:
-    """``ModelParallelStrategy._save_distributed_checkpoint``: the ``save_distributed_checkpoint`` argument (sharded
-    DCP directory vs one consolidated file). Checked on lightning 2.6.6."""
-    return strategy._save_distributed_checkpoint
-
-
 def setup_distributed(strategy) -> None:
     """``ModelParallelStrategy._setup_distributed()``: the parent's process-group setup (world ranks, environment,
     ``init_process_group``), reused by a ``setup_environment`` that builds its own mesh. Checked on lightning 2.6.6."""
@@ -182,11 +176,10 @@ def set_device_mesh(strategy, mesh) -> None:
 
 register(
     Private(
-        name="ModelParallelStrategy._tensor_parallel_size, _data_parallel_size, _save_distributed_checkpoint, "
+        name="ModelParallelStrategy._tensor_parallel_size, _data_parallel_size, "
         "_setup_distributed, _device_mesh; LightningModule._device_mesh",
         upstream="lightning",
-        accessor="lightning.tensor_parallel_size, data_parallel_size, saves_distributed_checkpoint, "
-        "setup_distributed, set_device_mesh",
+        accessor="lightning.tensor_parallel_size, data_parallel_size, setup_distributed, set_device_mesh",
         used_by=("strategies/parallel.py",),
         why="the parent stores its arguments and mesh there and sets up the process group in `_setup_distributed`; "
         "our subclass builds its own 4-D mesh (exposed publicly as `tensor_parallel_size`)",
@@ -198,9 +191,6 @@ register(
             ),
             _has_instance_attr(
                 "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_data_parallel_size"
-            ),
-            _has_instance_attr(
-                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_save_distributed_checkpoint"
             ),
             _has_instance_attr("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_device_mesh"),
             resolve("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy._setup_distributed"),

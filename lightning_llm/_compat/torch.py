@@ -84,26 +84,6 @@ register(
 )
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
-    """``torch._foreach_norm``: one norm per tensor in a fused kernel. The public ``torch.nn.utils.get_total_norm``
-    returns only the total, not the per-tensor norms. Checked on torch 2.13.0."""
-    return torch._foreach_norm(tensors, ord)
-
-
-register(
-    Private(
-        name="torch._foreach_norm",
-        upstream="torch",
-        accessor="torch.foreach_norm",
-        used_by=("callbacks/spike.py (still direct: callbacks are another worker's)",),
-        why="per-tensor norms in one fused kernel; `torch.nn.utils.get_total_norm` returns only the total",
-        caught_by="`tests/callbacks/` spike tests",
-        checked=CHECKED,
-        check=lambda: resolve("torch:_foreach_norm"),
-    )
-)
-
-
 def module_parameters(module: nn.Module) -> dict[str, Any]:
     """``module._parameters``: the module's own parameter slots, ``None`` entries included (``Linear(bias=False)``),
     as the live dictionary (assigning an entry swaps a parameter without ``register_parameter``'s checks).
@@ -141,5 +121,20 @@ register(
         "`tests/test_setup_memory.py`",
         checked=CHECKED,
         check=lambda: (nn.Linear(1, 1)._parameters, nn.BatchNorm1d(1)._buffers),
+    )
+)
+
+
+register(
+    Private(
+        name="torch.amp.GradScaler._unscale_grads_",
+        upstream="torch",
+        accessor="(overridden, not called: parallel/grad_scaler.DistributedGradScaler)",
+        used_by=("parallel/grad_scaler.py",),
+        why="the one method between GradScaler's bookkeeping and its unscale kernel: overriding it lets torch's own "
+        "unscaling run on each gradient's local shard and the found-inf flag be agreed over the ranks; no public hook",
+        caught_by="`tests/strategies/test_fp16_parity.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch.amp:GradScaler._unscale_grads_"),
     )
 )

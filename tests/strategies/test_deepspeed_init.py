@@ -48,8 +48,6 @@ class _Capture(L.Callback):
 def _init_under_zero3(cases) -> list[dict]:
     import lightning_llm.parallel.init.materialize as materialize
     import lightning_llm.parallel.init.zero3_init as zero3_init
-    from lightning_llm.data import LLMDataModule
-    from lightning_llm.strategies import LLMDeepSpeedStrategy
 
     zero3_init.LIVE_BYTES = 1  # one parameter gathered at a time: every release and re-gather path runs
     # Random fills drawn into the partitions in chunks of 48 elements, so chunk and partition boundaries fall inside
@@ -62,21 +60,7 @@ def _init_under_zero3(cases) -> list[dict]:
     for arch, config, construction in cases:
         ds_strategy.partitions_directly = directly if construction == "meta" else (lambda init: "forced by the test")
         torch.manual_seed(SEED)
-        module, capture = build(arch), _Capture()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
-            max_steps=0,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[capture],
-        )
-        trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
+        capture = _build_under_zero3(build(arch), config)
         results.append({"params": capture.params, "partitioned": capture.partitioned, "tied": capture.tied})
     return results
 
@@ -119,25 +103,8 @@ def test_zero3_init_is_bit_identical_to_single_process(zero3, case):
 def _unseeded_zero3() -> dict:
     import os
 
-    from lightning_llm.data import LLMDataModule
-    from lightning_llm.strategies import LLMDeepSpeedStrategy
-
     torch.manual_seed(100 + int(os.environ["RANK"]))  # each rank differs on purpose: the ranks agree on rank 0's seed
-    module, capture = build("reference"), _Capture()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=LLMDeepSpeedStrategy(zero_stage=3, config=SHARD_ALL),
-        max_steps=0,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[capture],
-    )
-    trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
+    capture = _build_under_zero3(build("reference"), SHARD_ALL)
     return {"params": capture.params, "seed": int(os.environ["PL_GLOBAL_SEED"])}
 
 
@@ -160,3 +127,26 @@ def test_zero3_ranks_seeded_differently_init_from_rank_zeros_seed():
         assert set(result["params"]) == set(expected)
         for name, value in result["params"].items():
             assert torch.equal(value, expected[name]), name
+
+
+def _build_under_zero3(module, config) -> _Capture:
+    """Build ``module`` under LLMDeepSpeedStrategy ZeRO 3 on this rank (``max_steps=0``); what its init produced."""
+    from lightning_llm.data import LLMDataModule
+    from lightning_llm.strategies import LLMDeepSpeedStrategy
+
+    capture = _Capture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
+        max_steps=0,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+    )
+    trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))
+    return capture
