@@ -89,5 +89,7 @@ class RunInfoLogger(L.Callback):
         contract = contract_of(trainer)
         info = {f"parallel/{key}": value for key, value in contract.layout.as_dict().items()}
         info["parallel/activation_checkpointing"] = ",".join(contract.activation_checkpointing_policies) or "none"
+        if contract.tensor_parallel_coverage:
+            info["parallel/tp_coverage"] = " | ".join(contract.tensor_parallel_coverage)
         for logger in trainer.loggers:
             logger.log_hyperparams(info)

@@ -43,6 +43,10 @@ class WholeModelContract:
         return None
 
     @property
+    def tensor_parallel_coverage(self) -> list[str]:
+        return []
+
+    @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
         return None
 

@@ -65,6 +65,8 @@ class StrategyContract(Protocol):
         model_shape: the whole model's shape for FLOP accounting, read before sharding (``None`` if unknown).
         activation_checkpointing_policies: one of "none" / "full" / "op" per transformer block.
         blocks_name: the dotted name of the transformer-block list, if the strategy found or was given one.
+        tensor_parallel_coverage: per block class, the share of each part this rank holds under tensor
+            parallelism (empty without it).
         pipeline_group: the process group of this rank's pipeline peers (``None`` without pipeline parallelism).
         supports_async_save: whether :meth:`save_checkpoint_async` writes in the background.
         saves_through_checkpoint_io: whether a save hands the whole checkpoint dict to ``strategy.checkpoint_io``.
@@ -85,6 +87,9 @@ class StrategyContract(Protocol):
 
     @property
     def blocks_name(self) -> str | None: ...
+
+    @property
+    def tensor_parallel_coverage(self) -> list[str]: ...
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None: ...

@@ -29,6 +29,7 @@ from lightning_llm.parallel.tp.apply import (
     validate_plan,
     with_region_parameters,
 )
+from lightning_llm.parallel.tp.coverage import check_coverage
 
 
 @dataclass
@@ -39,6 +40,7 @@ class ParallelizeReport:
     num_blocks: int
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_plan_source: str = ""
+    tp_coverage: list[str] = field(default_factory=list)
     zero_stage: int = 0
     chunks: list = field(default_factory=list)
     stage_ranks: list[int] = field(default_factory=list)
@@ -64,18 +66,29 @@ def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
 
 
 def plan_tensor_parallel(
-    module: nn.Module, *, tp: int, blocks_name: str, blocks: nn.ModuleList, user_plan: dict[str, str] | None
+    module: nn.Module,
+    *,
+    tp: int,
+    blocks_name: str,
+    blocks: nn.ModuleList,
+    user_plan: dict[str, str] | None,
+    replicate: list[str] | tuple[str, ...] = (),
 ) -> tuple[dict[str, str], str]:
-    """Resolve and validate the TP plan before anything is changed, so bad input fails early."""
+    """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early."""
     hook = getattr(module, "tensor_parallel_plan", None)
-    module_plan = hook() if callable(hook) and not user_plan else None
-    plan, source = resolve_plan(
-        module, blocks_name=blocks_name, blocks=blocks, user_plan=user_plan, module_plan=module_plan
+    module_plan = hook() if callable(hook) else None
+    plan, source, unknown = resolve_plan(
+        module,
+        blocks_name=blocks_name,
+        blocks=blocks,
+        user_plan=user_plan,
+        module_plan=module_plan,
+        replicate=replicate,
     )
-    plan = with_region_parameters(plan, blocks_name, blocks[0])
     validate_plan(module, plan, tp)
     check_head_counts(module, blocks, tp)
-    return plan, source
+    check_coverage(blocks_name, blocks, plan, unknown, tp)
+    return with_region_parameters(plan, blocks_name, blocks), source
 
 
 @dataclass
@@ -118,6 +131,7 @@ def parallelize(
     precision: str = "32-true",
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
+    tensor_parallel_replicate: list[str] | None = None,
     blocks: str | None = None,
     cpu_offload: bool = False,
     compile_blocks: bool = False,
@@ -143,7 +157,12 @@ def parallelize(
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
-            module, tp=dims.tp, blocks_name=blocks_name, blocks=block_list, user_plan=tensor_parallel_plan
+            module,
+            tp=dims.tp,
+            blocks_name=blocks_name,
+            blocks=block_list,
+            user_plan=tensor_parallel_plan,
+            replicate=tensor_parallel_replicate or (),
         )
     owned_blocks, roots = list(block_list), None
     if pipeline is not None and dims.pp > 1:
@@ -162,7 +181,7 @@ def parallelize(
             fsdp_float8_all_gather=shards and fp8 == "tensorwise",
         )
     if dims.tp > 1:
-        apply_tensor_parallel(
+        report.tp_coverage = apply_tensor_parallel(
             module,
             report.tp_plan,
             tp_mesh=dims.mesh["tp"],

@@ -68,7 +68,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
         sequence_parallel: shard activations between blocks along the sequence (needs tp > 1).
         tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
             LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
-            "sequence_parallel", "replicate". Overrides the automatic plan.
+            "sequence_parallel", "replicate", ... (see the docs' tensor-parallel page). Merged per module with
+            the module's ``tensor_parallel_plan()``, the model's Hugging Face ``_tp_plan`` and inference, in that
+            order of precedence; a part of a block left whole on every rank is refused at setup.
+        tensor_parallel_replicate: module-name patterns kept whole on every rank on purpose (e.g. ``["*.router"]``),
+            exempt from that refusal and shown as replicated in the coverage report.
         blocks: dotted name of the ``nn.ModuleList`` of transformer blocks, if discovery picks the wrong one.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
         compile_blocks: ``torch.compile`` each block.
@@ -106,6 +110,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         zero_stage: Literal[0, 1, 2, 3, "auto"] = 3,
         sequence_parallel: bool = False,
         tensor_parallel_plan: dict[str, str] | None = None,
+        tensor_parallel_replicate: list[str] | None = None,
         blocks: str | None = None,
         cpu_offload: bool = False,
         compile_blocks: bool = False,
@@ -145,6 +150,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
     data_parallel_replicate_size = Forwarded("options.parallel.data_parallel_replicate_size")
     sequence_parallel = Forwarded("options.parallel.sequence_parallel")
     tensor_parallel_plan = Forwarded("options.parallel.tensor_parallel_plan")
+    tensor_parallel_replicate = Forwarded("options.parallel.tensor_parallel_replicate")
     blocks = Forwarded("options.parallel.blocks")
     compile_blocks = Forwarded("options.parallel.compile_blocks")
     fp8 = Forwarded("options.parallel.fp8")
@@ -333,6 +339,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @property
     def blocks_name(self) -> str | None:
         return self.report.blocks_name if self.report is not None else self.blocks
+
+    @property
+    def tensor_parallel_coverage(self) -> list[str]:
+        return list(self.report.tp_coverage) if self.report is not None else []
 
     @property
     def pipeline_group(self):

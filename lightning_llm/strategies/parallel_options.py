@@ -33,6 +33,7 @@ class ParallelOptions:
     zero_stage: Literal[0, 1, 2, 3, "auto"]  # as asked; RunState holds the stage "auto" resolves to
     sequence_parallel: bool
     tensor_parallel_plan: dict[str, str] | None
+    tensor_parallel_replicate: list[str]
     blocks: str | None
     cpu_offload: bool  # as asked; RunState holds the choice of "auto"
     compile_blocks: bool
@@ -94,6 +95,7 @@ def build_options(
     zero_stage,
     sequence_parallel,
     tensor_parallel_plan,
+    tensor_parallel_replicate,
     blocks,
     cpu_offload,
     compile_blocks,
@@ -130,6 +132,12 @@ def build_options(
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
     check_int("seq_len", seq_len, minimum=1, optional=True)
     recipe = validate_fp8(fp8)
+    replicate_patterns = tensor_parallel_replicate or []
+    if isinstance(replicate_patterns, str) or not all(isinstance(p, str) for p in replicate_patterns):
+        raise ValueError(
+            f"tensor_parallel_replicate={tensor_parallel_replicate!r} must be a list of module-name patterns "
+            "(fnmatch, as in named_modules()), e.g. ['*.router']."
+        )
     if recipe is not None and tp > 1:
         raise ValueError(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported yet (torchao's float8 "
@@ -147,6 +155,7 @@ def build_options(
             zero_stage,
             sequence_parallel,
             tensor_parallel_plan,
+            list(replicate_patterns),
             blocks,
             cpu_offload,
             compile_blocks,

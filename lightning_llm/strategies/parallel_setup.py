@@ -75,6 +75,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         precision=str(trainer.precision),
         sequence_parallel=parallel.sequence_parallel,
         tensor_parallel_plan=parallel.tensor_parallel_plan,
+        tensor_parallel_replicate=parallel.tensor_parallel_replicate,
         blocks=parallel.blocks,
         cpu_offload=state.cpu_offload,
         compile_blocks=parallel.compile_blocks,
@@ -133,6 +134,8 @@ def log_layout(options: StrategyOptions, state: RunState) -> None:
         + (f"; TP plan from {report.tp_plan_source}" if dims.tp > 1 else "")
         + (f"; fp8 ({fp8}) in {len(report.fp8_layers)} Linear layers" if fp8 else "")
     )
+    for line in report.tp_coverage:
+        rank_zero_info(f"LLMParallelStrategy: tensor parallel coverage: {line}")
 
 
 def global_batch(trainer, options: StrategyOptions, state: RunState) -> tuple[int | None, int | None]:

@@ -70,12 +70,45 @@ def test_hugging_face_plan_is_found_and_translated():
     assert plan["model.model.layers.*.self_attn.o_proj"] == "rowwise"
 
 
-def test_precedence_strategy_over_module_hook_over_hugging_face():
+def test_plans_merge_per_module_strategy_over_module_hook_over_hugging_face():
     module = HFCausalLM("llama")
-    module.tensor_parallel_plan = lambda: {"model.model.layers.*.mlp.up_proj": "colwise"}
-    assert _plan(module)[1] == "module"
-    user = {"model.model.layers.*.mlp.down_proj": "rowwise"}
-    assert _plan(module, user_plan=user) == (user, "strategy")
+    module.tensor_parallel_plan = lambda: {
+        "model.model.layers.*.mlp.up_proj": "colwise_gather",
+        "model.model.layers.*.mlp.down_proj": "rowwise_split_input",
+    }
+    plan, source = _plan(module, user_plan={"model.model.layers.*.mlp.down_proj": "rowwise"})
+    assert source == "strategy + module + hugging face"
+    assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"  # the user's, over the hook's and HF's
+    assert plan["model.model.layers.*.mlp.up_proj"] == "colwise_gather"  # the hook's, over HF's
+    assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"  # HF's, named by no one else
+
+
+def test_inference_fills_what_a_partial_hugging_face_plan_leaves_out():
+    module = HFCausalLM("llama")
+    module.model._tp_plan = {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise"}
+    plan, source = _plan(module)
+    assert source == "hugging face + inferred"
+    assert plan["model.lm_head"] == "colwise_gather" and plan["model.model.embed_tokens"] == "embedding"
+    assert plan["model.model.layers.*.self_attn.q_proj"] == plan["model.model.layers.*.mlp.up_proj"] == "colwise"
+    assert plan["model.model.layers.*.self_attn.o_proj"] == plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
+
+
+def test_a_part_left_whole_is_refused_unless_replicated_on_purpose():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o, self.mix = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+
+    module = nn.Module()
+    module.blocks = nn.ModuleList(Block() for _ in range(2))
+    with pytest.raises(ValueError, match=r"would leave 'blocks.\*.mix' \(20% of its block's parameters\) whole"):
+        _plan(module)
+    name, blocks = find_blocks(module)
+    plan, source = plan_tensor_parallel(
+        module, tp=2, blocks_name=name, blocks=blocks, user_plan=None, replicate=["blocks.*.mix"]
+    )
+    assert plan == {"blocks.*.mix": "replicate", "blocks.*.q": "colwise", "blocks.*.o": "rowwise"}
+    assert source == "strategy + inferred"
 
 
 def test_fused_projection_is_refused_with_the_fixing_plan_entry():
@@ -178,7 +211,8 @@ def test_user_plan_wins_over_an_hf_plan_we_refuse():
     module.inner._tp_plan = {"layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}
     module.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2))
     user = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
-    assert _plan(module, user_plan=user) == (user, "strategy")
+    user_with_mla = {**user, "inner.layers.*.self_attn.kv_a_proj_with_mqa": "replicate"}
+    assert _plan(module, user_plan=user_with_mla) == (user_with_mla, "strategy")
     with pytest.raises(ValueError, match=r"'inner\.layers\.\*\.self_attn\.kv_a_proj_with_mqa': 'mla_kv_a_proj'"):
         _plan(module)
 
@@ -238,7 +272,9 @@ def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
             self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.RMSNorm(4)
 
     block = nn.ModuleDict({"norm": nn.LayerNorm(16), "attn": Attn()})
-    plan = with_region_parameters({"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}, "blocks", block)
+    plan = with_region_parameters(
+        {"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}, "blocks", nn.ModuleList([block])
+    )
     assert plan["blocks.*.attn.q_norm"] == "replicate_grad_sum" and "blocks.*.norm" not in plan
 
 

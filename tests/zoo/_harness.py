@@ -13,6 +13,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.strategies._parity import GlobalLoss
@@ -63,10 +64,25 @@ def _local_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
-    """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs).
+def held_shares(model) -> dict[str, float]:
+    """The share of the attention and of the expert parameters this rank holds: local shard elements / global
+    elements, read off the parameters themselves (attention: under a module named ``*attn*``/``*attention*``)."""
+    groups: dict[str, list] = {"attention": [], "experts": []}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if any("attn" in part or "attention" in part for part in parts):
+            groups["attention"].append(param)
+        if "experts" in parts:
+            groups["experts"].append(param)
+    local = lambda p: p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # noqa: E731
+    return {k: sum(map(local, ps)) / sum(p.numel() for p in ps) for k, ps in groups.items() if ps}
 
-    The last item is what ``zero_stage="auto"`` planned for: (micro_batch_size, seq_len), or ``None``.
+
+def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
+    """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs,
+    the largest share of attention / expert parameters any rank holds).
+
+    The fourth item is what ``zero_stage="auto"`` planned for: (micro_batch_size, seq_len), or ``None``.
     """
     model = ZooLM(name)
     losses = GlobalLoss()
@@ -87,7 +103,9 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
     sampler = None if strategy is not None else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // dp, sampler=sampler))
     if strategy is None:
-        return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, [], None
+        return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, [], None, {}
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, held_shares(model))
     state = _local_state(model)
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
@@ -98,7 +116,8 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
                 differing.add(key)
             merged.setdefault(key, value)
     planned = strategy.decision
-    return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations
+    most = {k: max(s[k] for s in shares) for k in shares[0]}
+    return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations, most
 
 
 def train_zoo(layouts: list[str], models: list[str]) -> dict | None:

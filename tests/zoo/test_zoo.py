@@ -96,13 +96,15 @@ def test_zoo_cell_matches_single_process(layout, name, request):
     if isinstance(result, str):
         _table[(name, layout)] = "x"
         raise AssertionError(f"{name} under {layout} failed:\n{result}")
-    losses, params, differing, planned_activations = result
-    ref_losses, ref_params, _, _ = _reference(name)
+    losses, params, differing, planned_activations, held = result
+    ref_losses, ref_params, *_ = _reference(name)
     _table[(name, layout)] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
     assert_parity(
         (losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=PARAM_RTOL.get(name, 1e-5), loss_rtol=1e-5
     )
+    if layout in ("tp2", "tp2_sp"):  # tensor parallelism splits attention and experts, not only the edges
+        assert held and all(share <= 0.55 for share in held.values()), f"{name} {layout}: rank holds {held}"
     if name in MOE:  # the routers decide exactly as the single process's do
         for got, want in zip(_routes(name, params), _routes(name, ref_params)):
             assert torch.equal(got, want), f"{name} {layout}: routing differs from the single process"

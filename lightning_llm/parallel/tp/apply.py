@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.tp.coverage import coverage_lines
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.plan import (
@@ -50,21 +51,30 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def with_region_parameters(plan: dict[str, str], blocks_name: str, block: nn.Module) -> dict[str, str]:
+def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks: nn.ModuleList) -> dict[str, str]:
     """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
 
-    Entries the plan already has win; the first forward verifies the additions (see
-    :mod:`.tp_replicated_grads`).
+    Found per distinct block class (hybrid stacks mix them); entries the plan already has win; the first
+    forward verifies the additions (see :mod:`.replicated_grads`).
     """
-    prefix = f"{blocks_name}.0."
-    local = {}
-    for name, _ in block.named_modules():
-        for pattern, style in plan.items():
-            if name and _matches(prefix + name, pattern):
-                local[name] = style
     plan = dict(plan)
-    for name in sharded_region_modules(block, local):
-        plan[f"{blocks_name}.*.{name}"] = "replicate_grad_sum"
+    classes: dict[type, list[int]] = {}
+    for i, block in enumerate(blocks):
+        if not getattr(block, "is_pipeline_placeholder", False):
+            classes.setdefault(type(block), []).append(i)
+    for indices in classes.values():
+        prefix = f"{blocks_name}.{indices[0]}."
+        local = {
+            name: style
+            for name, _ in blocks[indices[0]].named_modules()
+            for pattern, style in plan.items()
+            if name and _matches(prefix + name, pattern)
+        }
+        for name in sharded_region_modules(blocks[indices[0]], local):
+            if len(classes) == 1:
+                plan[f"{blocks_name}.*.{name}"] = "replicate_grad_sum"
+            else:
+                plan.update({f"{blocks_name}.{i}.{name}": "replicate_grad_sum" for i in indices})
     return plan
 
 
@@ -76,8 +86,11 @@ def apply_tensor_parallel(
     blocks: list[nn.Module],
     sequence_parallel: bool,
     blocks_name: str = "",
-) -> None:
-    """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated)."""
+) -> list[str]:
+    """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated).
+
+    Returns the coverage report of this rank's blocks (see :func:`.coverage.coverage_lines`).
+    """
     tp = tp_mesh.size()
     if sequence_parallel:
         plan = add_sequence_parallel_norms(
@@ -110,6 +123,7 @@ def apply_tensor_parallel(
         len(explicit),
         heads,
     )
+    return coverage_lines(blocks)
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:

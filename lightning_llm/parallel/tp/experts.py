@@ -49,7 +49,9 @@ def expert_count(module: nn.Module) -> int | None:
     weights = list(module.parameters(recurse=False))
     if not isinstance(count, int) or not weights or len(list(module.parameters())) != len(weights):
         return None
-    return count if all(p.dim() >= 2 and p.shape[0] == count for p in weights) else None
+    # At least one 3-D weight: a router also holds ``num_experts`` and an (experts x dim) weight.
+    experts_first = all(p.dim() >= 2 and p.shape[0] == count for p in weights)
+    return count if experts_first and any(p.dim() >= 3 for p in weights) else None
 
 
 def check_experts(name: str, module: nn.Module, tp: int) -> None:

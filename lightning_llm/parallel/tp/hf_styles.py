@@ -64,16 +64,28 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
 
         plan = hf_plan(lightning_module)  # {"model.model.layers.*.self_attn.q_proj": "colwise", ...}
     """
+    entries = hf_plan_entries(model)
+    if entries is None:
+        return None
+    translated, refused = entries
+    if refused:
+        raise ValueError(hf_refusal(translated, refused))
+    return translated
+
+
+def hf_plan_entries(model: nn.Module) -> tuple[dict[str, str], dict[str, str]] | None:
+    """(translated entries, entries in HF styles we do not apply) of the outermost ``_tp_plan``, or ``None``.
+
+    Patterns are full module names of ``model``; only entries that match one of its modules are kept.
+    """
     for prefix, module in model.named_modules():
         plan = tp_plan(module)
         if not (isinstance(plan, dict) and plan):
             continue
         full = _present(module, _without_expert_weights(module, plan))
         full = {f"{prefix}.{p}" if prefix else p: s for p, s in full.items()}
-        refused = {p: s for p, s in full.items() if s not in HF_STYLES}
-        if refused:
-            raise ValueError(_refusal(prefix, full, refused))
-        return {p: HF_STYLES[s] for p, s in full.items()}
+        translated = {p: HF_STYLES[s] for p, s in full.items() if s in HF_STYLES}
+        return translated, {p: s for p, s in full.items() if s not in HF_STYLES}
     return None
 
 
@@ -98,18 +110,15 @@ def _without_expert_weights(root: nn.Module, plan: dict[str, str]) -> dict[str, 
     return {p: s for p, s in plan.items() if not expert_weight(p, s)}
 
 
-def _refusal(prefix: str, full: dict[str, str], refused: dict[str, str]) -> str:
+def hf_refusal(translated: dict[str, str], refused: dict[str, str]) -> str:
+    """Why the HF plan cannot be applied as it is, and a plan without the refused entries' modules that can."""
     parents = {_parent(p) for p in refused}
-    keep = {
-        p: HF_STYLES[s]
-        for p, s in full.items()
-        if s in HF_STYLES and not any(p == q or p.startswith(q + ".") for q in parents)
-    }
+    keep = {p: s for p, s in translated.items() if not any(p == q or p.startswith(q + ".") for q in parents)}
     why = "; ".join(
         f"{p!r}: {s!r} ({HF_REFUSED.get(s, 'a style this package does not know')})" for p, s in refused.items()
     )
     return (
-        f"The Hugging Face tensor-parallel plan on {prefix or 'the model'!r} has entries this package does not apply: "
+        f"The model's Hugging Face tensor-parallel plan has entries this package does not apply: "
         f"{why}. Keep those modules whole on every rank (exact, they are then only not split) by passing this plan "
         f"to the strategy: tensor_parallel_plan={keep!r}."
     )

@@ -1,25 +1,33 @@
-"""Which tensor-parallel plan applies to a model: the user's, the module's, Hugging Face's, or one inferred.
+"""Which tensor-parallel style each module gets: plans merged per module, never one taken on faith.
 
 A plan maps fnmatch patterns over module names (``"layers.*.attention.q_proj"``) to one of
-:data:`STYLES`. The first source that has one wins, and a later source is not even looked at
-(an HF plan we cannot apply never blocks a user plan):
+:data:`STYLES`. Four sources are merged, and for each module the first source that names it wins:
 
-1. the strategy's ``tensor_parallel_plan`` argument;
+1. the strategy's ``tensor_parallel_plan`` argument (and its ``tensor_parallel_replicate`` opt-outs);
 2. a ``tensor_parallel_plan()`` method on the LightningModule;
-3. a Hugging Face ``_tp_plan`` on a submodule (its styles translated, see :mod:`.tp_hf_styles`);
-4. inference from the Linear layers inside the transformer blocks (names, then shapes).
+3. a Hugging Face ``_tp_plan`` on a submodule (its styles translated, see :mod:`.hf_styles`);
+4. inference from the model's structure (:mod:`.infer`), for every module the others leave out.
+
+A plan naming a module also owns what is inside it. HF plans often cover part of a model only (the
+embedding and head; the experts), so taking the first plan found as the whole plan would leave the rest
+whole on every rank without a word: :mod:`.coverage` reports and refuses what stays whole.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import nn
 
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
-from lightning_llm.parallel.tp.hf_styles import hf_plan
+from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
+from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head
+
+__all__ = ["STYLES", "infer_plan", "resolve_plan", "validate_plan"]
 
 STYLES = (
     "colwise",
@@ -37,135 +45,61 @@ STYLES = (
     "experts",
     "gather_sequence",
 )
-# Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
-# Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
-KNOWN_FUSED = {
-    ("GPT2Attention", "c_attn"): "fused_qkv",
-    ("Phi3Attention", "qkv_proj"): "fused_qkv",
-    ("Phi3MLP", "gate_up_proj"): "fused_colwise:2",
-    ("litgpt:CausalSelfAttention", "qkv"): "fused_qkv",
-}
-
-_COLWISE = re.compile(
-    r"^(q|k|v|wq|wk|wv|query|key|value|q_proj|k_proj|v_proj|to_q|to_k|to_v|gate|up|w1|w3|gate_proj|up_proj|fc1|fc_in|c_fc|dense_h_to_4h|in_proj_q|in_proj_k|in_proj_v)$"
-)
-_ROWWISE = re.compile(
-    r"^(o|wo|out|o_proj|out_proj|to_out|proj|down|w2|down_proj|fc2|fc_out|c_proj|dense_4h_to_h|dense)$"
-)
-_FUSED = re.compile(r"^(qkv|wqkv|qkv_proj|c_attn|query_key_value|in_proj|gate_up_proj|w13|w12|kv|kv_proj)$")
+# Styles whose module's insides belong to the entry: nothing under it is planned by another source.
+_OWNS_SUBTREE = ("experts", "replicate")
 
 
 def is_fused_style(style: str) -> bool:
     return style == "fused_qkv" or style.startswith(FUSED_PREFIX)
 
 
-def known_fused_style(owner: nn.Module, leaf: str) -> str | None:
-    """The fused style of attribute ``leaf`` of ``owner`` when its layout is known (see :data:`KNOWN_FUSED`)."""
-    cls = type(owner)
-    package = cls.__module__.split(".")[0]
-    return KNOWN_FUSED.get((f"{package}:{cls.__name__}", leaf)) or KNOWN_FUSED.get((cls.__name__, leaf))
-
-
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dict[str, str]:
-    """A plan from the names and shapes of the Linear layers inside the transformer blocks.
+def _coverer(model: nn.Module, plan: dict[str, str]) -> Callable[[str], bool]:
+    """Whether a module name is named by ``plan``, directly or under an entry that owns its subtree."""
+    owners = [p for p, s in plan.items() if s in _OWNS_SUBTREE]
 
-    q/k/v/gate/up-like layers are split column-wise, o/down-like ones row-wise; layers without a
-    telling name are classified by shape (``dim -> wider`` is column-wise, ``wider -> dim`` row-wise).
-    Fused projections and square layers without a telling name are refused: splitting them
-    blindly would silently compute something else.
+    def covered(name: str) -> bool:
+        if any(_matches(name, p) for p in plan):
+            return True
+        parts = name.split(".")
+        return any(_matches(".".join(parts[:k]), p) for p in owners for k in range(1, len(parts)))
+
+    return covered
+
+
+def merge_plans(model: nn.Module, sources: list[tuple[str, dict[str, str]]]) -> tuple[dict[str, str], list[str]]:
+    """The sources' entries, each kept only for the modules no earlier source names; and which sources gave any.
+
+    An entry whose pattern matches some modules an earlier source names is written out for the others.
     """
-    plan: dict[str, str] = {}
-    for name, module in blocks[0].named_modules():
-        if projection_dims(module) is None:
-            continue
-        plan[f"{blocks_name}.*.{name}"] = _classify_linear(f"{blocks_name}.0.{name}", name, module, blocks[0])
-    if not plan:
-        raise ValueError(
-            f"tensor_parallel_size > 1 but the blocks at {blocks_name!r} contain no nn.Linear (or Conv1D) layer to shard. "
-            "Pass `tensor_parallel_plan` to the strategy, or use tensor_parallel_size=1."
-        )
-    blocks_prefix = blocks_name + "."
-    for name, module in model.named_modules():
-        if name.startswith(blocks_prefix):
-            continue
-        if isinstance(module, nn.Embedding):
-            plan[name] = "embedding"
-    head = _output_head(model, blocks_prefix)
-    if head is not None:
-        plan[head] = "colwise_gather"
-    return plan
+    merged: dict[str, str] = {}
+    used: list[str] = []
+    names = [n for n, _ in model.named_modules() if n]
+    for label, plan in sources:
+        covered = _coverer(model, merged)
+        kept = {}
+        for pattern, style in plan.items():
+            matched = [n for n in names if _matches(n, pattern)]
+            free = [n for n in matched if not covered(n)]
+            if len(free) == len(matched):
+                kept[pattern] = style
+            else:
+                kept.update(dict.fromkeys(free, style))
+        if kept:
+            used.append(label)
+        merged.update(kept)
+    return merged, used
 
 
-def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Module) -> str:
-    owner_name, _, leaf = name.rpartition(".")
-    known = known_fused_style(block.get_submodule(owner_name), leaf)
-    if known:
-        return known
-    leaf = leaf.lower()
-    in_features, out_features = projection_dims(linear)
-    if _FUSED.match(leaf):
-        raise ValueError(
-            f"{full_name!r} looks like a fused projection ({in_features} -> {out_features}) of a layout this package "
-            "does not know; a plain column split would give each rank a slice mixing q/k/v (or gate/up) of different "
-            f"heads. Declare its layout: tensor_parallel_plan={{'{_pattern(full_name)}': STYLE, ...}} with STYLE "
-            "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
-            "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
-        )
-    if _COLWISE.match(leaf):
-        return "colwise"
-    if _ROWWISE.match(leaf):
-        return "rowwise"
-    dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]
-    model_dim = max(set(dims), key=dims.count)
-    if in_features == model_dim and out_features != model_dim:
-        return "colwise"
-    if out_features == model_dim and in_features != model_dim:
-        return "rowwise"
-    raise ValueError(
-        f"Cannot tell whether {full_name!r} ({in_features} -> {out_features}) is an input or an output "
-        f"projection from its name or shape. Name it in the plan, e.g. "
-        f"tensor_parallel_plan={{'{_pattern(full_name)}': 'colwise'}} (or 'rowwise'), with the other layers."
-    )
+class ResolvedPlan(NamedTuple):
+    """What :func:`resolve_plan` decided."""
 
-
-def _pattern(full_name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", full_name, count=1)
-
-
-def _output_head(model: nn.Module, blocks_prefix: str) -> str | None:
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    vocab = {e.num_embeddings for e in embeddings}
-    heads = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not name.startswith(blocks_prefix) and m.out_features in vocab
-    ]
-    return heads[-1] if heads else None
-
-
-def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
-    """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
-
-    A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
-    next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
-    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
-    """
-    plan = dict(plan)
-    planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
-    # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
-    in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
-    beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
-    for name, module in model.named_modules():
-        if getattr(module, "is_pipeline_placeholder", False):
-            continue
-        is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
-        if is_norm and name not in planned and name.rpartition(".")[0] not in beside_projection:
-            plan[name] = "sequence_parallel"
-    return plan
+    plan: dict[str, str]
+    source: str
+    unknown: dict[str, str]
 
 
 def resolve_plan(
@@ -175,21 +109,39 @@ def resolve_plan(
     blocks: nn.ModuleList,
     user_plan: dict[str, str] | None = None,
     module_plan: dict[str, str] | None = None,
-) -> tuple[dict[str, str], str]:
-    """The plan to apply and where it came from ("strategy", "module", "hugging face", "inferred").
+    replicate: tuple[str, ...] | list[str] = (),
+) -> ResolvedPlan:
+    """The merged plan, the sources that gave entries (``"strategy + hugging face + inferred"``) and the
+    modules inference left whole because it could not classify them (name -> why, for :mod:`.coverage`).
 
-    Sources are consulted lazily in order, so an HF plan with styles we refuse is never read when
-    the user or the module gives a plan.
+    ``replicate`` are module-name patterns the user keeps whole on every rank (at the user's precedence).
+    HF entries in styles this package does not apply are refused unless an earlier source or inference
+    plans those modules.
+
+    Example::
+
+        plan, source, unknown = resolve_plan(module, blocks_name="model.layers", blocks=module.model.layers)
     """
-    if user_plan:
-        plan, source = dict(user_plan), "strategy"
-    elif module_plan:
-        plan, source = dict(module_plan), "module"
-    elif plan := hf_plan(model):
-        plan, source = split_gathered_fused(model, plan), "hugging face"
-    else:
-        plan, source = infer_plan(model, blocks_name, blocks), "inferred"
-    return resolve_fused_styles(model, plan), source
+    user = {**(user_plan or {}), **dict.fromkeys(replicate, "replicate")}
+    hf_translated, hf_refused = hf_plan_entries(model) or ({}, {})
+    sources = [("strategy", user), ("module", module_plan or {})]
+    if hf_translated:
+        sources.append(("hugging face", split_gathered_fused(model, hf_translated)))
+    merged, used = merge_plans(model, sources)
+    inferred = infer_styles(model, blocks_name, blocks, _coverer(model, merged))
+    _refuse_hf_entries(model, merged, inferred.plan, hf_translated, hf_refused)
+    plan, more = merge_plans(model, [("merged", merged), ("inferred", inferred.plan)])
+    used += [s for s in more if s != "merged"]
+    return ResolvedPlan(resolve_fused_styles(model, plan), " + ".join(used) or "inferred", inferred.unknown)
+
+
+def _refuse_hf_entries(model, merged, inferred, translated, refused) -> None:
+    """Raise for HF entries we do not apply on modules that neither an earlier source nor inference plans."""
+    planned = _coverer(model, {**merged, **inferred})
+    names = [n for n, _ in model.named_modules() if n]
+    left = {p: s for p, s in refused.items() if not all(planned(n) for n in names if _matches(n, p))}
+    if left:
+        raise ValueError(hf_refusal(translated, left))
 
 
 def split_gathered_fused(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -228,6 +180,27 @@ def resolve_fused_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, st
     return resolved
 
 
+def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
+    """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
+
+    A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
+    next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
+    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
+    """
+    plan = dict(plan)
+    planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
+    # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
+    in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
+    beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
+    for name, module in model.named_modules():
+        if getattr(module, "is_pipeline_placeholder", False):
+            continue
+        is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
+        if is_norm and name not in planned and name.rpartition(".")[0] not in beside_projection:
+            plan[name] = "sequence_parallel"
+    return plan
+
+
 def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
     """Under sequence parallelism, the embeddings and output head the plan leaves out, split as :func:`infer_plan` would.
 
@@ -244,7 +217,7 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and not name.startswith(prefix) and not covered(name):
             plan[name] = "embedding"
-    head = _output_head(model, prefix)
+    head = output_head(model, prefix)
     if head is not None and not covered(head):
         plan[head] = "colwise_gather"
     # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard.

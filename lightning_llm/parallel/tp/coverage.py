@@ -1,0 +1,141 @@
+"""What tensor parallelism splits and what it leaves whole: refused before training, reported after.
+
+A TP run that leaves most of each block whole on every rank pays TP's communication and gets little of its
+memory saving. :func:`check_coverage` runs on the resolved plan, before anything changes, and refuses a
+module inside the blocks that no plan entry names, that would stay whole on every rank and that holds
+more than :data:`MAX_WHOLE_SHARE` of its block's parameters (or that inference could not classify while
+its siblings are split, which would compute something else). Modules a plan keeps whole on purpose
+(``replicate``: the user's ``tensor_parallel_replicate``, a router, multi-query k/v) pass and are reported.
+
+:func:`coverage_lines` reads the local shards once TP is applied: per distinct block class, the share of
+each part's parameters a rank holds (``self_attn 50%/rank, mlp.experts 50%/rank, replicated: ...``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+MAX_WHOLE_SHARE = 0.05
+_WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence")
+
+
+def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
+    """The styles of the entries naming ``name`` itself, or an ancestor that owns its subtree."""
+    parts = name.split(".")
+    direct = [s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)]
+    inherited = [
+        s
+        for p, s in plan.items()
+        if s in ("experts", "replicate")
+        for k in range(1, len(parts))
+        if fnmatch.fnmatchcase(".".join(parts[:k]), p)
+    ]
+    return direct + inherited
+
+
+def check_coverage(
+    blocks_name: str, blocks: nn.ModuleList, plan: dict[str, str], unknown: dict[str, str], tp: int
+) -> None:
+    """Refuse, before training, a sizeable part of a block that TP would silently leave whole on every rank.
+
+    Example::
+
+        check_coverage("model.layers", model.layers, plan, resolved.unknown, tp=2)
+    """
+    seen: set[type] = set()
+    for i, block in enumerate(blocks):
+        if type(block) in seen or getattr(block, "is_pipeline_placeholder", False):
+            continue
+        seen.add(type(block))
+        total = sum(p.numel() for p in block.parameters()) or 1
+        for rel, module in block.named_modules():
+            name = f"{blocks_name}.{i}.{rel}" if rel else f"{blocks_name}.{i}"
+            own = sum(p.numel() for p in module.parameters(recurse=False))
+            if not own or _styles_of(name, plan):
+                continue
+            why = unknown.get(name)
+            if own / total > MAX_WHOLE_SHARE or (why and _has_split_sibling(name, block, rel, plan, blocks_name, i)):
+                leaf_in_part = "." in rel and not any(True for _ in module.children())
+                keep = name.rpartition(".")[0] if leaf_in_part else name
+                raise ValueError(_refusal(name, keep, own / total, why, tp))
+
+
+def _has_split_sibling(name: str, block: nn.Module, rel: str, plan: dict[str, str], blocks_name: str, i: int) -> bool:
+    parent = rel.rpartition(".")[0]
+    owner = block.get_submodule(parent) if parent else block
+    prefix = f"{blocks_name}.{i}.{parent}." if parent else f"{blocks_name}.{i}."
+    return any(s not in _WHOLE_STYLES for child, _ in owner.named_children() for s in _styles_of(prefix + child, plan))
+
+
+def _refusal(name: str, keep: str, share: float, why: str | None, tp: int) -> str:
+    return (
+        f"tensor_parallel_size={tp} would leave {_wildcard(name)!r} ({share:.0%} of its block's parameters) whole on "
+        f"every rank: no tensor-parallel plan names it"
+        + (f" and inference cannot split it ({why})" if why else "")
+        + f". Split it with a tensor_parallel_plan entry for {_wildcard(name)!r}, or keep it whole on purpose "
+        f"with tensor_parallel_replicate=[{_wildcard(keep)!r}] (the whole part; parts of a module split and parts whole "
+        "would compute something else), or use pipeline_parallel_size / zero_stage instead of tensor parallelism."
+    )
+
+
+def _wildcard(name: str) -> str:
+    parts = name.split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            parts[k] = "*"
+            break
+    return ".".join(parts)
+
+
+def _local_share(params: list) -> float | None:
+    total = sum(p.numel() for p in params)
+    if not total:
+        return None
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return local / total
+
+
+def _parts(module: nn.Module, prefix: str = "") -> list[tuple[str, float]]:
+    """(part name, local share) for each child; a child whose parameters are split unevenly is opened up."""
+    parts = []
+    own = list(module.parameters(recurse=False))
+    if own and prefix:
+        parts.append((f"{prefix}(own)", _local_share(own)))
+    for name, child in module.named_children():
+        params = list(child.parameters())
+        share = _local_share(params)
+        if share is None:
+            continue
+        shares = {round(_local_share([p]), 4) for p in params}
+        if len(shares) > 1 and any(True for _ in child.children()):
+            parts.extend(_parts(child, f"{prefix}{name}."))
+        else:
+            parts.append((f"{prefix}{name}", share))
+    return parts
+
+
+def coverage_lines(blocks: list[nn.Module]) -> list[str]:
+    """One line per distinct block class: each part's share held by this rank, whole parts listed last.
+
+    Example::
+
+        coverage_lines(owned_blocks)  # ["LlamaDecoderLayer x2: self_attn 50%/rank, mlp 50%/rank; replicated: ..."]
+    """
+    lines = []
+    classes: dict[type, list[nn.Module]] = {}
+    for block in blocks:
+        classes.setdefault(type(block), []).append(block)
+    for cls, members in classes.items():
+        parts = _parts(members[0])
+        split = [f"{n} {s:.0%}/rank" for n, s in parts if s < 1]
+        whole = [n for n, s in parts if s >= 1]
+        share = _local_share(list(members[0].parameters()))
+        lines.append(
+            f"{cls.__name__} x{len(members)} ({share:.0%} of its parameters on this rank): "
+            + (", ".join(split) or "nothing split")
+            + (f"; replicated: {', '.join(whole)}" if whole else "")
+        )
+    return lines

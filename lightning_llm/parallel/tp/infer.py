@@ -1,0 +1,216 @@
+"""Tensor-parallel styles inferred from a model's structure: what no plan names gets a style here, or is reported.
+
+Inference reads every distinct block class of the block list (hybrid models mix attention, state-space
+and MoE layers), never a model's name:
+
+* Linear (and ``Conv1D``) layers by name (``q_proj`` column-wise, ``o_proj`` row-wise), then by shape
+  (``dim -> wider`` column-wise, ``wider -> dim`` row-wise);
+* fused projections of a known layout (:data:`KNOWN_FUSED`);
+* experts modules (3-D weights indexed by expert, see :mod:`.experts`) as whole experts per rank, and the
+  router beside them (a layer with one output per expert) replicated;
+* the embeddings and the output head outside the blocks.
+
+A layer it cannot classify (a fused projection of unknown layout, a square layer without a telling
+name) is not split: it is returned as *unknown* with the reason and the plan entry that would split it,
+and :mod:`.coverage` refuses it when it holds a real share of the block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_llm.parallel.tp.experts import expert_count
+from lightning_llm.parallel.tp.fused import projection_dims
+
+# Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
+# Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
+KNOWN_FUSED = {
+    ("GPT2Attention", "c_attn"): "fused_qkv",
+    ("Phi3Attention", "qkv_proj"): "fused_qkv",
+    ("Phi3MLP", "gate_up_proj"): "fused_colwise:2",
+    ("litgpt:CausalSelfAttention", "qkv"): "fused_qkv",
+}
+
+_COLWISE = re.compile(
+    r"^(q|k|v|wq|wk|wv|query|key|value|q_proj|k_proj|v_proj|to_q|to_k|to_v|gate|up|w1|w3|gate_proj|up_proj|fc1|fc_in|c_fc|dense_h_to_4h|in_proj_q|in_proj_k|in_proj_v)$"
+)
+_ROWWISE = re.compile(
+    r"^(o|wo|out|o_proj|out_proj|to_out|proj|down|w2|down_proj|fc2|fc_out|c_proj|dense_4h_to_h|dense)$"
+)
+_FUSED = re.compile(r"^(qkv|wqkv|qkv_proj|c_attn|query_key_value|in_proj|gate_up_proj|w13|w12|kv|kv_proj)$")
+
+
+@dataclass
+class Inferred:
+    """What inference made of the modules no other source names."""
+
+    plan: dict[str, str] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)  # module name -> why it is left whole
+
+
+def known_fused_style(owner: nn.Module, leaf: str) -> str | None:
+    """The fused style of attribute ``leaf`` of ``owner`` when its layout is known (see :data:`KNOWN_FUSED`)."""
+    cls = type(owner)
+    package = cls.__module__.split(".")[0]
+    return KNOWN_FUSED.get((f"{package}:{cls.__name__}", leaf)) or KNOWN_FUSED.get((cls.__name__, leaf))
+
+
+def pattern_of(full_name: str) -> str:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj`` (the block index made a wildcard)."""
+    return re.sub(r"\.\d+\.", ".*.", full_name, count=1)
+
+
+def infer_styles(
+    model: nn.Module, blocks_name: str, blocks: nn.ModuleList, covered: Callable[[str], bool] = lambda _: False
+) -> Inferred:
+    """Styles for every module of ``model`` that ``covered`` says no other plan source names.
+
+    Patterns use ``*`` for the block index where every block holding that module gets the same style,
+    and explicit indices where block classes disagree.
+    """
+    result = Inferred()
+    per_block: dict[tuple[str, str], list[int]] = {}
+    owned = [i for i, b in enumerate(blocks) if not getattr(b, "is_pipeline_placeholder", False)]
+    by_class: dict[type, dict[str, tuple[str | None, str | None]]] = {}
+    for i in owned:
+        block = blocks[i]
+        if type(block) not in by_class:
+            by_class[type(block)] = _block_styles(block, f"{blocks_name}.{i}")
+        for rel, (style, why) in by_class[type(block)].items():
+            name = f"{blocks_name}.{i}.{rel}"
+            if covered(name) or _under_covered(name, blocks_name, covered):
+                continue
+            if style is not None:
+                per_block.setdefault((rel, style), []).append(i)
+            elif not any(pattern_of(n) == pattern_of(name) for n in result.unknown):
+                result.unknown[name] = why
+    holders = {rel: [i for i in owned if _has(blocks[i], rel)] for rel, _ in per_block}
+    for (rel, style), indices in per_block.items():
+        if indices == holders[rel]:
+            result.plan[f"{blocks_name}.*.{rel}"] = style
+        else:
+            result.plan.update({f"{blocks_name}.{i}.{rel}": style for i in indices})
+    result.plan.update(_outer_styles(model, blocks_name, covered))
+    return result
+
+
+def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dict[str, str]:
+    """The inferred plan of a model no other source plans; refuses a layer it cannot classify.
+
+    Example::
+
+        infer_plan(model, "layers", model.layers)   # {"layers.*.attention.q_proj": "colwise", ...}
+    """
+    inferred = infer_styles(model, blocks_name, blocks)
+    if inferred.unknown:
+        raise ValueError(next(iter(inferred.unknown.values())))
+    if not any(k.startswith(blocks_name + ".") for k in inferred.plan):
+        raise ValueError(
+            f"tensor_parallel_size > 1 but the blocks at {blocks_name!r} contain no nn.Linear (or Conv1D) layer to shard. "
+            "Pass `tensor_parallel_plan` to the strategy, or use tensor_parallel_size=1."
+        )
+    return inferred.plan
+
+
+def _has(block: nn.Module, rel: str) -> bool:
+    try:
+        block.get_submodule(rel)
+    except AttributeError:
+        return False
+    return True
+
+
+def _under_covered(name: str, blocks_name: str, covered: Callable[[str], bool]) -> bool:
+    """Whether an ancestor inside the block is named by a plan: a planned module's insides are that plan's."""
+    parts = name[len(blocks_name) + 1 :].split(".")
+    return any(covered(f"{blocks_name}.{'.'.join(parts[:k])}") for k in range(2, len(parts)))
+
+
+def _block_styles(block: nn.Module, label: str) -> dict[str, tuple[str | None, str | None]]:
+    """Relative module name -> (inferred style, None), or (None, why it is left whole), for one block."""
+    styles: dict[str, tuple[str | None, str | None]] = {}
+    experts = {n: expert_count(m) for n, m in block.named_modules() if n and expert_count(m)}
+    for name, module in block.named_modules():
+        if not name or any(name.startswith(e + ".") for e in experts):
+            continue
+        if name in experts:
+            styles[name] = ("experts", None)
+        elif projection_dims(module) is not None:
+            is_router = _is_router(name, module, block)
+            styles[name] = (
+                ("replicate", None) if is_router else _classify_linear(f"{label}.{name}", name, module, block)
+            )
+    return styles
+
+
+def _is_router(name: str, module: nn.Module, block: nn.Module) -> bool:
+    """A layer beside a set of experts (3-D weights or a list of expert modules) with one output per expert:
+    it routes tokens, and splitting it would give each rank the scores of some experts only."""
+    parent_name = name.rpartition(".")[0]
+    siblings = block.get_submodule(parent_name).children() if parent_name else block.children()
+    counts = {expert_count(s) or (len(s) if isinstance(s, nn.ModuleList) else None) for s in siblings}
+    return projection_dims(module)[1] in counts - {None, 1}
+
+
+def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Module) -> tuple[str | None, str | None]:
+    """(style, None), or (None, why it cannot be told) for a layer that must not be split blindly."""
+    owner_name, _, leaf = name.rpartition(".")
+    known = known_fused_style(block.get_submodule(owner_name), leaf)
+    if known:
+        return known, None
+    leaf = leaf.lower()
+    in_features, out_features = projection_dims(linear)
+    pattern = pattern_of(full_name)
+    if _FUSED.match(leaf):
+        return None, (
+            f"{full_name!r} looks like a fused projection ({in_features} -> {out_features}) of a layout this package "
+            "does not know; a plain column split would give each rank a slice mixing q/k/v (or gate/up) of different "
+            f"heads. Declare its layout: tensor_parallel_plan={{'{pattern}': STYLE, ...}} with STYLE "
+            "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
+            "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
+        )
+    if _COLWISE.match(leaf):
+        return "colwise", None
+    if _ROWWISE.match(leaf):
+        return "rowwise", None
+    dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]
+    model_dim = max(set(dims), key=dims.count)
+    if in_features == model_dim and out_features != model_dim:
+        return "colwise", None
+    if out_features == model_dim and in_features != model_dim:
+        return "rowwise", None
+    return None, (
+        f"Cannot tell whether {full_name!r} ({in_features} -> {out_features}) is an input or an output "
+        f"projection from its name or shape. Name it in the plan, e.g. "
+        f"tensor_parallel_plan={{'{pattern}': 'colwise'}} (or 'rowwise'), with the other layers."
+    )
+
+
+def _outer_styles(model: nn.Module, blocks_name: str, covered: Callable[[str], bool]) -> dict[str, str]:
+    """The embeddings (vocabulary split) and the output head (column split, gathered) outside the blocks."""
+    prefix = blocks_name + "."
+    plan = {
+        name: "embedding"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and not name.startswith(prefix) and not covered(name)
+    }
+    head = output_head(model, prefix)
+    if head is not None and not covered(head):
+        plan[head] = "colwise_gather"
+    return plan
+
+
+def output_head(model: nn.Module, blocks_prefix: str) -> str | None:
+    """The last Linear outside the blocks whose outputs number an embedding's vocabulary, if any."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = {e.num_embeddings for e in embeddings}
+    heads = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not name.startswith(blocks_prefix) and m.out_features in vocab
+    ]
+    return heads[-1] if heads else None
