@@ -33,6 +33,8 @@ from lightning_llm.parallel.tp.replicated_grads import (
     sharded_region_modules,
     verify_on_first_forward,
 )
+from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
+from lightning_llm.parallel.tp.split_outputs import watch_first_forward
 from lightning_llm.parallel.tp.styles import parallel_style
 
 __all__ = [
@@ -99,7 +101,7 @@ def apply_tensor_parallel(
     tied = tied_parameter_names(model)
     # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
     modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
-    explicit = {}
+    explicit, sp_norms = {}, set()
     for pattern, style in plan.items():
         for name, module in modules.items():
             if (
@@ -107,8 +109,12 @@ def apply_tensor_parallel(
                 and (torch_style := parallel_style(style, sequence_parallel, module)) is not None
             ):
                 explicit[name] = torch_style
+                if style == "sequence_parallel":
+                    sp_norms.add(id(module))
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
+    if sequence_parallel:
+        adapt_block_parts(blocks, tp_mesh, skip=sp_norms)
     block_names = {id(m): n for n, m in model.named_modules()}
     heads = 0
     for block in blocks:
@@ -116,6 +122,7 @@ def apply_tensor_parallel(
         local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if n and _matches(f"{name}.{n}", p)}
         heads += divide_head_counts([block], tp, region_owners(local) or None)
         verify_on_first_forward(block, local, label=name)
+        watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
     log.info(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
         tp,
