@@ -69,7 +69,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         tensor_parallel_plan: module-name patterns (fnmatch, as in ``named_modules()`` of the
             LightningModule) to styles: "colwise", "rowwise", "colwise_gather", "embedding",
             "sequence_parallel", "replicate". Overrides the automatic plan.
-        blocks: dotted name of the ``nn.ModuleList`` of transformer blocks, if discovery picks the wrong one.
+        blocks: dotted name of the ``nn.ModuleList`` or ``nn.Sequential`` of transformer blocks, if discovery
+            (the container of layers holding most parameters, classes mixed or not) picks the wrong one.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
         compile_blocks: ``torch.compile`` each block.
         fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):
