@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch import nn
 from typing_extensions import override
 
 from lightning_llm.callbacks import cadence
 from lightning_llm.contract import contract_of
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.blocks import block_modules, find_blocks
 from lightning_llm.validation import check_float, check_int
 
 
@@ -73,8 +72,8 @@ class GradNormMonitor(L.Callback):
         if self.per_block:
             _, blocks = find_blocks(pl_module, contract.blocks_name)
             # Blocks held by another pipeline stage contribute zero here and their norm over the group.
-            # ModuleList.__iter__ itself: a pipeline stage's gated list yields stand-ins for other stages' blocks.
-            for index, block in enumerate(nn.ModuleList.__iter__(blocks)):
+            # From the registry: a pipeline stage's gated list yields stand-ins for other stages' blocks.
+            for index, block in enumerate(block_modules(blocks)):
                 self._log_one(pl_module, f"block_{index}", contract.grad_norm(block.parameters(), self.norm_type))
         if self.per_param_group:
             for index, group in enumerate(optimizer.param_groups):

@@ -8,7 +8,7 @@ input comes from the embedding rather than from a block. The model's block list 
 of its first two blocks for that one forward, then put back.
 
 Blocks that differ in anything that could change what they save (a sliding-window flag, an extra
-parameter) are measured in full; so is any model whose forward does not run on a shortened list.
+parameter, a hybrid's attention and Mamba blocks, DeepSeek-V3's dense and MoE blocks) are measured in full; so is any model whose forward does not run on a shortened list.
 ``tests/modeling/test_repeated_blocks.py`` checks the result against the full per-block measurement.
 """
 
@@ -77,7 +77,8 @@ def first_blocks(module: nn.Module, name: str, count: int):
     parent_name, _, attr = name.rpartition(".")
     parent = module.get_submodule(parent_name)
     full = getattr(parent, attr)
-    setattr(parent, attr, nn.ModuleList(list(full)[:count]))
+    sample = list(full)[:count]  # a Sequential stays one: the forward calls it
+    setattr(parent, attr, nn.Sequential(*sample) if isinstance(full, nn.Sequential) else nn.ModuleList(sample))
     try:
         yield
     finally:

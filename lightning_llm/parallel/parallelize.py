@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.blocks import BlockStack, block_names, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.float8 import apply_fp8
@@ -105,11 +105,11 @@ class PipelineSpec:
         return validate_schedule(self.schedule, self.virtual_stages)
 
 
-def assign_stages(module: nn.Module, blocks_name: str, blocks: nn.ModuleList, dims: ParallelDims, spec: PipelineSpec):
+def assign_stages(module: nn.Module, blocks_name: str, blocks: BlockStack, dims: ParallelDims, spec: PipelineSpec):
     """Every stage's block range and rank; returns (chunks of this rank, rank of each stage)."""
     num_stages = dims.pp * spec.stages_per_rank()
     if spec.split is not None:
-        ranges = explicit_split(spec.split, blocks_name, len(blocks), num_stages)
+        ranges = explicit_split(spec.split, blocks_name, len(blocks), num_stages, block_names(blocks_name, blocks))
     else:
         costs = stage_costs(module, blocks, *outer_modules(module, blocks_name), seq_len=spec.seq_len)
         ranges = balanced_split(costs.blocks, num_stages, head_cost=costs.last, first_cost=costs.first)

@@ -73,7 +73,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
             order of precedence; a part of a block left whole on every rank is refused at setup.
         tensor_parallel_replicate: module-name patterns kept whole on every rank on purpose (e.g. ``["*.router"]``),
             exempt from that refusal and shown as replicated in the coverage report.
-        blocks: dotted name of the ``nn.ModuleList`` of transformer blocks, if discovery picks the wrong one.
+        blocks: dotted name of the ``nn.ModuleList`` or ``nn.Sequential`` of transformer blocks, if discovery
+            (the container of layers holding most parameters, classes mixed or not) picks the wrong one.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
         compile_blocks: ``torch.compile`` each block.
         fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):

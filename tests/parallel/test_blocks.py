@@ -1,11 +1,14 @@
-"""Block discovery: the list of transformer blocks is found in the models users bring, and a wrong
-override or a model without such a list is refused with the names to choose from."""
+"""Block discovery: the list of transformer blocks is found in the models users bring (hybrids of mixed block
+classes and Sequentials included), and a wrong override or a model without such a list is refused with the names
+to choose from. Mixed-class models end to end: tests/zoo/test_hybrid_blocks.py."""
+
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.blocks import block_modules, block_names, find_blocks
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
@@ -70,28 +73,15 @@ def test_equal_parameter_counts_fall_back_to_the_longer_list():
     assert find_blocks(model)[0] == "long"
 
 
-def test_pipeline_placeholders_do_not_break_the_same_class_rule():
-    model = Llama(LlamaConfig.from_name("tiny", n_layers=3))
-    stand_in = nn.Identity()
-    stand_in.is_pipeline_placeholder = True
-    model.layers[0] = stand_in  # this stage does not own block 0
-    assert find_blocks(model)[1] is model.layers
-    model.layers[0] = nn.Identity()  # a real, different class: now the list is mixed
-    with pytest.raises(
-        ValueError,
-        match=r"No nn.ModuleList of same-class blocks found in Llama \(lists of mixed classes: \['layers'\]\)",
-    ):
-        find_blocks(model)
-
-
 def test_override_names_the_list_and_bad_overrides_are_refused():
     model = _MoEModel()
     assert find_blocks(model, "layers.1.experts") == ("layers.1.experts", model.layers[1].experts)
     with pytest.raises(
-        ValueError, match=r"blocks='layer' names no submodule of _MoEModel; its ModuleLists are \['norms', 'layers'"
+        ValueError,
+        match=r"blocks='layer' names no submodule of _MoEModel; its ModuleLists and Sequentials are \['norms', 'layers'",
     ):
         find_blocks(model, "layer")
-    with pytest.raises(ValueError, match="blocks='layers.0' is a _MoEBlock, not a non-empty nn.ModuleList"):
+    with pytest.raises(ValueError, match="blocks='layers.0' is a _MoEBlock, not a non-empty nn.ModuleList or nn.Seq"):
         find_blocks(model, "layers.0")
     model.empty = nn.ModuleList()
     with pytest.raises(ValueError, match="blocks='empty' is a ModuleList, not a non-empty"):
@@ -101,7 +91,8 @@ def test_override_names_the_list_and_bad_overrides_are_refused():
 def test_a_model_without_blocks_is_refused_with_its_module_names():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with pytest.raises(
-        ValueError, match=r"No nn.ModuleList .* in Sequential; pass blocks='dotted.name' .*\['0', '1'\]"
+        ValueError,
+        match=r"No nn.ModuleList or nn.Sequential of blocks found in Sequential; pass blocks='dotted.name' .*\['0', '1'\]",
     ):
         find_blocks(model)
 
@@ -111,3 +102,62 @@ def test_models_on_the_meta_device_are_searched_without_allocating():
         model = Llama(LlamaConfig.from_name("tiny", n_layers=2))
     name, blocks = find_blocks(model)
     assert name == "layers" and next(blocks.parameters()).is_meta
+
+
+class _Mixer(nn.Module):
+    """A Mamba-like block: no query projection, a different class from _MoEBlock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(8, 16)
+        self.out_proj = nn.Linear(16, 8)
+
+
+@pytest.mark.timeout(60)
+def test_blocks_of_mixed_classes_are_found_as_the_list_holding_most_parameters():
+    model = nn.Module()
+    model.layers = nn.ModuleList([_Mixer(), _MoEBlock(2), _Mixer(), _MoEBlock(2)])
+    model.heads = nn.ModuleList([nn.Linear(8, 16), nn.Linear(8, 16)])  # one class, fewer parameters
+    name, blocks = find_blocks(model)
+    assert (name, blocks) == ("layers", model.layers)
+    assert [type(b).__name__ for b in block_modules(blocks)] == ["_Mixer", "_MoEBlock", "_Mixer", "_MoEBlock"]
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_placeholders_in_a_list_of_blocks_keep_it_the_blocks():
+    model = Llama(LlamaConfig.from_name("tiny", n_layers=3))
+    stand_in = nn.Identity()
+    stand_in.is_pipeline_placeholder = True  # this stage does not own block 0: it holds no parameters
+    model.layers[0] = stand_in
+    assert find_blocks(model)[1] is model.layers
+
+
+@pytest.mark.timeout(60)
+def test_a_sequential_of_blocks_is_found_and_its_blocks_named_by_its_keys():
+    model = nn.Module()
+    model.embed = nn.Embedding(16, 8)
+    model.stack = nn.Sequential(OrderedDict(mix=_Mixer(), moe=_MoEBlock(2), mix2=_Mixer()))
+    name, blocks = find_blocks(model)
+    assert (name, blocks) == ("stack", model.stack)
+    assert block_names(name, blocks) == ["stack.mix", "stack.moe", "stack.mix2"]
+    assert find_blocks(model, "stack") == ("stack", model.stack)
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_model_written_as_a_sequential_is_not_its_blocks():
+    model = nn.Module()
+    blocks = nn.Sequential(_Mixer(), _Mixer())
+    model.net = nn.Sequential(nn.Embedding(1000, 8), blocks, nn.Linear(8, 1000))  # holds everything
+    assert find_blocks(model) == ("net.1", blocks)
+
+
+@pytest.mark.timeout(60)
+def test_blocks_in_a_module_dict_are_refused_naming_the_way_out():
+    model = nn.Module()
+    model.embed = nn.Embedding(16, 8)
+    model.layers = nn.ModuleDict({"0": _Mixer(), "1": _Mixer()})  # torchtitan's layout
+    message = r"nn.ModuleDict 'layers' \(keys \['0', '1'\]\).*nn.ModuleList or nn.Sequential, or pass blocks="
+    with pytest.raises(ValueError, match=message):
+        find_blocks(model)
+    with pytest.raises(ValueError, match=message):
+        find_blocks(model, "layers")

@@ -6,7 +6,8 @@ cross-entropy over the whole vocabulary, and an embedding lookup owns many param
 almost no arithmetic. Forward plus backward, per token (the accounting of
 :mod:`lightning_llm.modeling.shape`):
 
-* a block: ``6 * (its matmul parameters) + 12 * (attention width) * seq_len``;
+* a block: ``6 * (its matmul parameters) + 12 * (its attention width) * seq_len`` (width 0 for a hybrid's
+  Mamba or linear-attention blocks, :func:`~lightning_llm.modeling.shape.attention_widths`);
 * the first stage's extra (embeddings): ``2 * embedding_dim``, the lookup and its gradient's scatter;
 * the last stage's extra (final norm, head, loss): ``6 * (matmul parameters after the blocks)`` plus
   ``LOSS_FLOPS_PER_LOGIT * vocab`` for the softmax cross-entropy and its gradient.
@@ -14,11 +15,12 @@ almost no arithmetic. Forward plus backward, per token (the accounting of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_llm.modeling.shape import attention_width
+from lightning_llm.modeling.shape import attention_widths
 
 # Softmax cross-entropy per logit: max, subtract, exp, sum and log forward; softmax minus one-hot backward.
 LOSS_FLOPS_PER_LOGIT = 8
@@ -44,7 +46,7 @@ def _vocab_size(after: list[nn.Module]) -> int:
 
 
 def stage_costs(
-    module: nn.Module, blocks: nn.ModuleList, before: list[str], after: list[str], seq_len: int | None
+    module: nn.Module, blocks: Sequence[nn.Module], before: list[str], after: list[str], seq_len: int | None
 ) -> StageCosts:
     """Modelled FLOPs per token of ``blocks`` and of the modules named in ``before`` and ``after`` the blocks.
 
@@ -56,11 +58,11 @@ def stage_costs(
         costs = stage_costs(module, module.model.layers, before, after, seq_len=4096)
         balanced_split(costs.blocks, 4, head_cost=costs.last, first_cost=costs.first)
     """
-    try:
-        attention = 12 * attention_width(module, blocks) * seq_len if seq_len else 0
+    try:  # per block: a hybrid's Mamba or linear-attention blocks have no sequence term
+        widths = attention_widths(module, list(blocks)) if seq_len else [0] * len(blocks)
     except ValueError:  # neither a query projection nor an embedding to read the width from
-        attention = 0
-    block_costs = [6 * _matmul_parameters(b) + attention for b in blocks]
+        widths = [0] * len(blocks)
+    block_costs = [6 * _matmul_parameters(b) + 12 * width * (seq_len or 0) for b, width in zip(blocks, widths)]
     embeddings = [module.get_submodule(n) for n in before]
     first = sum(2 * m.embedding_dim for m in embeddings if isinstance(m, nn.Embedding))
     tail = [module.get_submodule(n) for n in after]

@@ -12,9 +12,10 @@ active:
 * an early exit (carrying the hidden state) after the stage's last block, unless it is the
   last stage, where the user's forward goes on to the head and the user's loss.
 
-So any model whose forward loops over one ``nn.ModuleList`` of blocks that each map a hidden
-state tensor to a tensor (the reference Llama, Hugging Face Llama, GPT-2 and most decoders)
-pipelines unchanged, with parameter names, checkpoints and tensor-parallel plans as before.
+So any model whose forward loops over one ``nn.ModuleList`` of blocks (or calls one ``nn.Sequential``
+of them) that each map a hidden state tensor to a tensor (the reference Llama, Hugging Face Llama,
+GPT-2, hybrids such as Jamba whose blocks differ in class, and most decoders) pipelines unchanged,
+with parameter names, checkpoints and tensor-parallel plans as before.
 Graph tracing (``torch.distributed.pipelining.pipeline``) was not used: it needs the user's
 ``training_step`` (loss included) to export as one graph, which Hugging Face models and most
 user code do not. The schedules, stages and communication are torch's
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm._compat.torch import module_parameters
+from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
 
 
 class StageOutput(Exception):
@@ -117,19 +119,26 @@ class _BlockCall:
 
 
 class _PassThrough:
-    """What the block list yields for a block outside the active stage: returns its hidden-state input."""
+    """What the block list yields for a block outside the active stage: returns its hidden-state input.
 
-    def __init__(self, hidden_name: str, attributes: dict) -> None:
-        self._hidden_name, self._attributes = hidden_name, attributes
+    Its attributes are the block's (a forward may read ``layer.attention_type`` to pick a mask), or for
+    a block another rank holds, the plain attributes its placeholder kept.
+    """
+
+    def __init__(self, hidden_name: str, block: nn.Module) -> None:
+        self._hidden_name, self._block = hidden_name, block
 
     def __call__(self, *args, **kwargs):
         return _hidden(args, kwargs, self._hidden_name)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["_attributes"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+        block = self.__dict__["_block"]
+        if isinstance(block, _RemovedBlock):
+            try:
+                return block.attributes[name]
+            except KeyError:
+                raise AttributeError(name) from None
+        return getattr(block, name)
 
 
 class _RemovedBlock(nn.Module):
@@ -147,8 +156,8 @@ class _RemovedBlock(nn.Module):
         raise RuntimeError("A block of another pipeline stage was called outside the pipeline schedule.")
 
 
-class _GatedBlocks(nn.ModuleList):
-    """The user's block list, iterated through the active pipeline stage (installed by class swap)."""
+class _Gate:
+    """Iteration through the active pipeline stage, for a block container (installed by class swap)."""
 
     def _calls(self) -> list:
         state: PipelineState = self.__dict__["_pipeline_state"]
@@ -159,13 +168,13 @@ class _GatedBlocks(nn.ModuleList):
                 "runs through LLMParallelStrategy's training/validation step."
             )
         calls = []
-        for index, module in enumerate(nn.ModuleList.__iter__(self)):  # every block: __iter__ below hides some
+        names = self.__dict__["_block_names"]
+        for index, module in enumerate(block_modules(self)):  # every block: __iter__ below hides some
             hidden_name = self.__dict__["_hidden_names"][index]
             if index in chunk.blocks:
-                calls.append(_BlockCall(module, index, f"{self.__dict__['_blocks_name']}.{index}", hidden_name, state))
+                calls.append(_BlockCall(module, index, names[index], hidden_name, state))
             else:
-                attributes = module.attributes if isinstance(module, _RemovedBlock) else {}
-                calls.append(_PassThrough(hidden_name, attributes))
+                calls.append(_PassThrough(hidden_name, module))
         return calls
 
     def __iter__(self):
@@ -175,6 +184,14 @@ class _GatedBlocks(nn.ModuleList):
         if isinstance(idx, slice):
             return self._calls()[idx]
         return self._calls()[idx] if isinstance(idx, int) else super().__getitem__(idx)
+
+
+class _GatedBlocks(_Gate, nn.ModuleList):
+    """The user's ``nn.ModuleList`` of blocks, iterated through the active pipeline stage."""
+
+
+class _GatedSequential(_Gate, nn.Sequential):
+    """The user's ``nn.Sequential`` of blocks: its own forward iterates it, so through the active stage."""
 
 
 class _ZeroEmbedding(nn.Module):
@@ -236,7 +253,7 @@ def outer_modules(module: nn.Module, blocks_name: str) -> tuple[list[str], list[
 
 
 def prune_to_stages(
-    module: nn.Module, blocks_name: str, blocks: nn.ModuleList, chunks: list[StageChunk]
+    module: nn.Module, blocks_name: str, blocks: BlockStack, chunks: list[StageChunk]
 ) -> dict[str, list]:
     """Drop what this rank's stages do not run; return the module names each stage owns (for its runner)."""
     owned = {i for c in chunks for i in c.blocks}
@@ -256,12 +273,14 @@ def prune_to_stages(
 
 
 def install_gates(
-    module: nn.Module, blocks_name: str, blocks: nn.ModuleList, owned_outer: dict[str, list], state: PipelineState
+    module: nn.Module, blocks_name: str, blocks: BlockStack, owned_outer: dict[str, list], state: PipelineState
 ) -> None:
     """Make the block list and the embeddings follow ``state`` (the stage boundaries described above)."""
-    hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in blocks]
-    blocks.__class__ = _GatedBlocks
-    blocks.__dict__.update(_pipeline_state=state, _hidden_names=hidden_names, _blocks_name=blocks_name)
+    modules = block_modules(blocks)
+    hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in modules]
+    names = block_names(blocks_name, blocks)
+    blocks.__class__ = _GatedSequential if isinstance(blocks, nn.Sequential) else _GatedBlocks
+    blocks.__dict__.update(_pipeline_state=state, _hidden_names=hidden_names, _block_names=names)
     for name in owned_outer["before"]:
         embedding = module.get_submodule(name)
         embedding.__class__ = _gated_embedding_class(type(embedding), state)

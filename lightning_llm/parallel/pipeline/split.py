@@ -104,13 +104,19 @@ def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0, 
     return ranges[::-1]
 
 
-def explicit_split(split: list[list[str]], blocks_name: str, num_blocks: int, num_stages: int) -> list[range]:
-    """Block ranges from module names per stage (fnmatch patterns allowed, e.g. ``"model.layers.[0-3]"``)."""
+def explicit_split(
+    split: list[list[str]], blocks_name: str, num_blocks: int, num_stages: int, names: list[str] | None = None
+) -> list[range]:
+    """Block ranges from module names per stage (fnmatch patterns allowed, e.g. ``"model.layers.[0-3]"``).
+
+    ``names``: each block's dotted name (:func:`~lightning_llm.modeling.blocks.block_names`, for a
+    Sequential with keys of its own); default ``blocks_name.0`` ... ``blocks_name.{num_blocks - 1}``.
+    """
     if len(split) != num_stages:
         raise ValueError(
             f"pipeline_split has {len(split)} stages but the schedule runs {num_stages}; give one list per stage."
         )
-    names = [f"{blocks_name}.{i}" for i in range(num_blocks)]
+    names = names or [f"{blocks_name}.{i}" for i in range(num_blocks)]
     ranges = []
     for stage, patterns in enumerate(split):
         indices = sorted({i for p in patterns for i, n in enumerate(names) if fnmatch.fnmatchcase(n, p)})

@@ -16,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.parallel.pipeline.gates import (
     PipelineState,
@@ -78,7 +79,7 @@ class StageRunner(nn.Module):
 def build_stages(
     module: nn.Module,
     blocks_name: str,
-    blocks: nn.ModuleList,
+    blocks: BlockStack,
     chunks: list[StageChunk],
     owned_outer: dict[str, list],
     state: PipelineState,
@@ -90,10 +91,11 @@ def build_stages(
 ) -> list[PipelineStage]:
     """Install the gated block list and embeddings (:func:`install_gates`), and make one ``PipelineStage`` per chunk."""
     install_gates(module, blocks_name, blocks, owned_outer, state)
+    names, modules = block_names(blocks_name, blocks), block_modules(blocks)
     stages = []
     for chunk in chunks:
-        # ModuleList.__getitem__ itself: the gated list answers only inside the schedule.
-        owned = {f"{blocks_name}.{i}": nn.ModuleList.__getitem__(blocks, i) for i in chunk.blocks}
+        # Read from the registry: the gated container answers only inside the schedule.
+        owned = {names[i]: modules[i] for i in chunk.blocks}
         if chunk.is_first:
             owned.update({n: module.get_submodule(n) for n in owned_outer["before"]})
         if chunk.is_last:
