@@ -25,6 +25,7 @@ from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split
 from lightning_llm.parallel.tp.apply import (
     apply_tensor_parallel,
     check_head_counts,
+    head_split_parts,
     resolve_plan,
     validate_plan,
     with_region_parameters,
@@ -86,7 +87,7 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     validate_plan(module, plan, tp)
-    check_head_counts(module, blocks, tp)
+    check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp)
     check_coverage(blocks_name, blocks, plan, unknown, tp)
     return with_region_parameters(plan, blocks_name, blocks), source
 

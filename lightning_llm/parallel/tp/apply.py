@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_llm.modeling.blocks import block_modules, block_names
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.tp.coverage import coverage_lines
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
@@ -29,6 +30,7 @@ from lightning_llm.parallel.tp.plan import (
     validate_plan,
 )
 from lightning_llm.parallel.tp.replicated_grads import (
+    opens,
     region_owners,
     sharded_region_modules,
     verify_on_first_forward,
@@ -53,30 +55,52 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks: nn.ModuleList) -> dict[str, str]:
+def _class_representatives(blocks_name: str, blocks) -> list[tuple[str, nn.Module, list[str]]]:
+    """(name of the first block, the block, names of every block) per distinct class of the owned blocks."""
+    classes: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
+        if not getattr(block, "is_pipeline_placeholder", False):
+            classes.setdefault(type(block), []).append((name, block))
+    return [(members[0][0], members[0][1], [n for n, _ in members]) for members in classes.values()]
+
+
+def local_styles(block_name: str, block: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The plan's styles for the modules of one block, by their names inside it."""
+    return {
+        name: style
+        for name, _ in block.named_modules()
+        for pattern, style in plan.items()
+        if name and _matches(f"{block_name}.{name}", pattern)
+    }
+
+
+def head_split_parts(plan: dict[str, str], blocks_name: str, blocks) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each block class's parts whose heads the plan splits (the smallest module holding a
+    column split and the row split closing it; the block itself where no such pair exists)."""
+    parts = []
+    for name, block, _ in _class_representatives(blocks_name, blocks):
+        local = local_styles(name, block, plan)
+        if not any(opens(s) for s in local.values()):
+            continue
+        owners = region_owners(local) or {""}
+        parts += [(f"{name}.{o}" if o else name, block.get_submodule(o) if o else block) for o in sorted(owners)]
+    return parts
+
+
+def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
     """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
 
     Found per distinct block class (hybrid stacks mix them); entries the plan already has win; the first
     forward verifies the additions (see :mod:`.replicated_grads`).
     """
     plan = dict(plan)
-    classes: dict[type, list[int]] = {}
-    for i, block in enumerate(blocks):
-        if not getattr(block, "is_pipeline_placeholder", False):
-            classes.setdefault(type(block), []).append(i)
-    for indices in classes.values():
-        prefix = f"{blocks_name}.{indices[0]}."
-        local = {
-            name: style
-            for name, _ in blocks[indices[0]].named_modules()
-            for pattern, style in plan.items()
-            if name and _matches(prefix + name, pattern)
-        }
-        for name in sharded_region_modules(blocks[indices[0]], local):
-            if len(classes) == 1:
-                plan[f"{blocks_name}.*.{name}"] = "replicate_grad_sum"
+    representatives = _class_representatives(blocks_name, blocks)
+    for name, block, members in representatives:
+        for part in sharded_region_modules(block, local_styles(name, block, plan)):
+            if len(representatives) == 1:
+                plan[f"{blocks_name}.*.{part}"] = "replicate_grad_sum"
             else:
-                plan.update({f"{blocks_name}.{i}.{name}": "replicate_grad_sum" for i in indices})
+                plan.update({f"{member}.{part}": "replicate_grad_sum" for member in members})
     return plan
 
 
@@ -101,7 +125,7 @@ def apply_tensor_parallel(
     tied = tied_parameter_names(model)
     # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
     modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
-    explicit, sp_norms = {}, set()
+    explicit, styled = {}, set()
     for pattern, style in plan.items():
         for name, module in modules.items():
             if (
@@ -109,18 +133,18 @@ def apply_tensor_parallel(
                 and (torch_style := parallel_style(style, sequence_parallel, module)) is not None
             ):
                 explicit[name] = torch_style
-                if style == "sequence_parallel":
-                    sp_norms.add(id(module))
+                styled.add(id(module))
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
     if sequence_parallel:
-        adapt_block_parts(blocks, tp_mesh, skip=sp_norms)
-    block_names = {id(m): n for n, m in model.named_modules()}
+        adapt_block_parts(blocks, tp_mesh, skip=styled)
+    names = {id(m): n for n, m in model.named_modules()}
     heads = 0
     for block in blocks:
-        name = block_names[id(block)]
-        local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if n and _matches(f"{name}.{n}", p)}
-        heads += divide_head_counts([block], tp, region_owners(local) or None)
+        name = names[id(block)]
+        local = local_styles(name, block, plan)
+        if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
+            heads += divide_head_counts([block], tp, region_owners(local) or None)
         verify_on_first_forward(block, local, label=name)
         watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
     log.info(

@@ -18,6 +18,8 @@ import fnmatch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.modeling.blocks import block_modules, block_names
+
 MAX_WHOLE_SHARE = 0.05
 _WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence")
 
@@ -46,37 +48,47 @@ def check_coverage(
         check_coverage("model.layers", model.layers, plan, resolved.unknown, tp=2)
     """
     seen: set[type] = set()
-    for i, block in enumerate(blocks):
+    named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
+    for block_name, block in named:
         if type(block) in seen or getattr(block, "is_pipeline_placeholder", False):
             continue
+        same_class = [n for n, b in named if type(b) is type(block)]
         seen.add(type(block))
         total = sum(p.numel() for p in block.parameters()) or 1
         for rel, module in block.named_modules():
-            name = f"{blocks_name}.{i}.{rel}" if rel else f"{blocks_name}.{i}"
+            name = f"{block_name}.{rel}" if rel else block_name
             own = sum(p.numel() for p in module.parameters(recurse=False))
             if not own or _styles_of(name, plan):
                 continue
             why = unknown.get(name)
-            if own / total > MAX_WHOLE_SHARE or (why and _has_split_sibling(name, block, rel, plan, blocks_name, i)):
-                leaf_in_part = "." in rel and not any(True for _ in module.children())
-                keep = name.rpartition(".")[0] if leaf_in_part else name
-                raise ValueError(_refusal(name, keep, own / total, why, tp))
+            if own / total > MAX_WHOLE_SHARE or (why and _has_split_sibling(block, rel, plan, block_name)):
+                raise ValueError(_refusal(name, _whole_part(name, rel, module, same_class), own / total, why, tp))
 
 
-def _has_split_sibling(name: str, block: nn.Module, rel: str, plan: dict[str, str], blocks_name: str, i: int) -> bool:
+def _has_split_sibling(block: nn.Module, rel: str, plan: dict[str, str], block_name: str) -> bool:
     parent = rel.rpartition(".")[0]
     owner = block.get_submodule(parent) if parent else block
-    prefix = f"{blocks_name}.{i}.{parent}." if parent else f"{blocks_name}.{i}."
+    prefix = f"{block_name}.{parent}." if parent else f"{block_name}."
     return any(s not in _WHOLE_STYLES for child, _ in owner.named_children() for s in _styles_of(prefix + child, plan))
 
 
-def _refusal(name: str, keep: str, share: float, why: str | None, tp: int) -> str:
+def _whole_part(name: str, rel: str, module: nn.Module, same_class: list[str]) -> list[str]:
+    """What to keep whole with ``name``: the part holding a leaf layer (its siblings must not be split without it);
+    the blocks of its class when it sits directly in the block."""
+    if any(True for _ in module.children()):
+        return [_wildcard(name)]
+    if "." in rel:
+        return [_wildcard(name.rpartition(".")[0])]
+    return same_class if len(same_class) < 8 else [_wildcard(same_class[0])]
+
+
+def _refusal(name: str, keep: list[str], share: float, why: str | None, tp: int) -> str:
     return (
         f"tensor_parallel_size={tp} would leave {_wildcard(name)!r} ({share:.0%} of its block's parameters) whole on "
         f"every rank: no tensor-parallel plan names it"
         + (f" and inference cannot split it ({why})" if why else "")
         + f". Split it with a tensor_parallel_plan entry for {_wildcard(name)!r}, or keep it whole on purpose "
-        f"with tensor_parallel_replicate=[{_wildcard(keep)!r}] (the whole part; parts of a module split and parts whole "
+        f"with tensor_parallel_replicate={keep!r} (the whole part; parts of a module split and parts whole "
         "would compute something else), or use pipeline_parallel_size / zero_stage instead of tensor parallelism."
     )
 

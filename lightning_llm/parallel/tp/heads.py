@@ -14,6 +14,7 @@ import copy
 from torch import nn
 
 HEAD_ATTRS = (
+    "heads",
     "num_heads",
     "n_heads",
     "n_head",
@@ -35,18 +36,27 @@ def _counts(obj: object) -> dict[str, int]:
     return found
 
 
-def check_head_counts(model: nn.Module, blocks: nn.ModuleList, tp: int) -> None:
+def check_head_counts(model: nn.Module, split_parts: list[tuple[str, nn.Module]], tp: int) -> None:
     """Raise ValueError naming the module, the count and ``tp`` if a query or KV head count does not divide by ``tp``.
+
+    ``split_parts`` are (name, module) of the parts of blocks whose heads are split (see
+    :func:`lightning_llm.parallel.tp.apply.head_split_parts`); parts kept whole are not checked.
 
     Example::
 
-        check_head_counts(model, blocks, tp=4)  # ValueError if num_key_value_heads=2
+        check_head_counts(model, [("layers.0.attention", attention)], tp=4)  # ValueError if num_key_value_heads=2
     """
-    places: list[tuple[str, object]] = [(f"{name or 'block 0'}", m) for name, m in blocks[0].named_modules()]
+    if not split_parts:
+        return
+    places: list[tuple[str, object]] = []
+    for part_name, part in split_parts:
+        places += [(f"{part_name}.{name}" if name else part_name, m) for name, m in part.named_modules()]
+        places += [
+            (f"{part_name}.{n}.config" if n else f"{part_name}.config", m.config)
+            for n, m in part.named_modules()
+            if hasattr(m, "config")
+        ]
     places += [(f"{name or 'model'}.config", m.config) for name, m in model.named_modules() if hasattr(m, "config")]
-    places += [
-        (f"{name or 'block 0'}.config", m.config) for name, m in blocks[0].named_modules() if hasattr(m, "config")
-    ]
     for where, obj in places:
         counts = _counts(obj)
         bad = {a: v for a, v in counts.items() if v % tp}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_llm.modeling.blocks import block_modules, block_names
 from lightning_llm.parallel.tp.experts import expert_count
 from lightning_llm.parallel.tp.fused import projection_dims
 
@@ -73,27 +74,30 @@ def infer_styles(
     and explicit indices where block classes disagree.
     """
     result = Inferred()
-    per_block: dict[tuple[str, str], list[int]] = {}
-    owned = [i for i, b in enumerate(blocks) if not getattr(b, "is_pipeline_placeholder", False)]
+    per_part: dict[tuple[str, str], list[str]] = {}
+    owned = [
+        (name, block)
+        for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks))
+        if not getattr(block, "is_pipeline_placeholder", False)
+    ]
     by_class: dict[type, dict[str, tuple[str | None, str | None]]] = {}
-    for i in owned:
-        block = blocks[i]
+    for block_name, block in owned:
         if type(block) not in by_class:
-            by_class[type(block)] = _block_styles(block, f"{blocks_name}.{i}")
+            by_class[type(block)] = _block_styles(block, block_name)
         for rel, (style, why) in by_class[type(block)].items():
-            name = f"{blocks_name}.{i}.{rel}"
-            if covered(name) or _under_covered(name, blocks_name, covered):
+            name = f"{block_name}.{rel}"
+            if covered(name) or _under_covered(name, block_name, covered):
                 continue
             if style is not None:
-                per_block.setdefault((rel, style), []).append(i)
-            elif not any(pattern_of(n) == pattern_of(name) for n in result.unknown):
+                per_part.setdefault((rel, style), []).append(block_name)
+            elif not any(n.endswith("." + rel) for n in result.unknown):
                 result.unknown[name] = why
-    holders = {rel: [i for i in owned if _has(blocks[i], rel)] for rel, _ in per_block}
-    for (rel, style), indices in per_block.items():
-        if indices == holders[rel]:
+    holders = {rel: [n for n, b in owned if _has(b, rel)] for rel, _ in per_part}
+    for (rel, style), members in per_part.items():
+        if members == holders[rel]:
             result.plan[f"{blocks_name}.*.{rel}"] = style
         else:
-            result.plan.update({f"{blocks_name}.{i}.{rel}": style for i in indices})
+            result.plan.update({f"{member}.{rel}": style for member in members})
     result.plan.update(_outer_styles(model, blocks_name, covered))
     return result
 
@@ -124,10 +128,10 @@ def _has(block: nn.Module, rel: str) -> bool:
     return True
 
 
-def _under_covered(name: str, blocks_name: str, covered: Callable[[str], bool]) -> bool:
+def _under_covered(name: str, block_name: str, covered: Callable[[str], bool]) -> bool:
     """Whether an ancestor inside the block is named by a plan: a planned module's insides are that plan's."""
-    parts = name[len(blocks_name) + 1 :].split(".")
-    return any(covered(f"{blocks_name}.{'.'.join(parts[:k])}") for k in range(2, len(parts)))
+    parts = name[len(block_name) + 1 :].split(".")
+    return any(covered(f"{block_name}.{'.'.join(parts[:k])}") for k in range(1, len(parts)))
 
 
 def _block_styles(block: nn.Module, label: str) -> dict[str, tuple[str | None, str | None]]:

@@ -189,6 +189,7 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_n
     """
     plan = dict(plan)
     planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
+    whole = _coverer(model, {p: s for p, s in plan.items() if s in _OWNS_SUBTREE})  # parts kept whole: theirs
     # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
     in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
     beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
@@ -196,9 +197,21 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_n
         if getattr(module, "is_pipeline_placeholder", False):
             continue
         is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
-        if is_norm and name not in planned and name.rpartition(".")[0] not in beside_projection:
+        beside = name.rpartition(".")[0] in beside_projection and not _leads(model, name, planned)
+        if is_norm and name not in planned and not beside and not whole(name):
             plan[name] = "sequence_parallel"
     return plan
+
+
+def _leads(model: nn.Module, name: str, planned: list[str]) -> bool:
+    """Whether ``name`` comes before every planned sibling in an ``nn.Sequential`` (a pre-norm: it sees the stream)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if not isinstance(parent, nn.Sequential):
+        return False
+    order = [c for c, _ in parent.named_children()]
+    siblings = [n[len(parent_name) + 1 :].split(".")[0] for n in planned if n.startswith(parent_name + ".")]
+    return all(order.index(leaf) < order.index(s) for s in siblings)
 
 
 def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
@@ -220,10 +233,12 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     head = output_head(model, prefix)
     if head is not None and not covered(head):
         plan[head] = "colwise_gather"
-    # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard.
-    for pattern, style in list(plan.items()):
-        parent = pattern.rpartition(".")[0]
-        if style == "experts" and parent and parent not in plan:
+    # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
+    # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
+    experts = [p for p, s in plan.items() if s == "experts"]
+    for name, _ in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if parent and any(_matches(name, p) for p in experts) and not covered(parent):
             plan[parent] = "gather_sequence"
     return plan
 

@@ -63,11 +63,29 @@ def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str
         if not name or name in styles or not any(True for _ in module.parameters(recurse=False)):
             continue
         # The block itself is never a region owner here: its own norms see whole activations.
-        inside = [o for o in owners if o and name.startswith(o + ".")]
+        inside = [o for o in owners if o and name.startswith(o + ".") and _between(block, o, name, styles)]
         holds_planned = any(n.startswith(name + ".") for n in styles)
         if inside and not holds_planned:
             found.append(name)
     return found
+
+
+def _between(block: nn.Module, owner: str, name: str, styles: dict[str, str]) -> bool:
+    """Whether ``name`` runs between the split layers of ``owner``: for an ``nn.Sequential`` owner (whose order is
+    its children's), only children after the first column split and before the last row split; else assumed."""
+    container = block.get_submodule(owner)
+    if not isinstance(container, nn.Sequential):
+        return True
+    children = [c for c, _ in container.named_children()]
+    position = {c: i for i, c in enumerate(children)}
+    prefix = owner + "."
+
+    def index(n: str) -> int:
+        return position[n[len(prefix) :].split(".")[0]]
+
+    opened = [index(n) for n, s in styles.items() if n.startswith(prefix) and opens(s)]
+    closed = [index(n) for n, s in styles.items() if n.startswith(prefix) and s in CLOSES]
+    return bool(opened and closed) and min(opened) < index(name) < max(closed)
 
 
 def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str) -> None:

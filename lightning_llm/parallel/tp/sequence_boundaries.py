@@ -69,17 +69,21 @@ class _PartBoundary:
 
 
 def adapt_block_parts(blocks: list[nn.Module], mesh: DeviceMesh, skip: set[int]) -> int:
-    """Hook every direct part of each block with parameters (modules in ``skip``, by id, excepted); return how many.
+    """Hook every direct part of each block with parameters (modules in ``skip``, by id, excepted), or a block
+    with no sharded parameter as a whole; return how many.
 
-    ``skip`` holds the parts that take and give the sequence-sharded stream themselves (the SP norms).
+    ``skip`` holds the modules with a tensor-parallel style of their own (SP norms, projections written
+    inline in a block's forward, gathered MoE blocks): their styles set their layouts.
 
     Example::
 
-        adapt_block_parts(owned_blocks, tp_mesh, skip={id(m) for m in sequence_parallel_norms})
+        adapt_block_parts(owned_blocks, tp_mesh, skip={id(m) for m in styled_modules})
     """
     count = 0
     for block in blocks:
-        for part in block.children():
+        # A block kept whole is one part: its insides see the whole sequence, as in one process.
+        parts = block.children() if _holds_shards(block) else [block]
+        for part in parts:
             if id(part) in skip or not any(True for _ in part.parameters()):
                 continue
             boundary = _PartBoundary(mesh, gather_input=not _holds_shards(part))

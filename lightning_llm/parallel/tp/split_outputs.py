@@ -97,9 +97,7 @@ def watch_first_forward(block: nn.Module, colwise: list[str], label: str) -> Non
         if isinstance(out, torch.Tensor):
             watched[id(out)] = (weakref.ref(out), name)
 
-    handles = [
-        block.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: record(n, out)) for n in colwise
-    ]
+    handles = [block.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: record(n, out)) for n in colwise]
     mode = _WatchCuts(watched, label)
 
     def enter(module, args):
