@@ -22,6 +22,7 @@ from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline.costs import stage_costs
 from lightning_llm.parallel.pipeline.gates import StageChunk, outer_modules, prune_to_stages
 from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank, validate_schedule
+from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.apply import (
     apply_tensor_parallel,
     check_head_counts,
@@ -67,6 +68,7 @@ def plan_tensor_parallel(
     module: nn.Module, *, tp: int, blocks_name: str, blocks: nn.ModuleList, user_plan: dict[str, str] | None
 ) -> tuple[dict[str, str], str]:
     """Resolve and validate the TP plan before anything is changed, so bad input fails early."""
+    check_attention_variants(blocks[0], tp, model_config(module), where=f"{blocks_name}.0")  # refused first
     hook = getattr(module, "tensor_parallel_plan", None)
     module_plan = hook() if callable(hook) and not user_plan else None
     plan, source = resolve_plan(
@@ -74,7 +76,7 @@ def plan_tensor_parallel(
     )
     plan = with_region_parameters(plan, blocks_name, blocks[0])
     validate_plan(module, plan, tp)
-    check_head_counts(module, blocks, tp)
+    check_head_counts(module, blocks, tp, shared_kv=shares_kv(plan))
     return plan, source
 
 

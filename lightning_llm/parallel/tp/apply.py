@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.tp.attention_heads import model_config, shard_attention_heads
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.plan import (
@@ -97,10 +98,11 @@ def apply_tensor_parallel(
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
     block_names = {id(m): n for n, m in model.named_modules()}
-    heads = 0
+    heads, config = 0, model_config(model)
     for block in blocks:
         name = block_names[id(block)]
         local = {n: s for n, _ in block.named_modules() for p, s in plan.items() if n and _matches(f"{name}.{n}", p)}
+        shard_attention_heads(block, local, tp_mesh, config)  # per-head parameters, ALiBi: before counts are divided
         heads += divide_head_counts([block], tp, region_owners(local) or None)
         verify_on_first_forward(block, local, label=name)
     log.info(

@@ -17,6 +17,7 @@ import re
 
 from torch import nn
 
+from lightning_llm.parallel.tp.attention_variants import attention_plan, fill_attention_plan, model_config
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan
@@ -36,6 +37,9 @@ STYLES = (
     "fused_colwise:A,B,...",
     "experts",
     "gather_sequence",
+    "colwise_replicated_input",
+    "replicate_shared",
+    "replicate_shared:N",
 )
 # Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
 # Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
@@ -78,9 +82,10 @@ def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dic
     Fused projections and square layers without a telling name are refused: splitting them
     blindly would silently compute something else.
     """
-    plan: dict[str, str] = {}
+    attention = attention_plan(blocks[0], model_config(model))  # variants first: MQA, MLA, grouped QKV
+    plan = {f"{blocks_name}.*.{name}": style for name, style in attention.items()}
     for name, module in blocks[0].named_modules():
-        if projection_dims(module) is None:
+        if projection_dims(module) is None or name in attention:
             continue
         plan[f"{blocks_name}.*.{name}"] = _classify_linear(f"{blocks_name}.0.{name}", name, module, blocks[0])
     if not plan:
@@ -186,7 +191,10 @@ def resolve_plan(
     elif module_plan:
         plan, source = dict(module_plan), "module"
     elif plan := hf_plan(model):
-        plan, source = split_gathered_fused(model, plan), "hugging face"
+        plan, source = (
+            fill_attention_plan(model, split_gathered_fused(model, plan), blocks_name, blocks),
+            "hugging face",
+        )
     else:
         plan, source = infer_plan(model, blocks_name, blocks), "inferred"
     return resolve_fused_styles(model, plan), source
@@ -263,7 +271,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     names = dict(model.named_modules())
     matched: dict[str, list[str]] = {}
     for pattern, style in plan.items():
-        if style not in STYLES and parse_fused(style) is None:
+        if style not in STYLES and parse_fused(style) is None and not style.startswith("replicate_shared:"):
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
         matched[pattern] = [n for n in names if n and _matches(n, pattern)]
         if not matched[pattern]:
