@@ -22,7 +22,6 @@ from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline.costs import stage_costs
 from lightning_llm.parallel.pipeline.gates import StageChunk, outer_modules, prune_to_stages
 from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank, validate_schedule
-from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.apply import (
     apply_tensor_parallel,
     check_head_counts,
@@ -30,6 +29,7 @@ from lightning_llm.parallel.tp.apply import (
     validate_plan,
     with_region_parameters,
 )
+from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 
 
 @dataclass

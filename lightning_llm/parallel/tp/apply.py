@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.tied import tied_parameter_names
-from lightning_llm.parallel.tp.attention_heads import model_config, shard_attention_heads
+from lightning_llm.parallel.tp.attention_heads import shard_attention_heads
+from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.plan import (

@@ -31,7 +31,6 @@ from lightning_llm.parallel.tp.attention_variants import (
     alibi_argument,
     head_count,
     is_attention,
-    model_config,
     per_head_parameters,
     recognise,
 )

@@ -33,7 +33,6 @@ from lightning_llm.parallel.tp.fused import (
     shared_parts,
 )
 
-
 SHARED_PREFIX = "replicate_shared:"
 
 
