@@ -77,6 +77,9 @@ def parse_fused(style: str) -> tuple[int, ...] | int | None:
 
 def shared_parts(style: str) -> tuple[bool, ...]:
     """Which parts of a ``fused_colwise:`` style every rank uses whole (written ``*N``), in order."""
+    parts = parse_fused(style)
+    if isinstance(parts, int):  # "fused_colwise:N": N equal parts, all split
+        return (False,) * parts
     return tuple(p.startswith("*") for p in style[len(FUSED_PREFIX) :].split(","))
 
 
@@ -119,6 +122,8 @@ def _exchange(
     total = sum(sizes)
     width = total // tp
     shared = shared or (False,) * len(sizes)
+    if len(shared) != len(sizes):
+        raise ValueError(f"{len(shared)} shared flags for {len(sizes)} fused parts {sizes}.")
 
     def wanted(s: int) -> list[int]:
         columns, offset = [], 0
