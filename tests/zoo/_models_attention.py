@@ -29,6 +29,18 @@ ATTENTION_BUILDERS = {
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     ),
+    # Multi-query, Falcon-7B style: [q heads | k | v] in query_key_value, num_kv_heads = 1 on the module.
+    "falcon_mqa": lambda: _hf(
+        "FalconConfig",
+        "FalconForCausalLM",
+        **_COMMON,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        multi_query=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # Multi-head latent attention; every layer dense (first_k_dense_replace = layers). Up-projections and the
     # output projection wide against the down-projections, as in DeepSeek-V3 (where tp2 holds 54% per rank).
     "deepseek_v3_mla": lambda: _hf(
@@ -92,6 +104,7 @@ MODELS = list(ATTENTION_BUILDERS)
 
 ATTENTION = {
     "gpt_bigcode_mqa": "attn",
+    "falcon_mqa": "self_attention",
     "deepseek_v3_mla": "self_attn",
     "bloom_alibi": "self_attention",
     "gpt_oss_sinks": "self_attn",
