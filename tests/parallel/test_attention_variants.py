@@ -28,6 +28,7 @@ EXPECTED = {
         "self_attn.kv_b_proj": "colwise_replicated_input",
         "self_attn.o_proj": "rowwise",
     },
+    "llama_mqa": {"self_attn.k_proj": "replicate_shared", "self_attn.v_proj": "replicate_shared"},
     "falcon_grouped": {"self_attention.query_key_value": "colwise", "self_attention.dense": "rowwise"},
     "gpt_oss_sinks": {},  # plain GQA projections; the sinks follow the heads when the plan is applied
     "bloom_alibi": {},  # [q0 k0 v0 | ...] and [q | k | v] have the same width: left to the plan rules

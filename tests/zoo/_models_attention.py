@@ -10,9 +10,12 @@ the package. ``ATTENTION`` names each model's attention module inside a block (f
 
 from __future__ import annotations
 
-from tests.zoo._models import BUILDERS, VOCAB, _hf
+from tests.zoo._models import _DENSE, BUILDERS, VOCAB, _hf
 
 _COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# 16 heads: k and v are whole on every rank, 1/(H+1) of the attention; at H=4 a rank would hold 60% of it.
+_DENSE_MQA = dict(_DENSE, hidden_size=64, num_attention_heads=16, num_key_value_heads=1)
 
 ATTENTION_BUILDERS = {
     # Multi-query: one k/v head inside the fused c_attn ([q heads | k | v]).
@@ -41,6 +44,8 @@ ATTENTION_BUILDERS = {
         hidden_dropout=0.0,
         attention_dropout=0.0,
     ),
+    # Multi-query with separate projections: k_proj and v_proj one head wide (num_key_value_heads = 1).
+    "llama_mqa": lambda: _hf("LlamaConfig", "LlamaForCausalLM", **_DENSE_MQA),
     # Multi-head latent attention; every layer dense (first_k_dense_replace = layers). Up-projections and the
     # output projection wide against the down-projections, as in DeepSeek-V3 (where tp2 holds 54% per rank).
     "deepseek_v3_mla": lambda: _hf(
@@ -105,6 +110,7 @@ MODELS = list(ATTENTION_BUILDERS)
 ATTENTION = {
     "gpt_bigcode_mqa": "attn",
     "falcon_mqa": "self_attention",
+    "llama_mqa": "self_attn",
     "deepseek_v3_mla": "self_attn",
     "bloom_alibi": "self_attention",
     "gpt_oss_sinks": "self_attn",

@@ -1,7 +1,7 @@
 """Attention variants under tensor parallelism (tp2, tp2 + sequence parallel) against one process.
 
 Each cell trains one tiny Hugging Face model whose attention is not plain multi-head/GQA (multi-query
-GPTBigCode, DeepSeek-V3's multi-head latent attention, Bloom's ALiBi, GptOss's attention sinks, Falcon's
+GPTBigCode, Falcon-7B-style and Llama with one KV head, DeepSeek-V3's multi-head latent attention, Bloom's ALiBi, GptOss's attention sinks, Falcon's
 QKV fused per KV group) and asserts, in fp32: per-step losses and every parameter within 1e-5 relative of
 the single process, every parameter bit-identical on the ranks that hold it, and each rank holding at most
 55% of the attention parameters (local shards over global sizes), so the heads really are split. One
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.testing import run_distributed
@@ -38,7 +38,7 @@ def attention_share(module: nn.Module, attention: str) -> float:
 
 
 def train_variants(layouts: list[str], models: list[str]) -> dict:
-    """On each rank: {layout: {model: (training result, attention share of this rank) or the error text}}."""
+    """On each rank: {layout: {model: (training result, attention share, sinks' placements) or the error text}}."""
     import traceback
 
     from lightning_llm.strategies import LLMParallelStrategy
@@ -51,7 +51,9 @@ def train_variants(layouts: list[str], models: list[str]) -> dict:
             strategy = LLMParallelStrategy(**kwargs, tensor_parallel_plan=PLANS.get(name))
             try:
                 result = train(name, strategy, devices=world_size)
-                results[layout][name] = (result, attention_share(strategy.lightning_module, ATTENTION[name]))
+                module = strategy.lightning_module
+                per_head = {n: p.placements for n, p in module.named_parameters() if n.endswith(".sinks")}
+                results[layout][name] = (result, attention_share(module, ATTENTION[name]), per_head)
             except Exception as error:
                 results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}"
     return results
@@ -76,11 +78,13 @@ def test_attention_variant_matches_single_process(layout, name):
     for result in ranks:
         if isinstance(result, str):
             raise AssertionError(f"{name} under {layout} failed:\n{result}")
-    (losses, params, differing, _), _ = ranks[0]
+    (losses, params, differing, _), _, per_head = ranks[0]
     ref_losses, ref_params, _, _ = _reference(name)
     assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
     assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5, loss_rtol=1e-5)
-    shares = [share for _, share in ranks]
+    assert all(placements == (Shard(0),) for placements in per_head.values()), per_head  # sinks split with heads
+    assert (name == "gpt_oss_sinks") == bool(per_head)
+    shares = [share for _, share, _ in ranks]
     print(f"{name} {layout}: attention share per rank {[round(s, 4) for s in shares]}")
     assert all(share <= MAX_SHARE for share in shares), f"{name} {layout}: attention share per rank {shares}"
 

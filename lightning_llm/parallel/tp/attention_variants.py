@@ -113,18 +113,25 @@ def _fused(attention: nn.Module, config: object, heads: int) -> Variant | None:
 
 
 def _split_mqa(attention: nn.Module, config: object, heads: int) -> Variant | None:
-    """Separate projections where k and v are one head wide (``d``) and q is ``H * d``: multi-query."""
+    """Separate projections where k and v are one head wide (``d``): multi-query.
+
+    k and v are kept whole on every rank; q and the output projection are given here only when their
+    shapes tell them apart (a square q and output projection are left to the name rules of the plan).
+    """
     dim = _head_dim(attention, config, heads)
     projections = _projections(attention)
     kv = _int_attr([attention, config], SINGLE_KV_ATTRS)
     if not dim or heads == 1 or kv not in (None, 1):
         return None
-    queries = [n for n, (_, o) in projections.items() if o == heads * dim]
     shared = [n for n, (_, o) in projections.items() if o == dim]
-    if len(queries) != 1 or len(shared) != 2:
+    if len(shared) != 2:
         return None
-    entries = {queries[0]: "colwise", **dict.fromkeys(shared, "replicate_shared")}
-    return Variant("mqa", heads, 1, {**entries, **_output_projection(projections, heads * dim, queries[0])})
+    entries = dict.fromkeys(shared, "replicate_shared")
+    queries = [n for n, (i, o) in projections.items() if o == heads * dim and i != heads * dim]
+    outputs = [n for n, (i, o) in projections.items() if i == heads * dim and o != heads * dim]
+    if len(queries) == 1 and len(outputs) == 1:
+        entries.update({queries[0]: "colwise", outputs[0]: "rowwise"})
+    return Variant("mqa", heads, 1, entries)
 
 
 def _latent(attention: nn.Module, config: object, heads: int) -> Variant:
@@ -175,15 +182,16 @@ def attention_plan(block: nn.Module, config: object | None = None) -> dict[str, 
 
 
 def fill_attention_plan(model: nn.Module, plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
-    """``plan`` (Hugging Face's) plus :func:`attention_plan`'s entries for the block modules it leaves out.
+    """``plan`` (Hugging Face's) with :func:`attention_plan`'s entries for the attention variants in the blocks.
 
     Hugging Face plans of some models name no attention layer (DeepSeek-V3: MLA; its entries only split
-    the MLP); the variant's entries fill those in, and an entry the plan has always wins.
+    the MLP), and a plan for a model family column-splits ``k_proj`` even in a config with one key/value
+    head. A recognised variant knows these modules' layout, so its entries replace the plan's for them.
     """
     plan = dict(plan)
     for name, style in attention_plan(blocks[0], model_config(model)).items():
-        if not any(fnmatch.fnmatchcase(f"{blocks_name}.0.{name}", pattern) for pattern in plan):
-            plan[f"{blocks_name}.*.{name}"] = style
+        plan = {p: s for p, s in plan.items() if not fnmatch.fnmatchcase(f"{blocks_name}.0.{name}", p)}
+        plan[f"{blocks_name}.*.{name}"] = style
     return plan
 
 
