@@ -69,6 +69,20 @@ def block_modules(blocks: BlockStack) -> list[nn.Module]:
     return [block for _, block in blocks.named_children()]
 
 
+def distinct_blocks(blocks_name: str, blocks: BlockStack) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the first block of each class, pipeline stand-ins left out (hybrid stacks mix classes).
+
+    Example::
+
+        distinct_blocks("model.layers", jamba.model.layers)   # [("model.layers.0", mamba), ("model.layers.1", attn)]
+    """
+    first: dict[type, tuple[str, nn.Module]] = {}
+    for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
+        if not getattr(block, "is_pipeline_placeholder", False):
+            first.setdefault(type(block), (name, block))
+    return list(first.values())
+
+
 def _holds_layers(container: nn.Module) -> bool:
     # A container holding an embedding is a whole model written as a Sequential (or litgpt's ModuleDict).
     return isinstance(container, _CONTAINERS) and not any(isinstance(c, nn.Embedding) for c in container.children())

@@ -30,6 +30,7 @@ from lightning_llm.parallel.tp.apply import (
     validate_plan,
     with_region_parameters,
 )
+from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage
 
 
@@ -76,6 +77,9 @@ def plan_tensor_parallel(
     replicate: list[str] | tuple[str, ...] = (),
 ) -> tuple[dict[str, str], str]:
     """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early."""
+    config = model_config(module)
+    for name, block in distinct_blocks(blocks_name, blocks):  # a variant that cannot be split is refused first
+        check_attention_variants(block, tp, config, where=name)
     hook = getattr(module, "tensor_parallel_plan", None)
     module_plan = hook() if callable(hook) else None
     plan, source, unknown = resolve_plan(
@@ -87,7 +91,7 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     validate_plan(module, plan, tp)
-    check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp)
+    check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)
     return with_region_parameters(plan, blocks_name, blocks), source
 

@@ -17,6 +17,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.blocks import block_modules, block_names
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.tp.attention_heads import shard_attention_heads
+from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
@@ -138,11 +140,12 @@ def apply_tensor_parallel(
     _retie(model, tied)
     if sequence_parallel:
         adapt_block_parts(blocks, tp_mesh, skip=styled)
-    names = {id(m): n for n, m in model.named_modules()}
+    names, config = {id(m): n for n, m in model.named_modules()}, model_config(model)
     heads = 0
     for block in blocks:
         name = names[id(block)]
         local = local_styles(name, block, plan)
+        shard_attention_heads(block, local, tp_mesh, config)  # per-head parameters, ALiBi: before counts are divided
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None)
         verify_on_first_forward(block, local, label=name)

@@ -1,13 +1,18 @@
 """Column-split fused projections (one QKV or gate/up weight) and Hugging Face ``Conv1D`` layers.
 
 A fused projection stores several outputs one after another: ``[all q | all k | all v]`` (litgpt,
-GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or ``[gate | up]`` (Phi-3's ``gate_up_proj``). A plain
+GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or ``[gate | up]`` (Phi-3's ``gate_up_proj``), or ``[all q | k | v]`` with one key/value head shared by all
+query heads (multi-query attention: GPTBigCode, Falcon-7B). A plain
 column split would give rank 0 all of q and rank 1 all of k and v. :class:`FusedColwise` keeps the
 weight in the model's own layout, split into contiguous rows like any ``colwise`` layer (so
 checkpoints, initialization and pretrained loading see an ordinary ``Shard`` DTensor), and regroups
 the *output* with one all-to-all over the tp group so that each rank ends up with ``[its q | its k |
 its v]``: the model's own ``split``/``chunk`` of that output then gives each rank whole heads of its
-own, and attention runs split across ranks. The alternative, permuting the stored rows per rank
+own, and attention runs split across ranks. A part written ``*N`` (``fused_colwise:512,*64,*64``, the
+shared k and v of multi-query attention) is sent whole to every rank instead: its rows stay stored
+once (sharded like the rest), each rank computes with all of it, and the all-to-all's backward
+(index_select of one column for several ranks) sums the ranks' gradients into it, which is
+Megatron's "k/v replicated, gradients summed over tp" without a second copy. The alternative, permuting the stored rows per rank
 (Megatron's way), would need a conversion at every boundary (checkpoints, optimizer state,
 initialization, pretrained weights, a change of tp size on resume); the all-to-all moves
 ``out_features / tp`` activations per token and is exact by construction.
@@ -51,19 +56,31 @@ def projection_dims(module: nn.Module) -> tuple[int, int] | None:
 
 
 def parse_fused(style: str) -> tuple[int, ...] | int | None:
-    """``"fused_colwise:32,16,16"`` -> (32, 16, 16); ``"fused_colwise:2"`` -> 2 (equal parts); else None."""
+    """``"fused_colwise:32,16,16"`` -> (32, 16, 16); ``"fused_colwise:2"`` -> 2 (equal parts); else None.
+
+    A part may be written ``*N`` (whole on every rank, see :func:`shared_parts`); its size is N.
+    """
     if not style.startswith(FUSED_PREFIX):
         return None
     try:
-        parts = tuple(int(p) for p in style[len(FUSED_PREFIX) :].split(","))
+        parts = tuple(int(p.removeprefix("*")) for p in style[len(FUSED_PREFIX) :].split(","))
     except ValueError:
         parts = ()
     if not parts or any(p <= 0 for p in parts):
         raise ValueError(
             f"Tensor-parallel style {style!r} is malformed: write 'fused_colwise:N' (N equal parts, e.g. 2 for gate/up) "
-            "or 'fused_colwise:Q,K,V' (the output sizes stored one after another, e.g. 'fused_colwise:4096,1024,1024')."
+            "or 'fused_colwise:Q,K,V' (the output sizes stored one after another, e.g. 'fused_colwise:4096,1024,1024'; "
+            "'*N' for a part every rank uses whole, e.g. multi-query 'fused_colwise:4096,*128,*128')."
         )
     return parts[0] if len(parts) == 1 else parts
+
+
+def shared_parts(style: str) -> tuple[bool, ...]:
+    """Which parts of a ``fused_colwise:`` style every rank uses whole (written ``*N``), in order."""
+    parts = parse_fused(style)
+    if isinstance(parts, int):  # "fused_colwise:N": N equal parts, all split
+        return (False,) * parts
+    return tuple(p.startswith("*") for p in style[len(FUSED_PREFIX) :].split(","))
 
 
 def fused_sizes(style: str, out_features: int) -> tuple[int, ...]:
@@ -93,21 +110,27 @@ def qkv_style(attention: nn.Module, out_features: int, where: str) -> str:
     return f"{FUSED_PREFIX}{query * head_dim},{kv * head_dim},{kv * head_dim}"
 
 
-def _exchange(sizes: tuple[int, ...], tp: int, rank: int) -> tuple[list[int], list[int], list[int]]:
+def _exchange(
+    sizes: tuple[int, ...], tp: int, rank: int, shared: tuple[bool, ...] = ()
+) -> tuple[list[int], list[int], list[int]]:
     """(local output columns in send order, input split sizes, output split sizes) of the regrouping all-to-all.
 
     Rank ``r`` holds the contiguous columns ``[r*N/tp, (r+1)*N/tp)``; rank ``s`` wants its ``1/tp`` of
-    every part, in part order. Received pieces arrive ordered by source rank, i.e. ascending columns,
-    which is exactly ``s``'s wanted order, so only the send side reorders.
+    every part (all of a ``shared`` part), in part order. Received pieces arrive ordered by source rank,
+    i.e. ascending columns, which is exactly ``s``'s wanted order, so only the send side reorders.
     """
     total = sum(sizes)
     width = total // tp
+    shared = shared or (False,) * len(sizes)
+    if len(shared) != len(sizes):
+        raise ValueError(f"{len(shared)} shared flags for {len(sizes)} fused parts {sizes}.")
 
     def wanted(s: int) -> list[int]:
         columns, offset = [], 0
-        for size in sizes:
-            part = size // tp
-            columns += range(offset + s * part, offset + (s + 1) * part)
+        for size, whole in zip(sizes, shared):
+            part = size if whole else size // tp
+            start = offset if whole else offset + s * part
+            columns += range(start, start + part)
             offset += size
         return columns
 
@@ -129,15 +152,18 @@ class FusedColwise(ParallelStyle):
     Arguments:
         sizes: output sizes of the parts stored one after another (e.g. q, k, v widths); each must divide by tp.
         input_layouts: placement of the module input (``Replicate()``, or ``Shard(1)`` under sequence parallelism).
+        shared: per part, whether every rank gets it whole (multi-query k and v); default: none.
 
     Example::
 
         parallelize_module(model, tp_mesh, {"transformer.h.*.attn.c_attn": FusedColwise((768, 768, 768))})
     """
 
-    def __init__(self, sizes: tuple[int, ...], input_layouts: Placement = Replicate()) -> None:
+    def __init__(
+        self, sizes: tuple[int, ...], input_layouts: Placement = Replicate(), shared: tuple[bool, ...] = ()
+    ) -> None:
         super().__init__()
-        self.sizes, self.input_layouts = tuple(sizes), input_layouts
+        self.sizes, self.input_layouts, self.shared = tuple(sizes), input_layouts, tuple(shared)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -152,7 +178,7 @@ class FusedColwise(ParallelStyle):
         colwise.src_data_rank = self.src_data_rank
         apply_parallel_style(colwise, module, device_mesh)
         if len(self.sizes) > 1:
-            send, input_splits, output_splits = _exchange(self.sizes, tp, device_mesh.get_local_rank())
+            send, input_splits, output_splits = _exchange(self.sizes, tp, device_mesh.get_local_rank(), self.shared)
             module.register_forward_hook(_Regroup(send, input_splits, output_splits, device_mesh))
         return module
 

@@ -26,6 +26,8 @@ HEAD_ATTRS = (
     "n_query_groups",
 )
 
+KV_HEAD_ATTRS = HEAD_ATTRS[4:]
+
 
 def _counts(obj: object) -> dict[str, int]:
     found = {}
@@ -36,11 +38,15 @@ def _counts(obj: object) -> dict[str, int]:
     return found
 
 
-def check_head_counts(model: nn.Module, split_parts: list[tuple[str, nn.Module]], tp: int) -> None:
+def check_head_counts(
+    model: nn.Module, split_parts: list[tuple[str, nn.Module]], tp: int, shared_kv: bool = False
+) -> None:
     """Raise ValueError naming the module, the count and ``tp`` if a query or KV head count does not divide by ``tp``.
 
     ``split_parts`` are (name, module) of the parts of blocks whose heads are split (see
     :func:`lightning_llm.parallel.tp.apply.head_split_parts`); parts kept whole are not checked.
+    ``shared_kv``: the plan gives every rank the whole single key/value head (multi-query attention), so
+    a key/value count of 1 is not split.
 
     Example::
 
@@ -59,7 +65,7 @@ def check_head_counts(model: nn.Module, split_parts: list[tuple[str, nn.Module]]
     places += [(f"{name or 'model'}.config", m.config) for name, m in model.named_modules() if hasattr(m, "config")]
     for where, obj in places:
         counts = _counts(obj)
-        bad = {a: v for a, v in counts.items() if v % tp}
+        bad = {a: v for a, v in counts.items() if v % tp and not (shared_kv and v == 1 and a in KV_HEAD_ATTRS)}
         if bad:
             attr, value = next(iter(bad.items()))
             raise ValueError(
@@ -112,6 +118,7 @@ WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim")}
 
 
 def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:
+    values = {a: v for a, v in values.items() if not (v == 1 and a in KV_HEAD_ATTRS)}  # one k/v head: shared whole
     for attr, value in values.items():  # set from the originals: HF configs alias names (n_head = num_attention_heads)
         if value % tp:
             raise ValueError(

@@ -17,13 +17,15 @@ and :mod:`.coverage` refuses it when it holds a real share of the block.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import block_modules, block_names
+from lightning_llm.modeling.blocks import block_modules, block_names, distinct_blocks
+from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
 from lightning_llm.parallel.tp.experts import expert_count
 from lightning_llm.parallel.tp.fused import projection_dims
 
@@ -102,6 +104,25 @@ def infer_styles(
     return result
 
 
+def variant_plan(model: nn.Module, blocks_name: str, blocks) -> dict[str, str]:
+    """Entries for the attention variants recognised in each block class (:mod:`.attention_variants`).
+
+    They rank above a Hugging Face plan: a family's plan column-splits ``k_proj`` even in a config with one
+    key/value head, and some plans name no attention layer at all (DeepSeek-V3's latent attention).
+    """
+    config, plan = model_config(model), {}
+    named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
+    representatives = distinct_blocks(blocks_name, blocks)
+    for _, block in representatives:
+        members = [n for n, b in named if type(b) is type(block)]
+        for name, style in attention_plan(block, config).items():
+            if len(representatives) == 1:
+                plan[f"{blocks_name}.*.{name}"] = style
+            else:
+                plan.update({f"{member}.{name}": style for member in members})
+    return plan
+
+
 def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dict[str, str]:
     """The inferred plan of a model no other source plans; refuses a layer it cannot classify.
 
@@ -109,7 +130,9 @@ def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dic
 
         infer_plan(model, "layers", model.layers)   # {"layers.*.attention.q_proj": "colwise", ...}
     """
-    inferred = infer_styles(model, blocks_name, blocks)
+    variants = variant_plan(model, blocks_name, blocks)
+    inferred = infer_styles(model, blocks_name, blocks, lambda n: any(fnmatch.fnmatchcase(n, p) for p in variants))
+    inferred.plan = {**variants, **inferred.plan}
     if inferred.unknown:
         raise ValueError(next(iter(inferred.unknown.values())))
     if not any(k.startswith(blocks_name + ".") for k in inferred.plan):

@@ -25,7 +25,7 @@ from torch import nn
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
-from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head
+from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head, variant_plan
 
 __all__ = ["STYLES", "infer_plan", "resolve_plan", "validate_plan"]
 
@@ -44,6 +44,9 @@ STYLES = (
     "fused_colwise:A,B,...",
     "experts",
     "gather_sequence",
+    "colwise_replicated_input",
+    "replicate_shared",
+    "replicate_shared:N",
 )
 # Styles whose module's insides belong to the entry: nothing under it is planned by another source.
 _OWNS_SUBTREE = ("experts", "replicate")
@@ -124,7 +127,11 @@ def resolve_plan(
     """
     user = {**(user_plan or {}), **dict.fromkeys(replicate, "replicate")}
     hf_translated, hf_refused = hf_plan_entries(model) or ({}, {})
-    sources = [("strategy", user), ("module", module_plan or {})]
+    sources = [
+        ("strategy", user),
+        ("module", module_plan or {}),
+        ("attention variants", variant_plan(model, blocks_name, blocks)),
+    ]
     if hf_translated:
         sources.append(("hugging face", split_gathered_fused(model, hf_translated)))
     merged, used = merge_plans(model, sources)
@@ -251,7 +258,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     names = dict(model.named_modules())
     matched: dict[str, list[str]] = {}
     for pattern, style in plan.items():
-        if style not in STYLES and parse_fused(style) is None:
+        if style not in STYLES and parse_fused(style) is None and not style.startswith("replicate_shared:"):
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
         matched[pattern] = [n for n in names if n and _matches(n, pattern)]
         if not matched[pattern]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-OPENS = ("colwise",)
+OPENS = ("colwise", "colwise_replicated_input")
 CLOSES = ("rowwise",)
 
 

@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
-from lightning_llm.parallel.tp.experts import ExpertsParallel
+from lightning_llm._compat.torch_distributed import apply_parallel_style
+from lightning_llm.parallel.tp.experts import ExpertsParallel, _sum_grad
 from lightning_llm.parallel.tp.fused import (
     FUSED_PREFIX,
     Conv1DColwise,
@@ -30,7 +30,10 @@ from lightning_llm.parallel.tp.fused import (
     fused_sizes,
     is_conv1d,
     projection_dims,
+    shared_parts,
 )
+
+SHARED_PREFIX = "replicate_shared:"
 
 
 class ReplicateGradSum(ParallelStyle):
@@ -69,6 +72,104 @@ class ReplicateGradSum(ParallelStyle):
         return outputs
 
 
+class ReplicateShared(ParallelStyle):
+    """Keep a projection whole on every rank when some of its outputs feed every rank's heads directly.
+
+    Multi-query attention's single key/value head (separate ``k_proj``/``v_proj``) and multi-head latent
+    attention's down-projections are computed whole on every rank: each rank's heads read all of it.
+    The last ``shared`` output columns are used by the heads directly, so each rank's gradient of them
+    is its own heads' share and is summed over the tp group (Megatron's replicated k/v); the other
+    columns feed a column-split layer, whose input gradient torch already sums. Then the weights'
+    gradients and the input gradient are whole and identical on every rank, and the parameters stay
+    plain tensors like any ``replicate`` module. Under sequence parallelism the sequence-sharded input
+    is gathered first (its gradient is then whole on every rank, so the backward only slices it).
+
+    Arguments:
+        shared: how many trailing output columns feed the heads directly (``None``: all of them).
+        sequence_parallel: whether a plain input is this rank's sequence shard (as for ``colwise``).
+
+    Example::
+
+        parallelize_module(model, tp_mesh, {"layers.*.attn.k_proj": ReplicateShared()})
+    """
+
+    def __init__(self, shared: int | None = None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.shared, self.sequence_parallel = shared, sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda m, args: self._whole_input(args, device_mesh))
+        module.register_forward_hook(lambda m, args, output: self._sum_shared_grad(output, device_mesh))
+        return module
+
+    def _whole_input(self, args: tuple, mesh: DeviceMesh) -> tuple:
+        x, *rest = args
+        if _plain_tensor(x) and self.sequence_parallel:
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()]).to_local()
+        return (x, *rest)
+
+    def _sum_shared_grad(self, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        shared = output.shape[-1] if self.shared is None else self.shared
+        if shared == 0:
+            return output
+        if shared == output.shape[-1]:
+            return _sum_grad(output, mesh)
+        kept, heads = output.split([output.shape[-1] - shared, shared], dim=-1)
+        return torch.cat([kept, _sum_grad(heads, mesh)], dim=-1)
+
+
+class OwnLocalOutput(ParallelStyle):
+    """``style`` whose DTensor output is handed to the model as a local tensor of its own, not a view.
+
+    torch's ``to_local()`` returns a view made inside an autograd Function, which autograd forbids
+    modifying in place; model code that adds into a row-wise layer's output (HF Falcon's
+    ``mlp_output += attention_output``) would fail. One copy of the layer's output avoids it.
+    """
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.style.src_data_rank = self.src_data_rank
+        apply_parallel_style(self.style, module, device_mesh)
+        module.register_forward_hook(lambda m, args, output: output.to_local().clone())
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """Under sequence parallelism, run a module on whole sequences: its first input gathered, its output re-split.
+
+    For a module that routes whole tokens (an MoE layer). The output (or the first element of a tuple
+    output: GptOss's MLP also returns its router scores, left as they are) becomes this rank's sequence
+    shard again, as a ``Shard(1)`` DTensor like the rest of the sequence-parallel residual stream.
+
+    Example::
+
+        parallelize_module(model, tp_mesh, {"layers.*.mlp": GatherSequence()})
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda m, args: self._gather(args, device_mesh))
+        module.register_forward_hook(lambda m, args, output: self._split(output, device_mesh))
+        return module
+
+    @staticmethod
+    def _gather(args: tuple, mesh: DeviceMesh) -> tuple:
+        x, *rest = args
+        if _plain_tensor(x):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]).to_local(), *rest)
+
+    @staticmethod
+    def _split(output, mesh: DeviceMesh):
+        first = output[0] if isinstance(output, tuple) else output
+        first = DTensor.from_local(first, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+        return (first, *output[1:]) if isinstance(output, tuple) else first
+
+
 def _plain_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
@@ -82,13 +183,21 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
     local = not sequence_parallel
     conv1d = module is not None and is_conv1d(module)
     if style.startswith(FUSED_PREFIX):
-        return FusedColwise(fused_sizes(style, projection_dims(module)[1]), input_layouts=sharded_seq)
+        sizes = fused_sizes(style, projection_dims(module)[1])
+        return FusedColwise(sizes, input_layouts=sharded_seq, shared=shared_parts(style))
+    if style == "colwise_replicated_input":  # input whole on every rank even under SP (after a ReplicateShared layer)
+        return ColwiseParallel(input_layouts=Replicate())
+    if style == "replicate_shared" or style.startswith(SHARED_PREFIX):
+        shared = int(style[len(SHARED_PREFIX) :]) if style.startswith(SHARED_PREFIX) else None
+        return ReplicateShared(shared, sequence_parallel)
     if style == "colwise":
         return Conv1DColwise(input_layouts=sharded_seq) if conv1d else ColwiseParallel(input_layouts=sharded_seq)
     if style == "rowwise":
         if conv1d:
             return Conv1DRowwise(output_layouts=sharded_seq, use_local_output=local)
-        return RowwiseParallel(output_layouts=sharded_seq, use_local_output=local)
+        if local:
+            return OwnLocalOutput(RowwiseParallel(use_local_output=False))
+        return RowwiseParallel(output_layouts=sharded_seq, use_local_output=False)
     if style == "colwise_gather":
         if conv1d:
             return Conv1DColwise(input_layouts=sharded_seq, output_layouts=Replicate())
@@ -110,12 +219,5 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
     if style == "gather_sequence":  # a module that needs the whole sequence inside a sequence-parallel model
         if not sequence_parallel:
             return None
-        return PrepareModuleInputOutput(
-            input_layouts=Shard(1),
-            desired_input_layouts=Replicate(),
-            use_local_input=True,
-            output_layouts=Replicate(),
-            desired_output_layouts=Shard(1),
-            use_local_output=False,
-        )
+        return GatherSequence()
     return None  # "replicate"
