@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import BlockStack, block_names, find_blocks
+from lightning_llm.modeling.blocks import BlockStack, block_names, distinct_blocks, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.float8 import apply_fp8

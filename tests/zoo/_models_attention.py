@@ -4,8 +4,7 @@ Importing this module adds them to :data:`tests.zoo._models.BUILDERS`, so :class
 and :func:`tests.zoo._harness.train` build them by name. :data:`PLANS` holds the strategy's
 ``tensor_parallel_plan`` for the models whose fused q/k/v layout cannot be told from widths and config
 (Bloom: per-head ``[q0 k0 v0 | q1 ...]``, the same width as ``[all q | all k | all v]``), and for GptOss,
-whose Hugging Face plan in transformers 5.24 names only the embedding; every other model is planned by
-the package. ``ATTENTION`` names each model's attention module inside a block (for the per-rank share).
+whose experts stay whole (see the entry); everything else is planned by the package (plans are merged). ``ATTENTION`` names each model's attention module inside a block (for the per-rank share).
 """
 
 from __future__ import annotations
@@ -118,23 +117,9 @@ ATTENTION = {
 }
 
 PLANS = {
-    "bloom_alibi": {
-        "model.transformer.word_embeddings": "embedding",
-        "model.transformer.h.*.self_attention.query_key_value": "colwise",  # per head: [q0 k0 v0 | q1 k1 v1 | ...]
-        "model.transformer.h.*.self_attention.dense": "rowwise",
-        "model.transformer.h.*.mlp.dense_h_to_4h": "colwise",
-        "model.transformer.h.*.mlp.dense_4h_to_h": "rowwise",
-        "model.lm_head": "colwise_gather",
-    },
-    "gpt_oss_sinks": {
-        "model.model.embed_tokens": "embedding",
-        "model.model.layers.*.self_attn.q_proj": "colwise",
-        "model.model.layers.*.self_attn.k_proj": "colwise",
-        "model.model.layers.*.self_attn.v_proj": "colwise",
-        "model.model.layers.*.self_attn.o_proj": "rowwise",
-        # Whole experts on every rank: 'experts' expects forward(hidden_states, top_k_index, top_k_weights), GptOss
-        # calls forward(hidden_states, router_indices, routing_weights). Under SP the MoE layer takes whole sequences.
-        "model.model.layers.*.mlp": "gather_sequence",
-        "model.lm_head": "colwise_gather",
-    },
+    # Merged with inference: only what cannot be told from widths and config is named.
+    "bloom_alibi": {"model.transformer.h.*.self_attention.query_key_value": "colwise"},  # [q0 k0 v0 | q1 ...]
+    # 'experts' expects forward(hidden_states, top_k_index, top_k_weights) and marks off-rank routes with the id
+    # num_local_experts, which GptOss's one_hot(router_indices, num_experts) cannot take: its experts stay whole.
+    "gpt_oss_sinks": {"model.model.layers.*.mlp.experts": "replicate"},
 }
