@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import block_modules, block_names, distinct_blocks
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, distinct_blocks
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
 from lightning_llm.parallel.tp.experts import expert_count
 from lightning_llm.parallel.tp.fused import projection_dims
@@ -82,11 +82,11 @@ def infer_styles(
         for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks))
         if not getattr(block, "is_pipeline_placeholder", False)
     ]
-    by_class: dict[type, dict[str, tuple[str | None, str | None]]] = {}
+    by_kind: dict[tuple, dict[str, tuple[str | None, str | None]]] = {}
     for block_name, block in owned:
-        if type(block) not in by_class:
-            by_class[type(block)] = _block_styles(block, block_name)
-        for rel, (style, why) in by_class[type(block)].items():
+        if block_kind(block) not in by_kind:
+            by_kind[block_kind(block)] = _block_styles(block, block_name)
+        for rel, (style, why) in by_kind[block_kind(block)].items():
             name = f"{block_name}.{rel}"
             if covered(name) or _under_covered(name, block_name, covered):
                 continue
@@ -114,7 +114,7 @@ def variant_plan(model: nn.Module, blocks_name: str, blocks) -> dict[str, str]:
     named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
     representatives = distinct_blocks(blocks_name, blocks)
     for _, block in representatives:
-        members = [n for n, b in named if type(b) is type(block)]
+        members = [n for n, b in named if block_kind(b) == block_kind(block)]
         for name, style in attention_plan(block, config).items():
             if len(representatives) == 1:
                 plan[f"{blocks_name}.*.{name}"] = style
