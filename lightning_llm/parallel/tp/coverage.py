@@ -47,8 +47,15 @@ def check_coverage(
 
         check_coverage("model.layers", model.layers, plan, resolved.unknown, tp=2)
     """
-    seen: set[tuple] = set()
     named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
+    split = lambda styles: any(s not in _WHOLE_STYLES for s in styles)  # noqa: E731
+    if not any(split(_styles_of(f"{n}.{rel}", plan)) for n, b in named for rel, _ in b.named_modules() if rel):
+        raise ValueError(
+            f"tensor_parallel_size={tp} but nothing inside the blocks at {blocks_name!r} is split: they contain no "
+            "nn.Linear (or Conv1D) layer to shard that a plan or inference can split. Pass `tensor_parallel_plan` "
+            "to the strategy, or use tensor_parallel_size=1."
+        )
+    seen: set[tuple] = set()
     for block_name, block in named:
         if block_kind(block) in seen or getattr(block, "is_pipeline_placeholder", False):
             continue
