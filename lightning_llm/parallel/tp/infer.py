@@ -3,8 +3,9 @@
 Inference reads every distinct block class of the block list (hybrid models mix attention, state-space
 and MoE layers), never a model's name:
 
-* Linear (and ``Conv1D``) layers by name (``q_proj`` column-wise, ``o_proj`` row-wise), then by shape
-  (``dim -> wider`` column-wise, ``wider -> dim`` row-wise);
+* Linear (and ``Conv1D``) layers by shape (``dim -> other`` column-wise, ``other -> dim`` row-wise, ``dim``
+  being the width most layers of the block read), then, where shapes cannot tell (square layers), by name
+  (``q_proj`` column-wise, ``o_proj`` row-wise);
 * fused projections of a known layout (:data:`KNOWN_FUSED`);
 * experts modules (3-D weights indexed by expert, see :mod:`.experts`) as whole experts per rank, and the
   router beside them (a layer with one output per expert) replicated;
@@ -200,15 +201,17 @@ def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Mod
             "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
             "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
         )
-    if _COLWISE.match(leaf):
-        return "colwise", None
-    if _ROWWISE.match(leaf):
-        return "rowwise", None
+    # Shapes first: a layer reading the residual width and writing another opens a split, one writing the
+    # residual width closes it, whatever it is called (Lightning's FeedForward names its two inputs w1, w2).
     dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]
     model_dim = max(set(dims), key=dims.count)
     if in_features == model_dim and out_features != model_dim:
         return "colwise", None
     if out_features == model_dim and in_features != model_dim:
+        return "rowwise", None
+    if _COLWISE.match(leaf):  # names decide only what shapes cannot (square layers, latent widths)
+        return "colwise", None
+    if _ROWWISE.match(leaf):
         return "rowwise", None
     return None, (
         f"Cannot tell whether {full_name!r} ({in_features} -> {out_features}) is an input or an output "
