@@ -34,8 +34,8 @@ from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.strategies import applied_layouts, parallel_setup, pipeline_routing
 from lightning_llm.strategies import parallel_contract as contract
-from lightning_llm.strategies import parallel_setup, pipeline_routing
 from lightning_llm.strategies.parallel_contract import AsyncSave
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, build_options
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
@@ -197,7 +197,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         module, state = self.lightning_module, self.run_state
-        parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
+        if not applied_layouts.reuse(
+            module, self.options, state, self.world_size
+        ):  # a second call: as the first left it
+            parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
+            applied_layouts.record(module, self.options, state, self.world_size)
         self.model = self.precision_plugin.convert_module(module)
         if not state.cpu_offload:
             self.model_to_device()

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
-BEGIN, END = "<!-- architectures-table:begin (generated: python -m tests.zoo.matrix --write) -->", (
-    "<!-- architectures-table:end -->"
+BEGIN, END = (
+    "<!-- architectures-table:begin (generated: python -m tests.zoo.matrix --write) -->",
+    ("<!-- architectures-table:end -->"),
 )
 
 # Mechanism -> the models whose cells prove it (model names as the test modules use them).

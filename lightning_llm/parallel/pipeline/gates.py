@@ -239,6 +239,9 @@ class _Unreachable(nn.Module):
 
 
 def _gated_embedding_class(base: type, state: PipelineState) -> type:
+    # A second Trainer call on the same model gates it again: follow the new state, not the first one's gate.
+    base = getattr(base, "_pipeline_base", base)
+
     def forward(self, ids, *args, **kwargs):
         if state.active is not None and state.active.is_first:
             return base.forward(self, ids, *args, **kwargs)
@@ -248,7 +251,7 @@ def _gated_embedding_class(base: type, state: PipelineState) -> type:
             return base.forward(self, ids, *args, **kwargs) * 0
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype, device=ids.device)
 
-    return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward})
+    return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward, "_pipeline_base": base})
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
