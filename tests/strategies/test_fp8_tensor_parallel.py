@@ -30,7 +30,6 @@ from tests.strategies._parity import assert_parity, make_model, train
 from tests.strategies.test_mixed_precision_parity import ARCH, FP8_RTOL, STEPS, _fp8_single_process, _same_data
 
 Float8Linear = pytest.importorskip("torchao.float8.float8_linear", reason=TORCHAO_REASON).Float8Linear
-Float8ColwiseParallel = pytest.importorskip("torchao.float8.float8_tensor_parallel").Float8ColwiseParallel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
