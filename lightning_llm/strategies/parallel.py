@@ -80,7 +80,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):
             ``True``/"tensorwise" or "rowwise" scaling. Use it with ``precision="bf16-mixed"``: everything
             but those matmuls stays in bf16. The output head, layers with dims not divisible by 16 and
-            ``fp8_exclude`` patterns are skipped. Needs compute capability >= 8.9 on CUDA (H100, L40S, ...).
+            ``fp8_exclude`` patterns are skipped. With tensor parallelism (tensorwise only) the column- and
+            row-split layers use torchao's float8 TP styles; other Linear layers of the blocks stay high precision.
+            Needs compute capability >= 8.9 on CUDA (H100, L40S, ...).
         fp8_exclude: module-name patterns (fnmatch, as in ``named_modules()``) kept out of fp8.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: "nccl", "gloo", ...; the default follows the device.
@@ -217,12 +219,21 @@ class LLMParallelStrategy(ModelParallelStrategy):
         parallel_setup.log_global_batch(trainer, self.options, state)
 
     @override
+    def on_train_start(self) -> None:
+        # The first step's fp8 weight scales too, from the weights after any checkpoint load: without them FSDP2's
+        # fp8 all-gather reduces each weight's amax over the dp axis only, so under TP each tp shard has its own.
+        self._precompute_fp8_scales()
+
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._precompute_fp8_scales()
+        return output
+
+    def _precompute_fp8_scales(self) -> None:
         if self.fp8 is not None and self.report is not None and self.report.fp8_layers:
             # With fp8 all-gather, every weight's scale in one all-reduce (a no-op without sharding).
             precompute_fp8_scales(self.lightning_module)
-        return output
 
     @property
     @override

@@ -16,6 +16,7 @@ from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
+from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
 from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
@@ -138,10 +139,10 @@ def build_options(
             f"tensor_parallel_replicate={tensor_parallel_replicate!r} must be a list of module-name patterns "
             "(fnmatch, as in named_modules()), e.g. ['*.router']."
         )
-    if recipe is not None and tp > 1:
+    if recipe is not None and recipe != FP8_TP_RECIPE and tp > 1:
         raise ValueError(
-            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported yet (torchao's float8 "
-            "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
+            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
+            f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
     pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
     if pp > 1:
