@@ -14,8 +14,11 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from lightning_llm.parallel.parallelize import ParallelizeReport
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.run_state import RunState
 
@@ -59,6 +62,32 @@ def reuse(module: nn.Module, options: StrategyOptions, state: RunState, world_si
         )
     for name, value in applied.state.items():
         setattr(state, name, value)
+    return True
+
+
+def adopt_user_layout(module: nn.Module, options: StrategyOptions, state: RunState) -> bool:
+    """Whether the user's ``configure_model`` already parallelized ``module`` (DTensor parameters, as Lightning's
+    ``ModelParallelStrategy`` expects of it); then the strategy applies nothing more and records an empty report.
+
+    ``tensor_parallel_size`` then only sizes the mesh's ``tensor_parallel`` axis (Lightning's meaning); pipeline
+    parallelism asked of the strategy as well is refused: it would cut a model whose layers are already split.
+    """
+    if _APPLIED.get(module) is not None or not any(isinstance(p, DTensor) for p in module.parameters()):
+        return False
+    parallel = options.parallel
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "configure_model already parallelized the model (its parameters are DTensors), and LLMParallelStrategy "
+            f"was also asked for pipeline_parallel_size={parallel.pipeline_parallel_size}, which would cut a model "
+            "whose layers are already split. Either remove the parallelize_module/fully_shard calls from "
+            "configure_model and let the strategy plan every layout, or keep them and pass pipeline_parallel_size=1."
+        )
+    rank_zero_info(
+        "LLMParallelStrategy: configure_model already parallelized the model (DTensor parameters); the strategy "
+        "applies no sharding of its own (as Lightning's ModelParallelStrategy) and uses the layout as it is."
+    )
+    state.report = ParallelizeReport(blocks_name="", num_blocks=0, zero_stage=0)
+    state.zero_stage, state.cpu_offload = 0, False
     return True
 
 

@@ -10,6 +10,7 @@ for callbacks and the CLI (:mod:`.parallel_contract`); every Lightning hook and 
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -106,7 +107,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | Literal["auto"] = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_replicate_size: int = 1,
@@ -175,6 +176,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
+        if self.options.parallel.tensor_parallel_size == "auto":  # Lightning's meaning: every device of a node
+            parallel = dataclasses.replace(self.options.parallel, tensor_parallel_size=self.num_processes)
+            self.options = dataclasses.replace(self.options, parallel=parallel)
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
         compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
@@ -199,10 +203,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         module, state = self.lightning_module, self.run_state
-        if not applied_layouts.reuse(
-            module, self.options, state, self.world_size
-        ):  # a second call: as the first left it
+        # A second Trainer call finds the layout the first applied; a configure_model may have applied its own.
+        reused = applied_layouts.reuse(module, self.options, state, self.world_size)
+        if not reused and not applied_layouts.adopt_user_layout(module, self.options, state):
             parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
+        if not reused:
             applied_layouts.record(module, self.options, state, self.world_size)
         self.model = self.precision_plugin.convert_module(module)
         if not state.cpu_offload:
