@@ -201,6 +201,8 @@ def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Mod
             "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
             "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
         )
+    if 1 in (in_features, out_features):  # a scalar gate (Qwen3-Next's shared_expert_gate): nothing to split
+        return "replicate", None
     # Shapes first: a layer reading the residual width and writing another opens a split, one writing the
     # residual width closes it, whatever it is called (Lightning's FeedForward names its two inputs w1, w2).
     dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]

@@ -153,16 +153,21 @@ class GatherSequence(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(lambda m, args: self._gather(args, device_mesh))
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: self._gather(args, kwargs, device_mesh), with_kwargs=True
+        )
         module.register_forward_hook(lambda m, args, output: self._split(output, device_mesh))
         return module
 
     @staticmethod
-    def _gather(args: tuple, mesh: DeviceMesh) -> tuple:
-        x, *rest = args
+    def _gather(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+        """The hidden state (the first positional argument, else ``hidden_states=``) as the whole sequence."""
+        key = 0 if args else "hidden_states"
+        x = args[0] if args else kwargs[key]
         if _plain_tensor(x):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        return (x.redistribute(mesh, [Replicate()]).to_local(), *rest)
+        x = x.redistribute(mesh, [Replicate()]).to_local()
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, key: x})
 
     @staticmethod
     def _split(output, mesh: DeviceMesh):
