@@ -328,8 +328,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         refuse_unverified(self, path)
         strict = self.lightning_module.strict_loading
         if cfs.isfile(path):
-            self.checkpoints.check_file(self.model, path, strict)
-            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only)
+            self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
+            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
         return self.checkpoints.load(self.model, self.optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:
