@@ -30,7 +30,12 @@ MECHANISMS = {
     "fused QKV [q, k, v] and [gate, up]": ["phi3", "litgpt_pythia"],
     "fused QKV contiguous per head": ["gpt_neox"],
     "Conv1D projections": ["gpt2"],
-    "MoE, stacked experts": ["mixtral", "qwen3_moe"],
+    "MoE, stacked experts": ["mixtral", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie45_moe"],
+    "parallel residual (attention beside the MLP)": ["phi", "cohere"],
+    "partial rotary embeddings": ["stablelm", "phi"],
+    "biased projections": ["starcoder2"],
+    "layers without rotary embeddings": ["smollm3"],
+    "linear attention (gated delta-net) beside attention, shared expert": ["qwen3_next"],
     "multi-query attention (fused / separate k,v)": ["gpt_bigcode_mqa", "falcon_mqa", "llama_mqa"],
     "fused QKV grouped per KV head": ["falcon_grouped"],
     "ALiBi": ["bloom_alibi"],
@@ -59,7 +64,13 @@ COLUMNS = {  # layout names of the test modules -> table column
 def cells() -> dict[str, set[str]]:
     """Model -> the table columns some parity test trains it under (the tests' own parametrization lists)."""
     from tests.strategies import test_pipeline_tuples
-    from tests.zoo import test_attention_variants, test_hybrid_blocks, test_hybrid_tensor_parallel, test_zoo
+    from tests.zoo import (
+        test_attention_variants,
+        test_hybrid_blocks,
+        test_hybrid_tensor_parallel,
+        test_more_architectures,
+        test_zoo,
+    )
 
     matrices = [
         (test_zoo.MODELS, test_zoo.LAYOUTS),
@@ -67,6 +78,7 @@ def cells() -> dict[str, set[str]]:
         (test_hybrid_blocks.HYBRID_MODELS, test_hybrid_blocks.LAYOUTS),
         (test_hybrid_tensor_parallel.MODELS, test_hybrid_tensor_parallel.LAYOUTS),
         (test_pipeline_tuples.MODELS, test_pipeline_tuples.LAYOUTS),
+        (test_more_architectures.MORE_MODELS, test_more_architectures.LAYOUTS),
     ]
     tested: dict[str, set[str]] = {}
     for models, layouts in matrices:

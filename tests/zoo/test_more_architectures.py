@@ -1,0 +1,47 @@
+"""Ten more Hugging Face architectures under tp2 and tp2+SP against one process, with no plan given.
+
+MoE layouts (OLMoE, Granite-MoE, GLM-4.5-MoE with a dense first layer, ERNIE-4.5-MoE), dense variants (parallel
+residual: Phi, Cohere; partial rotary: StableLM, Phi; biases: Starcoder2; no rope on some layers: SmolLM3) and
+Qwen3-Next (gated delta-net linear attention beside full attention, MoE with a shared expert and a scalar gate).
+Each cell: per-step loss and every parameter within 1e-5 relative of one process (fp32), every parameter
+identical on the ranks holding it, and each rank holding at most 55% of the attention and of the expert
+parameters (measured from the local shards).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_llm.testing import run_distributed
+from tests.strategies._parity import assert_parity
+from tests.zoo._harness import LAYOUTS as ZOO_LAYOUTS
+from tests.zoo._harness import train, train_zoo
+from tests.zoo._models_more import MORE_MODELS, register
+
+LAYOUTS = ["tp2", "tp2_sp"]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+assert all(layout in ZOO_LAYOUTS for layout in LAYOUTS)
+_runs: dict = {}
+_references: dict = {}
+
+
+def _train_more(layouts: list[str], models: list[str]) -> dict:
+    register()  # in the spawned ranks
+    return train_zoo(layouts, models)
+
+
+@pytest.mark.parametrize("name", MORE_MODELS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_more_architectures_under_tensor_parallel_match_single_process(layout, name):
+    if not _runs:
+        _runs.update(run_distributed(_train_more, 2, LAYOUTS, MORE_MODELS, timeout=840)[0])
+    result = _runs[layout][name]
+    assert not isinstance(result, str), f"{name} under {layout} failed:\n{result}"
+    losses, params, differing, _, held = result
+    if name not in _references:
+        register()
+        _references[name] = train(name)
+    ref_losses, ref_params, *_ = _references[name]
+    assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
+    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5, loss_rtol=1e-5)
+    assert held and all(share <= 0.55 for share in held.values()), f"{name} {layout}: a rank holds {held}"
