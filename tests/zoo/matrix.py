@@ -84,6 +84,8 @@ def cells() -> dict[str, set[str]]:
     for models, layouts in matrices:
         for model in models:
             tested.setdefault(model, set()).update(COLUMNS[layout] for layout in layouts)
+    for layout, model in test_attention_variants.OTHER_CELLS:
+        tested[model].add(COLUMNS[layout])
     return tested
 
 

@@ -95,3 +95,30 @@ def test_reference_losses_are_finite():
     for name in MODELS:
         losses = _reference(name)[0]
         assert len(losses) > 0 and all(torch.isfinite(torch.tensor(losses)))
+
+
+OTHER_LAYOUTS = ["pp2", "dp2_zero3", "ac_selective"]
+# Bloom normalizes its embeddings with a LayerNorm before the block loop, which the pipeline split does not place
+# on the first stage yet (refused in the first forward, naming the module): docs/models.md lists it.
+NOT_SUPPORTED = {("pp2", "bloom_alibi")}
+OTHER_CELLS = [(layout, name) for layout in OTHER_LAYOUTS for name in MODELS if (layout, name) not in NOT_SUPPORTED]
+_other_runs: dict = {}
+
+
+def _train_other(layouts: list[str], models: list[str]) -> dict:
+    from tests.zoo._harness import train_zoo
+
+    return train_zoo(layouts, models)
+
+
+@pytest.mark.parametrize("layout, name", OTHER_CELLS)
+def test_attention_variant_under_pipeline_zero3_and_selective_ac_matches_single_process(layout, name):
+    """The same models with no tensor parallelism: pp2 (1F1B), ZeRO-3 on 2 ranks, selective AC."""
+    if not _other_runs:
+        _other_runs.update(run_distributed(_train_other, 2, OTHER_LAYOUTS, MODELS, timeout=840)[0])
+    result = _other_runs[layout][name]
+    assert not isinstance(result, str), f"{name} under {layout} failed:\n{result}"
+    losses, params, differing, *_ = result
+    ref_losses, ref_params, *_ = _reference(name)
+    assert not differing, f"{name} {layout}: parameters differ between ranks holding them: {differing}"
+    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5, loss_rtol=1e-5)
