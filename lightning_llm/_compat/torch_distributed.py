@@ -148,7 +148,7 @@ register(
         used_by=("parallel/ep/mesh.py",),
         why="split the flattened `dp` axis into (`edp`, `ep`) axes of the same root mesh, so FSDP2 shards the "
         "experts' `ep` DTensors over `edp`; torchtitan builds its EP axes the same way",
-        caught_by="`tests/parallel/ep/test_expert_parallel_parity.py`",
+        caught_by="`tests/strategies/test_expert_parallel_parity.py`",
         checked=CHECKED,
         check=lambda: resolve("torch.distributed.device_mesh:DeviceMesh._unflatten"),
     )

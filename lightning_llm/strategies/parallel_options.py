@@ -14,6 +14,7 @@ from typing import Literal
 
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
+from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
 from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
@@ -39,6 +40,8 @@ class ParallelOptions:
     compile_blocks: bool
     fp8: str | None
     fp8_exclude: list[str]
+    expert_parallel_size: int = 1
+    expert_parallel_plan: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ def build_options(
     process_group_backend,
     timeout,
     load_pretrained,
+    expert_parallel_size=1,
+    expert_parallel_plan=None,
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
@@ -143,6 +148,7 @@ def build_options(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported yet (torchao's float8 "
             "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
         )
+    _check_expert_parallel(expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size)
     pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
     if pp > 1:
         pipeline = _pipeline_microbatches(pipeline, pp, save_distributed_checkpoint)
@@ -161,6 +167,8 @@ def build_options(
             compile_blocks,
             recipe,
             list(fp8_exclude or []),
+            expert_parallel_size,
+            dict(expert_parallel_plan) if expert_parallel_plan else None,
         ),
         pipeline=pipeline,
         planning=PlanningOptions(
@@ -196,6 +204,23 @@ def _check_layout(
         )
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
+
+
+def _check_expert_parallel(ep, plan, tp, pp, dp) -> None:
+    """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
+    check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
+    check_expert_parallel_plan(plan)
+    if ep > 1 and (tp > 1 or pp > 1):
+        raise ValueError(
+            f"expert_parallel_size={ep} with tensor_parallel_size={tp} and pipeline_parallel_size={pp} is not "
+            "supported yet: expert parallelism composes with data parallelism (ZeRO 0-3) only. Use "
+            "tensor_parallel_size=1 and pipeline_parallel_size=1, or expert_parallel_size=1."
+        )
+    if ep > 1 and dp != "auto" and dp % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the expert-parallel groups are "
+            f"carved out of the data-parallel ranks. Use an expert_parallel_size that divides {dp}."
+        )
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:
