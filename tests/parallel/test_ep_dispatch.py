@@ -93,13 +93,14 @@ def _ep_vs_whole(kind: str, skewed: bool):
     ref_hidden, ref_weights = hidden.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
     ref = whole(ref_hidden, index, ref_weights)
     ref.square().sum().backward()
-    # Expert gradients: this rank's shard holds the sum over both ranks' tokens.
+    # Expert gradients: this rank's shard holds the sum over both ranks' tokens, scaled by 1 / ep (the data-parallel
+    # mean over the ranks outside the EP group, none here, completes the mean over all data-parallel ranks).
     grads = {}
     for name, p in holder.experts.named_parameters():
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         ref_grad = getattr(whole, name).grad.clone()
         dist.all_reduce(ref_grad)
-        grads[name] = (local, ref_grad.chunk(2)[rank])
+        grads[name] = (local, ref_grad.chunk(2)[rank] / 2)
     return dict(
         out=(out.detach(), ref.detach()),
         hidden=(hidden.grad, ref_hidden.grad),

@@ -10,8 +10,10 @@ before training, naming the module and the way out.
 
 Data parallelism of the experts (applied before the blocks' FSDP2 units, which then leave the experts' parameters
 to them): ZeRO 0 replicates them over ``edp``, ZeRO 1-3 shard them there with FSDP2. Each EP rank's expert gradient
-already sums the contributions of every EP peer's tokens (the all-to-all's backward), so the reduction over ``edp``
-divides by the whole data-parallel size: the mean over the global batch, as for every other parameter.
+already sums the contributions of its ``ep`` peers' tokens (the all-to-all's backward), so the style scales it by
+``1 / ep`` and FSDP2's mean over ``edp`` completes the mean over all ``dp = ep * edp`` ranks: the mean over the
+global batch, as for every other parameter. (FSDP2's own ``set_gradient_divide_factor(dp)`` would do it on NCCL, but
+needs ``PREMUL_SUM``, which gloo lacks, and divides twice on a one-rank or replicate mesh in torch 2.13.)
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def apply_expert_parallel(
     for name, experts in targets:
         check_experts(name, experts, ep)
     for _, experts in targets:
-        apply_parallel_style(ExpertParallel(), experts, meshes.ep)
+        apply_parallel_style(ExpertParallel(grad_scale=1.0 / ep), experts, meshes.ep)
     log.info("Applied expert parallel (ep=%d, edp=%d) to %d experts modules", ep, meshes.edp.size(), len(targets))
     return [experts for _, experts in targets]
 
@@ -140,7 +142,7 @@ def apply_expert_data_parallel(
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """Make each experts module data parallel over ``meshes.edp`` as ZeRO ``zero_stage``, gradients averaged over dp.
+    """Make each experts module data parallel over ``meshes.edp`` as ZeRO ``zero_stage`` (gradients averaged there).
 
     Called before the blocks' own units, which then leave these parameters alone.
     """
@@ -153,4 +155,3 @@ def apply_expert_data_parallel(
             replicate_with_fsdp(module, mesh=meshes.edp, **kwargs)
         else:
             fully_shard(module, mesh=meshes.edp, reshard_after_forward=zero_stage == 3, **kwargs)
-        module.set_gradient_divide_factor(float(meshes.dp))

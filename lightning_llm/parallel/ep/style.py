@@ -46,20 +46,29 @@ class ExpertParallel(ParallelStyle):
     ``num_experts`` and take ``forward(tokens, top_k_ids, top_k_scores)`` returning one ``(tokens, dim)`` tensor
     (see :func:`lightning_llm.parallel.ep.apply.check_experts`).
 
+    Args:
+        grad_scale: multiplies the local experts' weight gradients. Each holds the sum over the EP group's tokens;
+            ``1 / ep`` makes a data-parallel mean over the remaining ranks the mean over every data-parallel rank.
+
     Example::
 
         parallelize_module(model, ep_mesh, {"model.layers.0.mlp.experts": ExpertParallel()})
     """
 
+    def __init__(self, *, grad_scale: float = 1.0) -> None:
+        super().__init__()
+        self.grad_scale = grad_scale
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        total = module.num_experts
+        total, scale = module.num_experts, self.grad_scale
         names = routed_arguments(module)
         signature = inspect.signature(module.forward)
         distribute_module(module, device_mesh, partition_fn=_shard_by_expert)
         module.num_experts = total // device_mesh.size()  # the module's own code now counts its local experts
         module._ep_calls = []  # one entry per call in flight (activation checkpointing re-enters)
         module.register_forward_pre_hook(
-            lambda m, args, kwargs: _enter(m, signature, names, args, kwargs, device_mesh, total), with_kwargs=True
+            lambda m, args, kwargs: _enter(m, signature, names, args, kwargs, device_mesh, total, scale),
+            with_kwargs=True,
         )
         module.register_forward_hook(lambda m, args, output: _exit(m, output, device_mesh), always_call=True)
         return module
@@ -73,7 +82,7 @@ def _shard_by_expert(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(param_name, sharded)
 
 
-def _enter(module, signature, names, args, kwargs, mesh, total):
+def _enter(module, signature, names, args, kwargs, mesh, total, scale):
     bound = signature.bind(*args, **kwargs)
     hidden, index, weights = (bound.arguments[n] for n in names)
     rows, local_ids, routing = dispatch(hidden, index, mesh, total)
@@ -83,7 +92,8 @@ def _enter(module, signature, names, args, kwargs, mesh, total):
     bound.arguments[names[2]] = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
     lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     for name, param in lent.items():
-        module_parameters(module)[name] = param.to_local()  # lent for this call; _exit puts the DTensor back
+        local = param.to_local()
+        module_parameters(module)[name] = local if scale == 1.0 else _ScaleGrad.apply(local, scale)  # _exit restores
     module._ep_calls.append((routing, weights, hidden.dtype, rows, lent))
     return bound.args, bound.kwargs
 
@@ -105,3 +115,16 @@ def _exit(module, output, mesh):
         # single process gives experts no token reached.
         output = output + sum((p.sum() * 0 for p in local), rows.sum() * 0)
     return combine(output, weights, routing, mesh, dtype)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
