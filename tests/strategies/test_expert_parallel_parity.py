@@ -37,6 +37,17 @@ LAYOUTS = {
     "ep2xdp2_zero3": (4, {"expert_parallel_size": 2, "zero_stage": 3}, 1 / 4),
     "ep4_zero3": (4, {"expert_parallel_size": 4, "zero_stage": 3}, 1 / 4),
 }
+# Refused at setup, before any step: (label, model, strategy arguments, what the message must say)
+REFUSED = [
+    ("dense model", "llama", {"expert_parallel_size": 2}, "the model has no experts module to split"),
+    ("ep above dp", "mixtral", {"expert_parallel_size": 4}, "expert_parallel_size=4 does not divide the data-parallel"),
+    (
+        "plan names a router",
+        "mixtral",
+        {"expert_parallel_size": 2, "expert_parallel_plan": {"*.mlp.gate": "expert_parallel"}},
+        "'model.model.layers.0.mlp.gate' cannot be split by expert",
+    ),
+]
 _references: dict = {}
 
 
@@ -48,7 +59,20 @@ def _train_all(layouts: list[str], models: list[str]) -> dict | None:
         results[layout] = {
             name: train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=world_size) for name in models
         }
+    if world_size == 2:  # what setup refuses, in the same process group
+        results["refusals"] = {
+            label: _error(lambda: train(name, LLMParallelStrategy(**kwargs), devices=2, dp=2))
+            for label, name, kwargs, _ in REFUSED
+        }
     return results if dist.get_rank() == 0 else None
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as error:
+        return str(error)
+    return "not refused"
 
 
 def _reference(name: str):
@@ -83,7 +107,7 @@ def _run(layout: str) -> dict:
         try:
             _runs.update(run_distributed(_train_all, world_size, group, MODELS, timeout=840)[0])
         except Exception as error:  # one failed spawn fails its layouts once, not once per cell
-            _runs.update({name: error for name in group})
+            _runs.update({name: error for name in [*group, "refusals"]})
     if isinstance(_runs[layout], Exception):
         raise _runs[layout]
     return _runs[layout]
@@ -107,3 +131,10 @@ def test_expert_parallel_matches_single_process(layout, name):
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param_diff = max(((params[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items())
     print(f"{label}: max relative loss diff {loss_diff:.1e}, parameter diff {param_diff:.1e}, held {held}")
+
+
+@pytest.mark.timeout(900)
+def test_setup_refuses_what_expert_parallelism_cannot_split():
+    _run("ep2_zero0")
+    for label, _, _, message in REFUSED:
+        assert message in _runs["refusals"][label], f"{label}: {_runs['refusals'][label]}"
