@@ -19,6 +19,10 @@ from lightning_llm.strategies import LLMParallelStrategy
             "expert_parallel_size=4 does not divide data_parallel_size=6",
         ),
         ({"expert_parallel_plan": {"*.experts": "experts"}}, "unknown style"),
+        (
+            {"expert_parallel_size": 2, "activation_checkpointing": "selective"},
+            "activation_checkpointing='selective' with expert_parallel_size=2 is not supported yet",
+        ),
         ({"expert_parallel_plan": ["*.experts"]}, "must map module-name patterns to styles"),
     ],
 )

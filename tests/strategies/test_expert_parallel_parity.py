@@ -5,7 +5,8 @@ attention) trains for the zoo's steps in fp32 on gloo ranks and must match the s
 per-step loss and every parameter within 1e-5 relative, parameters identical on every rank holding them, each rank
 holding its share of the expert parameters (1 / ep whole experts, further sharded over the data-parallel ranks
 outside the EP group under ZeRO 1-3), and the trained routers sending every token to the same experts as the single
-process's. 2 ranks: ep2 under ZeRO 0, 1 and 3. 4 ranks: ep2 x dp2 (experts replicated, or sharded by FSDP2, over
+process's. 2 ranks: ep2 under ZeRO 0, 1 and 3, and with full activation checkpointing (the recompute replays
+the all-to-alls). 4 ranks: ep2 x dp2 (experts replicated, or sharded by FSDP2, over
 the other EP group) and ep4 (one expert per rank).
 """
 
@@ -33,6 +34,7 @@ LAYOUTS = {
     "ep2_zero0": (2, {"expert_parallel_size": 2, "zero_stage": 0}, 1 / 2),
     "ep2_zero1": (2, {"expert_parallel_size": 2, "zero_stage": 1}, 1 / 2),
     "ep2_zero3": (2, {"expert_parallel_size": 2, "zero_stage": 3}, 1 / 2),
+    "ep2_zero3_ac_full": (2, {"expert_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "full"}, 1 / 2),
     "ep2xdp2_zero0": (4, {"expert_parallel_size": 2, "zero_stage": 0}, 1 / 2),
     "ep2xdp2_zero3": (4, {"expert_parallel_size": 2, "zero_stage": 3}, 1 / 4),
     "ep4_zero3": (4, {"expert_parallel_size": 4, "zero_stage": 3}, 1 / 4),

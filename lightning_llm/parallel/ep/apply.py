@@ -154,4 +154,6 @@ def apply_expert_data_parallel(
         if zero_stage == 0:
             replicate_with_fsdp(module, mesh=meshes.edp, **kwargs)
         else:
-            fully_shard(module, mesh=meshes.edp, reshard_after_forward=zero_stage == 3, **kwargs)
+            # Resharding a one-rank unit (ep == dp) frees nothing, so it is skipped.
+            reshard = zero_stage == 3 and meshes.edp.size() > 1
+            fully_shard(module, mesh=meshes.edp, reshard_after_forward=reshard, **kwargs)
