@@ -3,8 +3,7 @@
 Two gloo ranks hold different tokens and half the experts each; outputs and every gradient (tokens, router scores,
 expert weights) must equal what one process computes with all experts, in float64. The communication check counts
 the collectives of the EP forward with torch's ``CommDebugMode``: all-to-alls only, none carrying every expert's
-output. (torch's ``CommDebugMode`` counts the same ops but its module tracker fails on Hugging Face's experts
-forward; :class:`Collectives` below records each collective op with the elements it sends.)
+output (:class:`tests.parallel._collectives.Collectives` records each collective op with the elements it sends).
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_llm.parallel.ep.apply import apply_expert_parallel, check_experts, find_experts
 from lightning_llm.parallel.ep.mesh import ExpertMeshes, check_expert_parallel_size
 from lightning_llm.testing import run_distributed
+from tests.parallel._collectives import Collectives
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,24 +49,6 @@ def _inputs(rank: int, skewed: bool):
     index = torch.stack([torch.randperm(high, generator=g)[:TOP_K] for _ in range(TOKENS)])
     weights = torch.rand(TOKENS, TOP_K, generator=g, dtype=torch.float64, requires_grad=True)
     return hidden, index, weights
-
-
-NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # bookkeeping ops of the functional collectives
-
-
-class Collectives(TorchDispatchMode):
-    """Records every collective op run inside it (c10d and functional collectives) and the elements it sends."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional") and func._opname not in NOT_COLLECTIVES:
-            sent = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            self.calls.append((f"{namespace}.{func._opname}", sent.numel() if sent is not None else 0))
-        return func(*args, **(kwargs or {}))
 
 
 class _Holder(torch.nn.Module):

@@ -12,15 +12,18 @@ the other EP group) and ep4 (one expert per rank).
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from lightning_llm.parallel.ep.apply import find_experts
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
+from tests.parallel._collectives import Collectives
 from tests.strategies._parity import assert_parity
-from tests.zoo._harness import tokens, train
+from tests.zoo._harness import GLOBAL_BATCH, SEQ_LEN, tokens, train
 from tests.zoo._models import ZooLM
 from tests.zoo._models_hybrid import register
 
@@ -61,12 +64,45 @@ def _train_all(layouts: list[str], models: list[str]) -> dict | None:
         results[layout] = {
             name: train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=world_size) for name in models
         }
-    if world_size == 2:  # what setup refuses, in the same process group
+    if world_size == 2:  # the collectives of one training forward, and what setup refuses, in the same group
+        results["collectives"] = _forward_collectives("mixtral")
         results["refusals"] = {
             label: _error(lambda: train(name, LLMParallelStrategy(**kwargs), devices=2, dp=2))
             for label, name, kwargs, _ in REFUSED
         }
     return results if dist.get_rank() == 0 else None
+
+
+class _ForwardCollectives(L.Callback):
+    """Records the collectives of the first training step's forward (batch start to backward)."""
+
+    def __init__(self) -> None:
+        self.mode = Collectives()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.mode.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == 0:
+            self.mode.__exit__(None, None, None)
+
+
+def _forward_collectives(name: str) -> list[tuple[str, int]]:
+    recorder = _ForwardCollectives()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=LLMParallelStrategy(expert_parallel_size=2, zero_stage=0),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(ZooLM(name), DataLoader(tokens(), batch_size=GLOBAL_BATCH // 2))
+    return recorder.mode.calls
 
 
 def _error(fn) -> str:
@@ -109,7 +145,7 @@ def _run(layout: str) -> dict:
         try:
             _runs.update(run_distributed(_train_all, world_size, group, MODELS, timeout=840)[0])
         except Exception as error:  # one failed spawn fails its layouts once, not once per cell
-            _runs.update({name: error for name in [*group, "refusals"]})
+            _runs.update({name: error for name in [*group, "refusals", "collectives"]})
     if isinstance(_runs[layout], Exception):
         raise _runs[layout]
     return _runs[layout]
@@ -140,3 +176,18 @@ def test_setup_refuses_what_expert_parallelism_cannot_split():
     _run("ep2_zero0")
     for label, _, _, message in REFUSED:
         assert message in _runs["refusals"][label], f"{label}: {_runs['refusals'][label]}"
+
+
+@pytest.mark.timeout(900)
+def test_moe_forward_moves_tokens_by_all_to_all_only():
+    """Under ep2 x ZeRO 0, a whole training forward of Mixtral (2 MoE layers) runs per MoE layer one all-to-all of
+    expert counts and two of token rows (dispatch, combine) and no other collective: no all-reduce or all-gather of
+    expert outputs. Each rows all-to-all sends at most this rank's routes (tokens x top-k x hidden)."""
+    _run("ep2_zero0")
+    calls = _runs["collectives"]
+    names = [name for name, _ in calls]
+    assert names == ["c10d.alltoall_base_", *["_c10d_functional.all_to_all_single"] * 2] * 2, names
+    config = ZooLM("mixtral").model.config
+    routes = GLOBAL_BATCH // 2 * SEQ_LEN * config.num_experts_per_tok
+    assert calls[1][1] == routes * config.hidden_size, calls  # the dispatch sends every route of this rank once
+    assert all(sent <= 2 * routes * config.hidden_size for _, sent in calls), calls
