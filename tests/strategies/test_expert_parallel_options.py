@@ -37,3 +37,11 @@ def test_expert_parallel_arguments_are_read_back():
     assert strategy.expert_parallel_size == 2
     assert strategy.expert_parallel_plan == {"*.moe.experts": "expert_parallel"}
     assert LLMParallelStrategy().expert_parallel_size == 1
+
+
+@pytest.mark.timeout(30)
+def test_expert_parallel_presets_are_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry.get("llm_ep2").expert_parallel_size == 2
+    assert StrategyRegistry.get("llm_ep4").expert_parallel_size == 4
