@@ -99,6 +99,8 @@ def _enter(module, signature, names, args, kwargs, mesh, total, scale):
 
 
 def _exit(module, output, mesh):
+    if not module._ep_calls:  # the pre-hook itself raised: nothing was lent or dispatched
+        return output
     routing, weights, dtype, rows, lent = module._ep_calls.pop()
     local = [module_parameters(module)[name] for name in lent]
     for name, param in lent.items():
