@@ -97,10 +97,14 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D named mesh (pp, dp_replicate, dp_shard, tp) plus the flattened ``dp`` axis."""
+        """The 4-D named mesh (pp, dp_replicate, dp_shard, tp) plus the flattened ``dp`` axis, and the names
+        Lightning's ``ModelParallelStrategy`` gives its mesh (``data_parallel``, ``tensor_parallel``), so a
+        ``configure_model`` written for it finds its axes here."""
         shape = tuple(getattr(self, axis) for axis in AXES)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "dp")
+        flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "data_parallel")
+        flatten_mesh(self.mesh[("tp",)], "tensor_parallel")
         return self.mesh
 
     def dp_rank(self) -> int:
