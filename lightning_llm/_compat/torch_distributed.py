@@ -93,7 +93,7 @@ register(
         name="torch.distributed._functional_collectives.all_to_all_single (and wait_tensor)",
         upstream="torch",
         accessor="torch_distributed.all_to_all_single",
-        used_by=("parallel/tp/fused.py",),
+        used_by=("parallel/tp/fused.py", "parallel/ep/dispatch.py"),
         why="the all-to-all that regroups a fused projection's output per rank, with autograd; torch 2.13 deprecates "
         "the public `torch.distributed.nn.functional.all_to_all_single` and names this one as its replacement",
         caught_by="`tests/parallel/test_fused_projections.py` (float64 gradients)",
@@ -124,6 +124,33 @@ register(
         caught_by="every multi-rank parity test, `tests/strategies/test_parallel_parity.py`",
         checked=CHECKED,
         check=lambda: resolve("torch.distributed.device_mesh:DeviceMesh._flatten"),
+    )
+)
+
+
+def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """``DeviceMesh._unflatten(0, sizes, names)``: split a 1-D mesh (the flattened ``dp`` axis) into named axes that
+    keep the root mesh, so FSDP2 can shard a DTensor of one of them over another (the expert-parallel ``ep`` axis and
+    the data-parallel ranks outside it, as torchtitan builds them). No public API splits an axis. Checked on torch
+    2.13.0."""
+    try:
+        unflatten = mesh._unflatten
+    except AttributeError as err:
+        raise missing("Expert parallelism's mesh axes", "DeviceMesh._unflatten (torch >= 2.9)", err) from err
+    return unflatten(0, sizes, names)
+
+
+register(
+    Private(
+        name="DeviceMesh._unflatten",
+        upstream="torch",
+        accessor="torch_distributed.unflatten_mesh",
+        used_by=("parallel/ep/mesh.py",),
+        why="split the flattened `dp` axis into (`edp`, `ep`) axes of the same root mesh, so FSDP2 shards the "
+        "experts' `ep` DTensors over `edp`; torchtitan builds its EP axes the same way",
+        caught_by="`tests/strategies/test_expert_parallel_parity.py`",
+        checked=CHECKED,
+        check=lambda: resolve("torch.distributed.device_mesh:DeviceMesh._unflatten"),
     )
 )
 

@@ -1,11 +1,12 @@
 """The parallelization recipe: pipeline split, tensor parallel, activation checkpointing, compile, data parallel.
 
 The order matters and is the one torchtitan uses: the pipeline split first (each rank keeps its
-stages), the fp8 swap of Linear layers (torchao's ``Float8Linear`` must exist before FSDP2 wraps the
-weights, so that FSDP2 can all-gather them in fp8, and before TP, which gives it torchao's float8 styles), then TP (it replaces Linear weights by
+stages), expert parallelism (whole experts per EP rank, DTensors on the ``ep`` axis), the fp8 swap of Linear layers
+(torchao's ``Float8Linear`` must exist before FSDP2 wraps the weights, so that FSDP2 can all-gather them in fp8, and
+before TP, which gives it torchao's float8 styles), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
-gather the TP-sharded DTensors along the ``dp`` axes).
+gather the TP-sharded DTensors along the ``dp`` axes; the experts get their own units over the ``edp`` axis first).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from torch import nn
 from lightning_llm.modeling.blocks import BlockStack, block_names, distinct_blocks, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
+from lightning_llm.parallel.ep.apply import apply_expert_data_parallel, apply_expert_parallel
+from lightning_llm.parallel.ep.mesh import build_expert_meshes
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.pipeline.costs import stage_costs
@@ -50,6 +53,7 @@ class ParallelizeReport:
     outer: dict = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
     fp8_layers: list[str] = field(default_factory=list)
+    expert_parallel_modules: int = 0
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
@@ -145,13 +149,16 @@ def parallelize(
     pipeline: PipelineSpec | None = None,
     fp8: str | None = None,
     fp8_exclude: list[str] | None = None,
+    expert_parallel_size: int = 1,
+    expert_parallel_plan: dict[str, str] | None = None,
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
     or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
     pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
-    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`).
+    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). ``expert_parallel_size > 1``
+    splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`).
 
     Example::
 
@@ -177,6 +184,11 @@ def parallelize(
         report.outer = prune_to_stages(module, blocks_name, block_list, report.chunks)
         owned_blocks = [block_list[i] for c in report.chunks for i in c.blocks]
         roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
+    expert_meshes, experts = None, []
+    if expert_parallel_size > 1:
+        expert_meshes = build_expert_meshes(dims, expert_parallel_size)
+        experts = apply_expert_parallel(module, meshes=expert_meshes, plan=expert_parallel_plan)
+        report.expert_parallel_modules = len(experts)
     if fp8 is not None:
         shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
         # Under TP only the column/row-split layers train in fp8 (see parallel/tp/float8.py).
@@ -206,6 +218,14 @@ def parallelize(
         dp_mesh = (
             dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
         )
+        if experts:
+            apply_expert_data_parallel(
+                experts,
+                meshes=expert_meshes,
+                zero_stage=zero_stage,
+                mp_policy=mixed_precision_policy(precision),
+                cpu_offload=cpu_offload,
+            )
         apply_data_parallel(
             roots if roots is not None else data_parallel_roots(module, blocks_name),
             owned_blocks,

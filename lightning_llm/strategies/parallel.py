@@ -95,6 +95,13 @@ class LLMParallelStrategy(ModelParallelStrategy):
             index) loaded into the sharded model before training; its tensor names must match the module's
             parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).
 
+        expert_parallel_size: ranks, carved out of the data-parallel ones, over which the experts of every MoE
+            layer are split (whole experts per rank; tokens move to them by all-to-all). It must divide the number
+            of experts and the data-parallel size; under ZeRO 1-3 the experts are also sharded over the
+            data-parallel ranks outside their group. See :mod:`lightning_llm.parallel.ep`.
+        expert_parallel_plan: module-name pattern (fnmatch) -> ``"expert_parallel"`` (split a user's own experts
+            module) or ``"data_parallel"`` (keep a found one whole); experts modules are otherwise found by shape.
+
     Example::
 
         trainer = L.Trainer(
@@ -135,6 +142,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
         load_pretrained: str | None = None,
+        expert_parallel_size: int = 1,
+        expert_parallel_plan: dict[str, str] | None = None,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -159,6 +168,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
     compile_blocks = Forwarded("options.parallel.compile_blocks")
     fp8 = Forwarded("options.parallel.fp8")
     fp8_exclude = Forwarded("options.parallel.fp8_exclude")
+    expert_parallel_size = Forwarded("options.parallel.expert_parallel_size")
+    expert_parallel_plan = Forwarded("options.parallel.expert_parallel_plan")
     activation_checkpointing = Forwarded("options.planning.activation_checkpointing")
     ac_options = Forwarded("options.planning.ac_options")
     device_memory = Forwarded("options.planning.device_memory")

@@ -14,6 +14,7 @@ from typing import Literal
 
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
+from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
 from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
@@ -40,6 +41,8 @@ class ParallelOptions:
     compile_blocks: bool
     fp8: str | None
     fp8_exclude: list[str]
+    expert_parallel_size: int = 1
+    expert_parallel_plan: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ def build_options(
     process_group_backend,
     timeout,
     load_pretrained,
+    expert_parallel_size=1,
+    expert_parallel_plan=None,
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
@@ -144,6 +149,15 @@ def build_options(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
             f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
+    _check_expert_parallel(expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size)
+    if expert_parallel_size > 1 and activation_checkpointing in ("selective", "auto"):
+        # The experts' own FSDP2 unit inside a checkpointed block runs FSDP's root pre-forward (a profiler op) only
+        # in the recompute, which selective checkpointing, replaying ops by count, refuses (torch 2.13).
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r} with expert_parallel_size={expert_parallel_size} "
+            "is not supported yet (selective checkpointing cannot replay the experts' FSDP2 hooks). Use "
+            "activation_checkpointing='full' or 'none'."
+        )
     pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
     if pp > 1:
         pipeline = _pipeline_microbatches(pipeline, pp, save_distributed_checkpoint)
@@ -162,6 +176,8 @@ def build_options(
             compile_blocks,
             recipe,
             list(fp8_exclude or []),
+            expert_parallel_size,
+            dict(expert_parallel_plan) if expert_parallel_plan else None,
         ),
         pipeline=pipeline,
         planning=PlanningOptions(
@@ -198,6 +214,23 @@ def _check_layout(
         )
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
+
+
+def _check_expert_parallel(ep, plan, tp, pp, dp) -> None:
+    """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
+    check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
+    check_expert_parallel_plan(plan)
+    if ep > 1 and (tp > 1 or pp > 1):
+        raise ValueError(
+            f"expert_parallel_size={ep} with tensor_parallel_size={tp} and pipeline_parallel_size={pp} is not "
+            "supported yet: expert parallelism composes with data parallelism (ZeRO 0-3) only. Use "
+            "tensor_parallel_size=1 and pipeline_parallel_size=1, or expert_parallel_size=1."
+        )
+    if ep > 1 and dp != "auto" and dp % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the expert-parallel groups are "
+            f"carved out of the data-parallel ranks. Use an expert_parallel_size that divides {dp}."
+        )
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:

@@ -41,6 +41,8 @@ PARALLEL_PRESETS: list[Preset] = [
         {"tensor_parallel_size": 8, "sequence_parallel": True},
         "LLMParallelStrategy: tp=8 + sequence parallel",
     ),
+    ("llm_ep2", {"expert_parallel_size": 2}, "LLMParallelStrategy: MoE experts split over 2 ranks, ZeRO 3"),
+    ("llm_ep4", {"expert_parallel_size": 4}, "LLMParallelStrategy: MoE experts split over 4 ranks, ZeRO 3"),
 ]
 
 DEEPSPEED_PRESETS: list[Preset] = [

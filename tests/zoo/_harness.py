@@ -78,7 +78,7 @@ def held_shares(model) -> dict[str, float]:
     return {k: sum(map(local, ps)) / sum(p.numel() for p in ps) for k, ps in groups.items() if ps}
 
 
-def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
+def train(name: str, strategy=None, devices: int = 1, dp: int = 1, gradient_clip_val: float | None = None):
     """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs,
     the largest share of attention / expert parameters any rank holds).
 
@@ -96,6 +96,7 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1):
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[losses],
+        gradient_clip_val=gradient_clip_val,
     )
     data = tokens()
     # Lightning gives a distributed run's training loader a shuffling DistributedSampler (seed 0); the
