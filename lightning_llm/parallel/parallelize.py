@@ -199,10 +199,8 @@ def parallelize(
     if compile_blocks:
         for block in owned_blocks:
             block.compile()
-    if dims.dp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
-        dp_mesh = (
-            dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
-        )
+    if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
+        dp_mesh = dims.data_parallel_mesh()
         apply_data_parallel(
             roots if roots is not None else data_parallel_roots(module, blocks_name),
             owned_blocks,

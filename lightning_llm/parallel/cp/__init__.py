@@ -1,0 +1,9 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks from the embedding to the output, exact.
+
+- :mod:`.layout`: which tokens each rank holds (head-tail / zig-zag chunks), global positions;
+- :mod:`.collectives`: autograd-aware gathers of sequence shards;
+- :mod:`.attention`: a shard's queries over the whole sequence (keys/values gathered, causal by global position);
+- :mod:`.interception`: routing a model's attention there (Hugging Face's attention registry, or SDPA calls
+  inside the blocks), with the variants that cannot be distributed exactly refused;
+- :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered.
+"""
