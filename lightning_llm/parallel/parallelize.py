@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_llm.modeling.blocks import BlockStack, block_names, distinct_blocks, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
@@ -49,6 +50,7 @@ class ParallelizeReport:
     outer: dict = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
     fp8_layers: list[str] = field(default_factory=list)
+    context_parallel: str = ""
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
@@ -144,13 +146,15 @@ def parallelize(
     pipeline: PipelineSpec | None = None,
     fp8: str | None = None,
     fp8_exclude: list[str] | None = None,
+    context_parallel_method: str = "ring",
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
     or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
     pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
-    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`).
+    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). With ``dims.cp > 1`` every sequence
+    is split over the ``cp`` axis (:mod:`lightning_llm.parallel.cp`), and FSDP shards over ``dp × cp``.
 
     Example::
 
@@ -160,6 +164,8 @@ def parallelize(
     """
     blocks_name, block_list = find_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
+    if dims.cp > 1:  # refused before anything is changed
+        check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module,
@@ -199,6 +205,14 @@ def parallelize(
     if compile_blocks:
         for block in owned_blocks:
             block.compile()
+    if dims.cp > 1:  # hooks on the model's input/output and on each block's attention; FSDP wraps around them
+        report.context_parallel = apply_context_parallel(
+            module,
+            blocks_name=blocks_name,
+            blocks=owned_blocks,
+            cp_mesh=dims.mesh["cp"],
+            method=context_parallel_method,
+        )
     if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
         dp_mesh = dims.data_parallel_mesh()
         apply_data_parallel(

@@ -88,6 +88,12 @@ class LLMParallelStrategy(ModelParallelStrategy):
             10 minutes by default rather than torch's 30: long enough for a checkpoint save or the first step's
             compilation, short enough that a rank that stopped responding does not hold the job for half an hour.
             Add :class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.
+        context_parallel_size: ranks that split every sequence (the ``cp`` mesh axis): each holds two head-tail
+            (zig-zag) chunks of every sample from the embedding to the output, attention gathers the other ranks'
+            keys/values, and the logits are gathered back, so the user's loss is computed unchanged and exactly. The
+            CP ranks read the same batch; FSDP shards over data-parallel × CP ranks. The sequence length must be a
+            multiple of ``2 * context_parallel_size``.
+        context_parallel_method: "ring" (ring attention; "ulysses" is not implemented yet).
         load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
             index) loaded into the sharded model before training; its tensor names must match the module's
             parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).
@@ -132,6 +138,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
         load_pretrained: str | None = None,
+        context_parallel_size: int = 1,
+        context_parallel_method: Literal["ring", "ulysses"] = "ring",
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -156,6 +164,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
     compile_blocks = Forwarded("options.parallel.compile_blocks")
     fp8 = Forwarded("options.parallel.fp8")
     fp8_exclude = Forwarded("options.parallel.fp8_exclude")
+    context_parallel_size = Forwarded("options.parallel.context_parallel_size")
+    context_parallel_method = Forwarded("options.parallel.context_parallel_method")
     activation_checkpointing = Forwarded("options.planning.activation_checkpointing")
     ac_options = Forwarded("options.planning.ac_options")
     device_memory = Forwarded("options.planning.device_memory")

@@ -39,6 +39,8 @@ class ParallelOptions:
     compile_blocks: bool
     fp8: str | None
     fp8_exclude: list[str]
+    context_parallel_size: int = 1
+    context_parallel_method: Literal["ring", "ulysses"] = "ring"
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ def build_options(
     process_group_backend,
     timeout,
     load_pretrained,
+    context_parallel_size=1,
+    context_parallel_method="ring",
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
@@ -127,6 +131,15 @@ def build_options(
         num_microbatches,
         virtual_stages,
         device_memory,
+    )
+    _check_context_parallel(
+        context_parallel_size,
+        context_parallel_method,
+        tp=tp,
+        pp=pp,
+        zero_stage=zero_stage,
+        activation_checkpointing=activation_checkpointing,
+        compile_blocks=compile_blocks,
     )
     timeout = check_timeout("timeout", timeout)
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
@@ -161,6 +174,8 @@ def build_options(
             compile_blocks,
             recipe,
             list(fp8_exclude or []),
+            context_parallel_size,
+            context_parallel_method,
         ),
         pipeline=pipeline,
         planning=PlanningOptions(
@@ -196,6 +211,31 @@ def _check_layout(
         )
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
+
+
+def _check_context_parallel(cp, method, *, tp, pp, zero_stage, activation_checkpointing, compile_blocks) -> None:
+    """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
+    check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
+    check_choice("context_parallel_method", method, ("ring", "ulysses"))
+    if cp == 1:
+        return
+    if method == "ulysses":
+        raise ValueError(
+            f"context_parallel_method='ulysses' (context_parallel_size={cp}) is not implemented yet; use 'ring'."
+        )
+    combined = {
+        "tensor_parallel_size": tp if tp > 1 else None,
+        "pipeline_parallel_size": pp if pp > 1 else None,
+        "zero_stage": zero_stage if zero_stage == "auto" else None,
+        "activation_checkpointing": activation_checkpointing if activation_checkpointing != "none" else None,
+        "compile_blocks": compile_blocks or None,
+    }
+    for name, value in combined.items():
+        if value is not None:
+            raise ValueError(
+                f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
+                "composes with data parallelism (ZeRO 0-3) today. Drop one of the two."
+            )
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:

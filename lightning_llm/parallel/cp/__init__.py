@@ -7,3 +7,16 @@
   inside the blocks), with the variants that cannot be distributed exactly refused;
 - :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered.
 """
+
+from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel
+from lightning_llm.parallel.cp.attention import context_parallel_attention, count_queries
+from lightning_llm.parallel.cp.layout import CPGroup, zigzag_positions
+
+__all__ = [
+    "CPGroup",
+    "apply_context_parallel",
+    "check_context_parallel",
+    "context_parallel_attention",
+    "count_queries",
+    "zigzag_positions",
+]

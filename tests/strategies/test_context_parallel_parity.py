@@ -1,0 +1,88 @@
+"""Context parallelism against one process: HF Llama, a partial-rotary HF model (GPT-NeoX, rotary_pct=0.5) and the
+reference model, each under cp2 (ZeRO 0: replicated over the 2 CP ranks) and cp2 + ZeRO-3 (FSDP over
+``dp_shard_cp`` = 2), fp32: per-step loss and every parameter within 1e-5 relative of the single process, replicated
+parameters bit-identical on both ranks, and each rank's attention kernel computed exactly its own zig-zag queries.
+
+One spawned process group trains every case (starting the ranks costs more than the tiny models).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_llm.parallel.cp import count_queries, zigzag_positions
+from lightning_llm.testing import run_distributed
+from tests.strategies import _parity
+from tests.strategies._parity import assert_parity
+from tests.zoo import _harness
+
+pytestmark = [pytest.mark.distributed]
+
+LAYOUTS = {"cp2": {"context_parallel_size": 2, "zero_stage": 0}, "cp2_zero3": {"context_parallel_size": 2}}
+MODELS = ["llama", "gpt_neox", "reference"]
+REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
+
+
+def _differing(model) -> list[str]:
+    state = _harness._local_state(model)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return sorted(k for k, v in state.items() if any(not torch.equal(s[k], v) for s in states))
+
+
+def _train(name: str, kwargs: dict):
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    strategy = LLMParallelStrategy(**kwargs)
+    if name != "reference":
+        losses, params, differing, *_ = _harness.train(name, strategy, devices=2, dp=1)
+        return losses, params, differing
+    model = _parity.make_model("reference")
+    losses, params = _parity.train("reference", strategy, devices=2, dp=1, model=model)
+    return losses, params, _differing(model)
+
+
+def _cp_cases(layouts: list[str], models: list[str]) -> dict:
+    """On each rank: {(layout, model): (losses, params, differing, query positions the kernel saw)}."""
+    results = {}
+    for layout in layouts:
+        for name in models:
+            seen: list[int] = []
+            with count_queries(lambda positions, keys: seen.extend(positions.tolist())):
+                result = _train(name, LAYOUTS[layout])
+            results[(layout, name)] = (*result, sorted(set(seen)))
+    return results
+
+
+_runs: dict = {}
+
+
+def _results() -> list[dict]:
+    if not _runs:
+        _runs["ranks"] = run_distributed(_cp_cases, 2, list(LAYOUTS), MODELS, timeout=840)
+    return _runs["ranks"]
+
+
+def _reference(name: str):
+    if name == "reference":
+        return _parity.train("reference")
+    return _harness.train(name)[:2]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_matches_single_process(layout, name):
+    ranks = _results()
+    losses, params, differing, _ = ranks[0][(layout, name)]
+    ref_losses, ref_params = _reference(name)
+    loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    param_error = max(((params[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items())
+    print(f"{name} {layout}: max loss rel diff {loss_error:.1e}, max param rel diff {param_error:.1e}")
+    assert not differing, f"{name} {layout}: replicated parameters differ between the CP ranks: {differing}"
+    assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5)
+    seq = REFERENCE_SEQ if name == "reference" else _harness.SEQ_LEN
+    for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries
+        assert results[(layout, name)][3] == zigzag_positions(seq, 2, rank).tolist(), (rank, results[(layout, name)][3])
