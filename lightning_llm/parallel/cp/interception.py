@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_llm._compat.transformers import attention_implementation
 from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.layout import CPGroup
 
@@ -81,10 +82,21 @@ class _SDPARouter(TorchFunctionMode):
         )  # fmt: skip
 
 
-def _uses_hf_registry(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    return hasattr(config, "_attn_implementation") and callable(can_set) and can_set()
+def _switch_hf_attention(model: nn.Module) -> bool:
+    """Switch a Hugging Face model to :data:`CP_ATTENTION`; ``False`` for a model without an attention registry."""
+    if attention_implementation(model) is None or not callable(getattr(model, "set_attn_implementation", None)):
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CP_ATTENTION, _hf_attention)
+    model.set_attn_implementation(CP_ATTENTION)
+    if attention_implementation(model) != CP_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} does not let its attention implementation be switched to {CP_ATTENTION!r} "
+            "(transformers' set_attn_implementation refused), so context parallelism cannot distribute its "
+            "attention; use context_parallel_size=1 for this model."
+        )
+    return True
 
 
 def _block_hooks(block: nn.Module, where: str, router: _SDPARouter | None) -> list[RemovableHandle]:
@@ -114,12 +126,8 @@ def route_attention(model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, b
 
         route_attention(hf_model, list(hf_model.model.layers), CPGroup(group, 2, rank), blocks_name="model.layers")
     """
-    hf = _uses_hf_registry(model)
+    hf = _switch_hf_attention(model)
     if hf:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(CP_ATTENTION, _hf_attention)
-        model.set_attn_implementation(CP_ATTENTION)
         for block in blocks:
             for module in block.modules():
                 _GROUPS[module] = cp
