@@ -45,11 +45,16 @@ def count_queries(observer: Callable[[torch.Tensor, int], None]):
         _OBSERVERS.remove(observer)
 
 
+def observe_queries(positions: torch.Tensor, num_keys: int) -> None:
+    """Report one kernel call (its queries' global positions, its number of keys) to :func:`count_queries`."""
+    for observe in _OBSERVERS:
+        observe(positions, num_keys)
+
+
 def _kernel(q, k, v, *, q_start: int, causal: bool, scale: float | None, gqa: bool) -> torch.Tensor:
     """SDPA of queries at global positions ``[q_start, q_start + len)`` over keys at ``[0, len(k))``."""
     n_q, n_k = q.shape[-2], k.shape[-2]
-    for observe in _OBSERVERS:
-        observe(torch.arange(q_start, q_start + n_q), n_k)
+    observe_queries(torch.arange(q_start, q_start + n_q), n_k)
     mask = None
     if causal:
         q_pos = torch.arange(q_start, q_start + n_q, device=q.device)
