@@ -1,4 +1,4 @@
-"""Route every block's attention to :func:`~.attention.context_parallel_attention`, without changing the model.
+"""Route every block's attention to the CP attention (:func:`attend`), without changing the model.
 
 - **Hugging Face models** call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` in each attention module:
   a function is registered under :data:`CP_ATTENTION` (``transformers.AttentionInterface``) and the model switched
@@ -24,12 +24,20 @@ from torch.utils.hooks import RemovableHandle
 from lightning_llm._compat.transformers import attention_implementation
 from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.layout import CPGroup
+from lightning_llm.parallel.cp.ring import ring_attention
 
 CP_ATTENTION = "lightning_llm_context_parallel"
 _GROUPS: WeakKeyDictionary[nn.Module, CPGroup] = WeakKeyDictionary()  # HF attention modules -> their CP group
 _ACTIVE: list[list[int]] = []  # one call counter per block whose forward is running
 _SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                       scale=None, enable_gqa=False: None).parameters)  # fmt: skip
+
+
+def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None):
+    """The CP attention for this device: the send/recv ring on CPU (measured faster from 8K tokens on 2 gloo ranks
+    and holding two key/value shards at most), the all-gather elsewhere until a GPU ring kernel is wired in."""
+    fn = ring_attention if query.device.type == "cpu" else context_parallel_attention
+    return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
 
 
 def _count_call() -> None:
@@ -54,7 +62,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     _count_call()
-    out = context_parallel_attention(query, key, value, cp, is_causal=causal, scale=scaling)
+    out = attend(query, key, value, cp, is_causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -76,7 +84,7 @@ class _SDPARouter(TorchFunctionMode):
                 f"scaled_dot_product_attention an attn_mask or dropout_p, which it cannot split yet."
             )
         _count_call()
-        return context_parallel_attention(
+        return attend(
             call["query"], call["key"], call["value"], self.cp, is_causal=call.get("is_causal", False),
             scale=call.get("scale"),
         )  # fmt: skip

@@ -26,8 +26,9 @@ def _rotate(tensors: list[torch.Tensor], cp: CPGroup) -> list[torch.Tensor]:
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's."""
     to = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size) if cp.group is not None else (cp.rank + 1) % cp.size
     frm = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size) if cp.group is not None else (cp.rank - 1) % cp.size
+    tensors = [t.contiguous() for t in tensors]  # gloo sends and receives contiguous buffers only
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), to, cp.group) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, to, cp.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, frm, cp.group) for t in received]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
