@@ -5,7 +5,9 @@ stages), the fp8 swap of Linear layers (torchao's ``Float8Linear`` must exist be
 weights, so that FSDP2 can all-gather them in fp8), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
-gather the TP-sharded DTensors along the ``dp`` axes).
+gather the TP-sharded DTensors along the ``dp`` axes). Context parallelism hooks in right after the plans are checked
+and before anything is cut (its attention switch must precede the per-module config copies TP makes for head counts);
+FSDP then shards over ``dp × cp``.
 """
 
 from __future__ import annotations
@@ -175,6 +177,14 @@ def parallelize(
             user_plan=tensor_parallel_plan,
             replicate=tensor_parallel_replicate or (),
         )
+    if dims.cp > 1:  # hooks on the model's input/output and each block's attention, before TP copies any config
+        report.context_parallel = apply_context_parallel(
+            module,
+            blocks_name=blocks_name,
+            blocks=list(block_list),
+            cp_mesh=dims.mesh["cp"],
+            method=context_parallel_method,
+        )
     owned_blocks, roots = list(block_list), None
     if pipeline is not None and dims.pp > 1:
         report.tied = tied_parameter_names(module)
@@ -205,14 +215,6 @@ def parallelize(
     if compile_blocks:
         for block in owned_blocks:
             block.compile()
-    if dims.cp > 1:  # hooks on the model's input/output and on each block's attention; FSDP wraps around them
-        report.context_parallel = apply_context_parallel(
-            module,
-            blocks_name=blocks_name,
-            blocks=owned_blocks,
-            cp_mesh=dims.mesh["cp"],
-            method=context_parallel_method,
-        )
     if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
         dp_mesh = dims.data_parallel_mesh()
         apply_data_parallel(

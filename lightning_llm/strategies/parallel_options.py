@@ -135,7 +135,7 @@ def build_options(
     _check_context_parallel(
         context_parallel_size,
         context_parallel_method,
-        tp=tp,
+        sequence_parallel=sequence_parallel,
         pp=pp,
         zero_stage=zero_stage,
         activation_checkpointing=activation_checkpointing,
@@ -213,7 +213,9 @@ def _check_layout(
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
 
 
-def _check_context_parallel(cp, method, *, tp, pp, zero_stage, activation_checkpointing, compile_blocks) -> None:
+def _check_context_parallel(
+    cp, method, *, sequence_parallel, pp, zero_stage, activation_checkpointing, compile_blocks
+) -> None:
     """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
     check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
     check_choice("context_parallel_method", method, ("ring", "ulysses"))
@@ -224,7 +226,7 @@ def _check_context_parallel(cp, method, *, tp, pp, zero_stage, activation_checkp
             f"context_parallel_method='ulysses' (context_parallel_size={cp}) is not implemented yet; use 'ring'."
         )
     combined = {
-        "tensor_parallel_size": tp if tp > 1 else None,
+        "sequence_parallel": sequence_parallel or None,
         "pipeline_parallel_size": pp if pp > 1 else None,
         "zero_stage": zero_stage if zero_stage == "auto" else None,
         "activation_checkpointing": activation_checkpointing if activation_checkpointing != "none" else None,
@@ -234,7 +236,7 @@ def _check_context_parallel(cp, method, *, tp, pp, zero_stage, activation_checkp
         if value is not None:
             raise ValueError(
                 f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
-                "composes with data parallelism (ZeRO 0-3) today. Drop one of the two."
+                "composes with data parallelism (ZeRO 0-3) and tensor parallelism without SP today. Drop one of the two."
             )
 
 

@@ -2,6 +2,7 @@
 reference model, each under cp2 (ZeRO 0: replicated over the 2 CP ranks) and cp2 + ZeRO-3 (FSDP over
 ``dp_shard_cp`` = 2), fp32: per-step loss and every parameter within 1e-5 relative of the single process, replicated
 parameters bit-identical on both ranks, and each rank's attention kernel computed exactly its own zig-zag queries.
+On 4 ranks, cp2 × tp2 (+ ZeRO-3 over the 2 CP ranks) the same.
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
@@ -20,7 +21,11 @@ from tests.zoo import _harness
 
 pytestmark = [pytest.mark.distributed]
 
-LAYOUTS = {"cp2": {"context_parallel_size": 2, "zero_stage": 0}, "cp2_zero3": {"context_parallel_size": 2}}
+LAYOUTS = {
+    "cp2": (2, {"context_parallel_size": 2, "zero_stage": 0}),
+    "cp2_zero3": (2, {"context_parallel_size": 2}),
+    "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
+}
 MODELS = ["llama", "gpt_neox", "reference"]
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
 
@@ -32,15 +37,16 @@ def _differing(model) -> list[str]:
     return sorted(k for k, v in state.items() if any(not torch.equal(s[k], v) for s in states))
 
 
-def _train(name: str, kwargs: dict):
+def _train(name: str, layout: str):
     from lightning_llm.strategies import LLMParallelStrategy
 
+    devices, kwargs = LAYOUTS[layout]
     strategy = LLMParallelStrategy(**kwargs)
     if name != "reference":
-        losses, params, differing, *_ = _harness.train(name, strategy, devices=2, dp=1)
+        losses, params, differing, *_ = _harness.train(name, strategy, devices=devices, dp=1)
         return losses, params, differing
     model = _parity.make_model("reference")
-    losses, params = _parity.train("reference", strategy, devices=2, dp=1, model=model)
+    losses, params = _parity.train("reference", strategy, devices=devices, dp=1, model=model)
     return losses, params, _differing(model)
 
 
@@ -51,7 +57,7 @@ def _cp_cases(layouts: list[str], models: list[str]) -> dict:
         for name in models:
             seen: list[int] = []
             with count_queries(lambda positions, keys: seen.extend(positions.tolist())):
-                result = _train(name, LAYOUTS[layout])
+                result = _train(name, layout)
             results[(layout, name)] = (*result, sorted(set(seen)))
     return results
 
@@ -59,10 +65,11 @@ def _cp_cases(layouts: list[str], models: list[str]) -> dict:
 _runs: dict = {}
 
 
-def _results() -> list[dict]:
-    if not _runs:
-        _runs["ranks"] = run_distributed(_cp_cases, 2, list(LAYOUTS), MODELS, timeout=840)
-    return _runs["ranks"]
+def _results(world_size: int) -> list[dict]:
+    if world_size not in _runs:
+        layouts = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+        _runs[world_size] = run_distributed(_cp_cases, world_size, layouts, MODELS, timeout=840)
+    return _runs[world_size]
 
 
 def _reference(name: str):
@@ -75,7 +82,7 @@ def _reference(name: str):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_matches_single_process(layout, name):
-    ranks = _results()
+    ranks = _results(LAYOUTS[layout][0])
     losses, params, differing, _ = ranks[0][(layout, name)]
     ref_losses, ref_params = _reference(name)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -84,5 +91,7 @@ def test_context_parallel_matches_single_process(layout, name):
     assert not differing, f"{name} {layout}: replicated parameters differ between the CP ranks: {differing}"
     assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5)
     seq = REFERENCE_SEQ if name == "reference" else _harness.SEQ_LEN
-    for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries
-        assert results[(layout, name)][3] == zigzag_positions(seq, 2, rank).tolist(), (rank, results[(layout, name)][3])
+    tp = LAYOUTS[layout][1].get("tensor_parallel_size", 1)
+    for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries (cp rank r // tp)
+        seen = results[(layout, name)][3]
+        assert seen == zigzag_positions(seq, 2, rank // tp).tolist(), (rank, seen)
