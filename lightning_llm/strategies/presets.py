@@ -41,6 +41,11 @@ PARALLEL_PRESETS: list[Preset] = [
         {"tensor_parallel_size": 8, "sequence_parallel": True},
         "LLMParallelStrategy: tp=8 + sequence parallel",
     ),
+    (
+        "llm_cp2",
+        {"context_parallel_size": 2},
+        "LLMParallelStrategy: sequences split over 2 ranks (ring attention), ZeRO 3 over data-parallel × CP ranks",
+    ),
 ]
 
 DEEPSPEED_PRESETS: list[Preset] = [

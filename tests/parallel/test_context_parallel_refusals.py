@@ -35,9 +35,12 @@ def test_bad_context_parallel_arguments_are_refused(kwargs, message):
         LLMParallelStrategy(**kwargs)
 
 
-def test_options_are_forwarded():
+def test_options_are_forwarded_and_the_preset_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
     strategy = LLMParallelStrategy(context_parallel_size=2)
     assert strategy.context_parallel_size == 2 and strategy.context_parallel_method == "ring"
+    assert StrategyRegistry.get("llm_cp2").context_parallel_size == 2
 
 
 def test_mesh_degrees_include_cp():
