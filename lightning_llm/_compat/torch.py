@@ -185,8 +185,8 @@ register(
         caught_by="`tests/parallel/test_context_parallel.py`",
         checked=CHECKED,
         check=lambda: (
-            resolve("torch.ops.aten:_scaled_dot_product_flash_attention_for_cpu"),
-            resolve("torch.ops.aten:_scaled_dot_product_flash_attention_for_cpu_backward"),
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
         ),
     )
 )
