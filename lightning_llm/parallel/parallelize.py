@@ -184,6 +184,7 @@ def parallelize(
             blocks=list(block_list),
             cp_mesh=dims.mesh["cp"],
             method=context_parallel_method,
+            tp=dims.tp,
         )
     owned_blocks, roots = list(block_list), None
     if pipeline is not None and dims.pp > 1:

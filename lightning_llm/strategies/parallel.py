@@ -93,7 +93,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
             keys/values, and the logits are gathered back, so the user's loss is computed unchanged and exactly. The
             CP ranks read the same batch; FSDP shards over data-parallel × CP ranks. The sequence length must be a
             multiple of ``2 * context_parallel_size``.
-        context_parallel_method: "ring" (ring attention; "ulysses" is not implemented yet).
+        context_parallel_method: "ring" (ring attention: key/value shards passed around the CP group, partial outputs
+            merged by log-sum-exp) or "ulysses" (all-to-all to whole heads over the whole sequence and back; the
+            query heads must divide by ``context_parallel_size * tensor_parallel_size``).
         load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
             index) loaded into the sharded model before training; its tensor names must match the module's
             parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).

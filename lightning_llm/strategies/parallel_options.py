@@ -221,10 +221,6 @@ def _check_context_parallel(
     check_choice("context_parallel_method", method, ("ring", "ulysses"))
     if cp == 1:
         return
-    if method == "ulysses":
-        raise ValueError(
-            f"context_parallel_method='ulysses' (context_parallel_size={cp}) is not implemented yet; use 'ring'."
-        )
     combined = {
         "sequence_parallel": sequence_parallel or None,
         "pipeline_parallel_size": pp if pp > 1 else None,

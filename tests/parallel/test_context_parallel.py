@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning_llm.parallel.cp.attention import context_parallel_attention, count_queries
 from lightning_llm.parallel.cp.layout import CPGroup, check_sequence_length, gathered_to_global, zigzag_positions
 from lightning_llm.parallel.cp.ring import ring_attention
+from lightning_llm.parallel.cp.ulysses import ulysses_attention
 from lightning_llm.testing import run_distributed
 
 
@@ -43,7 +44,7 @@ def _attention_matches_sdpa(cases, method="allgather", dtype=torch.float64):
         pos = zigzag_positions(seq, size, rank)
         local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
         seen = []
-        attention = ring_attention if method == "ring" else context_parallel_attention
+        attention = {"ring": ring_attention, "ulysses": ulysses_attention}.get(method, context_parallel_attention)
         with count_queries(lambda positions, keys: seen.append((positions.tolist(), keys))):
             got = attention(*local, cp, is_causal=causal, scale=None)
         got.backward(grad_out[:, :, pos])
@@ -54,8 +55,13 @@ def _attention_matches_sdpa(cases, method="allgather", dtype=torch.float64):
     return results
 
 
-CASES = [(4, 2, 16, True), (4, 4, 8, True), (6, 2, 24, True), (4, 2, 16, False)]
-RUNS = [("allgather", torch.float64, 1e-12), ("ring", torch.float64, 1e-12), ("ring", torch.float32, 1e-5)]
+CASES = [(4, 2, 16, True), (4, 4, 8, True), (6, 2, 24, True), (4, 2, 16, False), (4, 1, 8, True)]
+RUNS = [
+    ("allgather", torch.float64, 1e-12),
+    ("ring", torch.float64, 1e-12),
+    ("ring", torch.float32, 1e-5),
+    ("ulysses", torch.float64, 1e-12),
+]
 
 
 def _every_method(runs):
@@ -67,8 +73,9 @@ def _every_method(runs):
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
-    """Both CP attentions (keys/values all-gathered; the send/recv ring merging partials by log-sum-exp with a
-    per-block flash backward from the merged output), causal and not, GQA and MHA: outputs and q/k/v gradients
+    """Every CP attention (keys/values all-gathered; the send/recv ring merging partials by log-sum-exp with a
+    per-block flash backward from the merged output; Ulysses' all-to-all to heads, key/value heads repeated when
+    fewer than the ranks), causal and not, GQA and MHA: outputs and q/k/v gradients
     match full SDPA (float64 1e-12, float32 1e-5); each rank's kernel computed exactly its own queries, each query
     chunk over only the keys up to its diagonal."""
     for rank, per_run in enumerate(run_distributed(_every_method, 2, RUNS)):
@@ -76,7 +83,8 @@ def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
             for (heads, kv_heads, seq, causal), (error, queries, own, calls) in zip(CASES, results):
                 label = (method, dtype, rank, heads, kv_heads, seq, causal)
                 assert error < tolerance, (*label, error)
-                assert queries == own, (*label, queries, own)
+                # Ulysses: every position, for heads / C heads; the others: exactly this rank's shard
+                assert queries == (list(range(seq)) if method == "ulysses" else own), (*label, queries, own)
                 if causal and method == "allgather":
                     chunk = seq // 4
                     assert [keys for _, keys in calls] == [(i + 1) * chunk for i in (rank, 3 - rank)]

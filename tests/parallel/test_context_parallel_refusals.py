@@ -19,7 +19,6 @@ pytestmark = pytest.mark.timeout(60)
     "kwargs, message",
     [
         ({"context_parallel_size": 0}, "context_parallel_size"),
-        ({"context_parallel_size": 2, "context_parallel_method": "ulysses"}, "'ulysses' .* not implemented yet"),
         ({"context_parallel_size": 2, "context_parallel_method": "rings"}, "context_parallel_method"),
         (
             {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
@@ -67,6 +66,14 @@ def test_models_cp_cannot_split_exactly_are_refused_by_feature(name, feature):
     blocks = list(module.get_submodule(blocks_name))
     with pytest.raises(ValueError, match=feature):
         check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    from lightning_llm.parallel.cp.ulysses import check_ulysses_heads
+
+    check_ulysses_heads(8, 2, 2, tp=2)
+    with pytest.raises(ValueError, match=r"= 4 ranks whole attention heads, but the model has 6 query heads; use "):
+        check_ulysses_heads(6, 2, 2, tp=2)
 
 
 def test_sequence_length_not_divisible_is_refused_at_the_first_batch():

@@ -2,7 +2,8 @@
 reference model, each under cp2 (ZeRO 0: replicated over the 2 CP ranks) and cp2 + ZeRO-3 (FSDP over
 ``dp_shard_cp`` = 2), fp32: per-step loss and every parameter within 1e-5 relative of the single process, replicated
 parameters bit-identical on both ranks, and each rank's attention kernel computed exactly its own zig-zag queries.
-On 4 ranks, cp2 × tp2 (+ ZeRO-3 over the 2 CP ranks) the same.
+Ulysses (cp2 + ZeRO-3) the same, its kernel computing every position for half the heads. On 4 ranks, cp2 × tp2
+(+ ZeRO-3 over the 2 CP ranks) the same.
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.distributed]
 LAYOUTS = {
     "cp2": (2, {"context_parallel_size": 2, "zero_stage": 0}),
     "cp2_zero3": (2, {"context_parallel_size": 2}),
+    "cp2_ulysses_zero3": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses"}),
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
 }
 MODELS = ["llama", "gpt_neox", "reference"]
@@ -94,4 +96,5 @@ def test_context_parallel_matches_single_process(layout, name):
     tp = LAYOUTS[layout][1].get("tensor_parallel_size", 1)
     for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries (cp rank r // tp)
         seen = results[(layout, name)][3]
-        assert seen == zigzag_positions(seq, 2, rank // tp).tolist(), (rank, seen)
+        ulysses = LAYOUTS[layout][1].get("context_parallel_method") == "ulysses"  # all positions, heads / 2 heads
+        assert seen == (list(range(seq)) if ulysses else zigzag_positions(seq, 2, rank // tp).tolist()), (rank, seen)
