@@ -225,14 +225,13 @@ def _check_context_parallel(
         "sequence_parallel": sequence_parallel or None,
         "pipeline_parallel_size": pp if pp > 1 else None,
         "zero_stage": zero_stage if zero_stage == "auto" else None,
-        "activation_checkpointing": activation_checkpointing if activation_checkpointing != "none" else None,
         "compile_blocks": compile_blocks or None,
     }
     for name, value in combined.items():
         if value is not None:
             raise ValueError(
                 f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
-                "composes with data parallelism (ZeRO 0-3) and tensor parallelism without SP today. Drop one of the two."
+                "composes with data parallelism (ZeRO 0-3), activation checkpointing and tensor parallelism without SP today. Drop one of the two."
             )
 
 

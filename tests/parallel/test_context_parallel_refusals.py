@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
         ),
         ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, "with pipeline_parallel_size=2"),
         ({"context_parallel_size": 2, "zero_stage": "auto"}, "with zero_stage='auto'"),
-        ({"context_parallel_size": 2, "activation_checkpointing": "full"}, "activation_checkpointing='full'"),
+        ({"context_parallel_size": 2, "compile_blocks": True}, "compile_blocks=True"),
     ],
 )
 def test_bad_context_parallel_arguments_are_refused(kwargs, message):

@@ -2,7 +2,7 @@
 reference model, each under cp2 (ZeRO 0: replicated over the 2 CP ranks) and cp2 + ZeRO-3 (FSDP over
 ``dp_shard_cp`` = 2), fp32: per-step loss and every parameter within 1e-5 relative of the single process, replicated
 parameters bit-identical on both ranks, and each rank's attention kernel computed exactly its own zig-zag queries.
-Ulysses (cp2 + ZeRO-3) the same, its kernel computing every position for half the heads. On 4 ranks, cp2 × tp2
+Ulysses (cp2 + ZeRO-3) and cp2 + ZeRO-3 with selective activation checkpointing the same, its kernel computing every position for half the heads. On 4 ranks, cp2 × tp2
 (+ ZeRO-3 over the 2 CP ranks) the same.
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
@@ -26,6 +26,7 @@ LAYOUTS = {
     "cp2": (2, {"context_parallel_size": 2, "zero_stage": 0}),
     "cp2_zero3": (2, {"context_parallel_size": 2}),
     "cp2_ulysses_zero3": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses"}),
+    "cp2_zero3_ac": (2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),  # recompute rings too
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
 }
 MODELS = ["llama", "gpt_neox", "reference"]
