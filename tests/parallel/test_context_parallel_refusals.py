@@ -84,3 +84,35 @@ def test_sequence_length_not_divisible_is_refused_at_the_first_batch():
         model(torch.zeros(2, 10, dtype=torch.long))
     with pytest.raises(ValueError, match=r"does not shard a padding mask"):
         model(torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.tensor([[1] * 8, [0] + [1] * 7]))
+
+
+def test_alibi_is_refused_by_name():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    holder = torch.nn.Module()
+    holder.model = transformers.BloomForCausalLM(config)
+    with pytest.raises(ValueError, match=r"ALiBi / position-bias argument 'alibi' in block 0"):
+        check_context_parallel(holder, blocks_name="model.transformer.h", blocks=list(holder.model.transformer.h))
+
+
+class _EagerBlock(torch.nn.Module):
+    """Attention computed by hand (softmax of q k^T): nothing CP can intercept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def test_a_block_whose_attention_bypasses_cp_is_refused_at_its_first_forward():
+    from lightning_llm.parallel.cp.interception import route_attention
+
+    blocks = torch.nn.ModuleList([_EagerBlock()])
+    route_attention(torch.nn.Sequential(*blocks), list(blocks), CPGroup(None, 1, 0), blocks_name="layers")
+    with pytest.raises(RuntimeError, match=r"block layers.0 computed no attention through context parallelism"):
+        blocks[0](torch.randn(1, 4, 8))
