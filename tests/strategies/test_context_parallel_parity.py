@@ -1,9 +1,9 @@
 """Context parallelism against one process: HF Llama, a partial-rotary HF model (GPT-NeoX, rotary_pct=0.5) and the
-reference model, each under cp2 (ZeRO 0: replicated over the 2 CP ranks) and cp2 + ZeRO-3 (FSDP over
-``dp_shard_cp`` = 2), fp32: per-step loss and every parameter within 1e-5 relative of the single process, replicated
-parameters bit-identical on both ranks, and each rank's attention kernel computed exactly its own zig-zag queries.
-Ulysses (cp2 + ZeRO-3) and cp2 + ZeRO-3 with selective activation checkpointing the same, its kernel computing every position for half the heads. On 4 ranks, cp2 × tp2
-(+ ZeRO-3 over the 2 CP ranks) the same.
+reference model, fp32: per-step loss and every parameter within 1e-5 relative of the single process, parameters
+bit-identical on every rank that holds them, and each rank's attention kernel computing exactly its own zig-zag
+queries (Ulysses: every position, for half the heads). Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP
+ranks), cp2 + ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation
+checkpointing; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
@@ -28,6 +28,7 @@ LAYOUTS = {
     "cp2_ulysses_zero3": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses"}),
     "cp2_zero3_ac": (2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),  # recompute rings too
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
+    "dp2_cp2_zero3": (4, {"context_parallel_size": 2}),  # 2 data-parallel replicas, FSDP over dp_shard_cp = 4
 }
 MODELS = ["llama", "gpt_neox", "reference"]
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
@@ -44,12 +45,13 @@ def _train(name: str, layout: str):
     from lightning_llm.strategies import LLMParallelStrategy
 
     devices, kwargs = LAYOUTS[layout]
+    dp = devices // kwargs["context_parallel_size"] // kwargs.get("tensor_parallel_size", 1)
     strategy = LLMParallelStrategy(**kwargs)
     if name != "reference":
-        losses, params, differing, *_ = _harness.train(name, strategy, devices=devices, dp=1)
+        losses, params, differing, *_ = _harness.train(name, strategy, devices=devices, dp=dp)
         return losses, params, differing
     model = _parity.make_model("reference")
-    losses, params = _parity.train("reference", strategy, devices=devices, dp=1, model=model)
+    losses, params = _parity.train("reference", strategy, devices=devices, dp=dp, model=model)
     return losses, params, _differing(model)
 
 
@@ -95,7 +97,8 @@ def test_context_parallel_matches_single_process(layout, name):
     assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5)
     seq = REFERENCE_SEQ if name == "reference" else _harness.SEQ_LEN
     tp = LAYOUTS[layout][1].get("tensor_parallel_size", 1)
-    for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries (cp rank r // tp)
+    for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries (cp rank below)
         seen = results[(layout, name)][3]
         ulysses = LAYOUTS[layout][1].get("context_parallel_method") == "ulysses"  # all positions, heads / 2 heads
-        assert seen == (list(range(seq)) if ulysses else zigzag_positions(seq, 2, rank // tp).tolist()), (rank, seen)
+        cp_rank = rank // tp % 2  # mesh (dp_shard, cp, tp), tp innermost
+        assert seen == (list(range(seq)) if ulysses else zigzag_positions(seq, 2, cp_rank).tolist()), (rank, seen)
