@@ -172,10 +172,11 @@ register(
         name="ParallelStyle._apply",
         upstream="torch",
         accessor="torch_distributed.apply_parallel_style",
-        used_by=("parallel/tp/fused.py",),
+        used_by=("parallel/tp/fused.py", "parallel/tp/float8.py"),
         why="torch's extension point for a parallel style; `FusedColwise` applies torch's `ColwiseParallel` (or the "
-        "Conv1D style) through it before adding its regrouping hook (our styles also override it)",
-        caught_by="`tests/parallel/test_fused_projections.py`",
+        "Conv1D style) through it before adding its regrouping hook, `Float8Split` torchao's float8 styles or "
+        "torch's (our styles also override it)",
+        caught_by="`tests/parallel/test_fused_projections.py`, `tests/strategies/test_fp8_tensor_parallel.py`",
         checked=CHECKED,
         check=lambda: resolve("torch.distributed.tensor.parallel:ColwiseParallel._apply"),
     )
@@ -209,11 +210,12 @@ def _dtensor_local_tensor_slot() -> None:
         raise AttributeError("DTensor no longer has a _local_tensor slot")
 
 
-def load_whole_checkpoint(storage_reader) -> dict:
+def load_whole_checkpoint(storage_reader, planner_mixin: type | None = None) -> dict:
     """Every entry of a DCP checkpoint into one process's memory, without a process group: DCP's
     ``state_dict_loader._load_state_dict(..., planner=format_utils._EmptyStateDictLoadPlanner(), no_dist=True)``,
     as Lightning's ``_load_distributed_checkpoint`` and torch's ``dcp_to_torch_save`` do. The public ``dcp.load``
-    fills only the keys of the state dict it is given (none, here). Checked on torch 2.13.0."""
+    fills only the keys of the state dict it is given (none, here). ``planner_mixin`` is mixed into the planner
+    (``untrusted.WeightsOnlyBytes``: byte entries unpickled weights-only). Checked on torch 2.13.0."""
     try:
         from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -222,7 +224,10 @@ def load_whole_checkpoint(storage_reader) -> dict:
             "Loading a whole sharded checkpoint", "DCP's _load_state_dict/_EmptyStateDictLoadPlanner", err
         ) from err
     state: dict = {}
-    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    planner_class = _EmptyStateDictLoadPlanner
+    if planner_mixin is not None:
+        planner_class = type(f"{planner_mixin.__name__}Planner", (planner_mixin, _EmptyStateDictLoadPlanner), {})
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner_class(), no_dist=True)
     return state
 
 

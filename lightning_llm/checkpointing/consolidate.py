@@ -10,7 +10,10 @@ saved with ``save_distributed_checkpoint=False`` (or by Lightning's own strategi
 Usage (``lightning-llm export CKPT OUT --format torch`` does the same)::
 
     python -m lightning_llm.checkpoint runs/step=1000.ckpt model.pt
-    state = torch.load("model.pt", weights_only=False)["state_dict"]   # full, unsharded tensors
+    state = torch.load("model.pt", weights_only=True)["state_dict"]   # full, unsharded tensors
+
+Checkpoints are read weights-only (:mod:`lightning_llm.checkpointing.untrusted`): a file holding any other pickled
+object is refused naming it, never unpickled.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_llm._compat.lightning import METADATA_FILENAME
+from lightning_llm._compat.torch_distributed import load_whole_checkpoint
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.untrusted import bytes_checked, load_torch, refusals_unwrapped, safe_planner
 
 MODEL_KEY = "state_dict"  # Lightning's key of the model's tensors; DCP stores them as "state_dict.<name>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,14 +74,15 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
     path = Path(checkpoint)
     _check_checkpoint(path)
     if path.is_file():
-        rest = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        if MODEL_KEY not in rest:
+        rest = load_torch(path, mmap=True)
+        if not isinstance(rest, dict) or MODEL_KEY not in rest:
             raise ValueError(
-                f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (keys: {sorted(rest)[:8]}); "
+                f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (it holds a "
+                f"{type(rest).__name__}{f' with keys {sorted(rest)[:8]}' if isinstance(rest, dict) else ''}); "
                 "pass a checkpoint saved by trainer.save_checkpoint or ModelCheckpoint."
             )
         return rest.pop(MODEL_KEY), rest
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = cfs.storage_reader(str(path)).read_metadata()  # .metadata checked: DCP's classes only
     prefix = f"{MODEL_KEY}."
     state = {
         key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -84,11 +90,11 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     nested = {MODEL_KEY: state}
-    with warnings.catch_warnings():  # DCP warns that it reads in one process, which is the point here
+    with warnings.catch_warnings(), refusals_unwrapped():  # DCP warns that it reads in one process: the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(nested, checkpoint_id=path, no_dist=True)
+        dcp.load(nested, storage_reader=cfs.storage_reader(str(path)), planner=safe_planner(path), no_dist=True)
     meta = path / METADATA_FILENAME
-    rest = torch.load(meta, weights_only=False) if meta.is_file() else {}
+    rest = load_torch(meta) if meta.is_file() else {}
     return nested[MODEL_KEY], rest
 
 
@@ -117,7 +123,7 @@ def consolidate_checkpoint(
 
     The file holds Lightning's checkpoint keys (``state_dict``, ``optimizer_0``, ``global_step``,
     ...) with plain tensors, so ``torch.load(f)["state_dict"]`` fits ``model.load_state_dict``.
-    A directory goes through torch's ``dcp_to_torch_save``; Lightning's ``meta.pt`` entries are then
+    A directory is read whole as torch's ``dcp_to_torch_save`` does; Lightning's ``meta.pt`` entries are then
     merged in. ``dtype`` casts the model's floating-point tensors (``state_dict``); optimizer state
     is left as saved.
 
@@ -131,21 +137,25 @@ def consolidate_checkpoint(
     output_file.parent.mkdir(parents=True, exist_ok=True)
     partial = output_file.with_name(output_file.name + ".partial")
     if source.is_dir():
-        dcp_to_torch_save(source, partial)
+        # torch's dcp_to_torch_save, with the .metadata checked and byte entries read weights-only.
+        with refusals_unwrapped():
+            state = load_whole_checkpoint(cfs.storage_reader(str(source)), planner_mixin=bytes_checked(source))
+        torch.save(state, partial)
         meta = source / METADATA_FILENAME
         if not meta.is_file() and dtype is None:
             os.replace(partial, output_file)
             return output_file
         # Merge Lightning's entries; the tensors are memory-mapped from the file just written, not copied.
-        state = torch.load(partial, weights_only=False, mmap=True)
+        state = torch.load(partial, weights_only=True, mmap=True)  # written just above, of checked content
         if meta.is_file():
-            state.update(torch.load(meta, weights_only=False))
+            state.update(load_torch(meta))
     elif dtype is None:
+        load_torch(source, mmap=True)  # refuses a file that holds more than tensors and plain values
         shutil.copyfile(source, partial)
         os.replace(partial, output_file)
         return output_file
     else:
-        state = torch.load(source, weights_only=False, mmap=True)
+        state = load_torch(source, mmap=True)
     state[MODEL_KEY] = cast_floats(state[MODEL_KEY], dtype)
     torch.save(state, output_file.with_name(output_file.name + ".tmp"))
     os.replace(output_file.with_name(output_file.name + ".tmp"), output_file)

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +34,7 @@ from lightning_llm.checkpointing.checksums import refusal
 from lightning_llm.checkpointing.fs import Location
 from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.checkpointing.staging import HostCopy, reusable_stager
+from lightning_llm.checkpointing.untrusted import load_torch, refusals_unwrapped, safe_planner
 from lightning_llm.checkpointing.write_gate import BACKGROUND_WRITES, background_writer, resume_background_writes
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
@@ -147,9 +147,16 @@ def sharded_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-def file_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
-    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped on a local disk)."""
-    state = cfs.torch_load(path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+def file_shapes(path: Location, weights_only: bool | None = None) -> dict[str, tuple[int, ...] | None]:
+    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped on a local disk), read
+    weights-only unless ``weights_only=False`` (``ValueError`` naming the file when it holds anything else)."""
+    loaded = load_torch(path, mmap=True, weights_only=weights_only)
+    state = loaded.get("state_dict") if isinstance(loaded, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{path} holds no 'state_dict' entry, so it is not a Lightning checkpoint; pass a checkpoint saved by "
+            "trainer.save_checkpoint, ModelCheckpoint or CheckpointRotation."
+        )
     return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()}
 
 
@@ -167,15 +174,16 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
         )
     keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))
     model_state = {"state_dict": {k: v for k, v in get_model_state_dict(model).items() if k in keep}}
-    dcp.load(model_state, storage_reader=cfs.storage_reader(path))
+    with refusals_unwrapped():
+        dcp.load(model_state, storage_reader=cfs.storage_reader(path), planner=safe_planner(path))
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         full = optimizer_state(model, optimizer)
         # Flattened keys are "state.<param>.<field>" and "param_groups.<param>.<field>".
         request = {key: {k: v for k, v in full.items() if strict or k.split(".", 1)[1].rsplit(".", 1)[0] in keep}}
-        dcp.load(
-            request, storage_reader=cfs.storage_reader(path), planner=DefaultLoadPlanner(allow_partial_load=not strict)
-        )
+        planner = safe_planner(path, allow_partial_load=not strict)
+        with refusals_unwrapped():
+            dcp.load(request, storage_reader=cfs.storage_reader(path), planner=planner)
         set_optimizer_state_dict(model, unwrap_optimizer(optimizer), {**full, **request[key]}, options=FLAT_OPTIMIZER)
-    return cfs.torch_load(cfs.join(path, METADATA_FILENAME), weights_only=weights_only)
+    return load_torch(cfs.join(path, METADATA_FILENAME), weights_only=weights_only)

@@ -142,6 +142,8 @@ def _verify_deepspeed(directory: Location, world_size: int | None) -> list[str]:
 def _trial_load(checkpoint: Location, parts: list[str]) -> None:
     try:
         if parts:
+            # DeepSpeed's own files, written by this run moments ago (trial_load is the commit's check of its own
+            # write, never of a user's file); DeepSpeed's engine reads them with weights_only=False itself.
             for part in parts:
                 cfs.torch_load(part, map_location="cpu", weights_only=False, mmap=True)
         else:
@@ -153,8 +155,11 @@ def _trial_load(checkpoint: Location, parts: list[str]) -> None:
 def load_sharded(checkpoint: Location) -> dict:
     """A whole sharded checkpoint in one process's memory (as Lightning's ``_load_distributed_checkpoint``), on any
     filesystem."""
-    state = load_whole_checkpoint(cfs.storage_reader(checkpoint))
-    state.update(cfs.torch_load(cfs.join(checkpoint, "meta.pt"), map_location="cpu"))
+    from lightning_llm.checkpointing.untrusted import bytes_checked, load_torch, refusals_unwrapped
+
+    with refusals_unwrapped():
+        state = load_whole_checkpoint(cfs.storage_reader(checkpoint), planner_mixin=bytes_checked(checkpoint))
+    state.update(load_torch(cfs.join(checkpoint, "meta.pt")))
     return state
 
 

@@ -262,8 +262,17 @@ def storage_writer(location: Location) -> Any:
 
 
 def storage_reader(location: Location) -> Any:
-    """The ``torch.distributed.checkpoint`` reader matching :func:`storage_writer`."""
+    """The ``torch.distributed.checkpoint`` reader matching :func:`storage_writer`, for a ``.metadata`` that holds
+    DCP's metadata only: torch's reader unpickles it without restriction, so it is checked first
+    (:func:`lightning_llm.checkpointing.dcp_metadata.unpickle_dcp_metadata`, ``ValueError`` naming the file)."""
     import torch.distributed.checkpoint as dcp
+
+    from lightning_llm.checkpointing.dcp_metadata import DCP_METADATA, unpickle_dcp_metadata
+
+    metadata = join(location, DCP_METADATA)
+    if isfile(metadata):  # a missing one: the reader names it
+        with open_file(metadata) as f:
+            unpickle_dcp_metadata(f.read(), metadata)
 
     if is_local(location):
         return dcp.FileSystemReader(local_path(location))

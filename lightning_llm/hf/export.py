@@ -114,7 +114,7 @@ def export_hf(
     """
     dtype = parse_dtype(dtype)
     state, rest = read_model_state(checkpoint)
-    source = resolve_source(rest, hf_config)
+    source = resolve_source(rest, hf_config, checkpoint)
     hf_state, config, model_class = _hf_state(state, source)
     hf_state = cast_floats(hf_state, dtype)
     floats = {v.dtype for v in hf_state.values() if v.is_floating_point()}

@@ -5,11 +5,14 @@ LLMParallelStrategy stores it in every checkpoint it saves (``checkpoint["hf_exp
 checkpoint saved by another strategy the export falls back to the reference model's
 hyperparameters (``CausalLM(config=...)``), or to a Hugging Face config the user names
 (``--hf_config DIR``: the directory the model was loaded from, or its ``config.json``).
+
+A checkpoint is a user's file: the class its entry names is looked up among ``transformers``' top-level
+``PreTrainedModel`` subclasses (:func:`allowed_model_class`), never imported by its module path, so an entry cannot
+make the export import (and run) a module of its choosing.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -86,9 +89,25 @@ def describe_model(module: nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def _import_class(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+def allowed_model_class(path: object, checkpoint: object = "the checkpoint") -> type:
+    """The ``transformers`` model class an ``hf_export`` entry names (``"transformers.models.llama.modeling_llama.
+    LlamaForCausalLM"``), looked up among ``transformers``' top-level ``PreTrainedModel`` subclasses; ``ValueError``
+    naming the class and ``checkpoint`` for anything else (no module is imported by the name it gives)."""
+    import transformers
+
+    name = path.rpartition(".")[2] if isinstance(path, str) else ""
+    found = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+    if (
+        isinstance(found, type)
+        and issubclass(found, transformers.PreTrainedModel)
+        and path in (f"{found.__module__}.{found.__qualname__}", f"transformers.{name}")
+    ):
+        return found
+    raise ValueError(
+        f"The 'hf_export' entry of {checkpoint} names the model class {path!r}, which is not one of transformers' "
+        "model classes (PreTrainedModel subclasses exported by `transformers`); it was not imported. Pass the "
+        "model's Hugging Face config instead: `lightning-llm export CKPT OUT --format hf --hf_config DIR`."
+    )
 
 
 def _from_hf_config(path: str | Path) -> ModelSource:
@@ -110,17 +129,26 @@ def _from_hf_config(path: str | Path) -> ModelSource:
     return ModelSource("transformers", None, config, model_class)
 
 
-def resolve_source(rest: dict[str, Any], hf_config: str | Path | None = None) -> ModelSource:
+def resolve_source(rest: dict[str, Any], hf_config: str | Path | None = None, checkpoint: object = None) -> ModelSource:
     """Which model the checkpoint's tensors belong to: ``hf_config`` if given, else the checkpoint's own entry.
 
     ``rest`` is the checkpoint without its tensors (see :func:`lightning_llm.checkpointing.consolidate.read_model_state`).
-    Raises ``ValueError`` naming the ways out when neither says.
+    Raises ``ValueError`` naming the ways out when neither says, and naming ``checkpoint`` (its path) when its entry
+    is malformed or names a class outside the allow-list (:func:`allowed_model_class`).
     """
     if hf_config is not None:
         return _from_hf_config(hf_config)
     entry = rest.get(EXPORT_KEY)
+    where = checkpoint if checkpoint is not None else "the checkpoint"
+    if entry is not None and (
+        not isinstance(entry, dict) or entry.get("kind") not in ("transformers", "reference_llama")
+    ):
+        raise ValueError(
+            f"The 'hf_export' entry of {where} is {entry!r:.200}, not one LLMParallelStrategy writes (a dict with kind "
+            "'transformers' or 'reference_llama'). Pass the model's config: `--hf_config DIR`."
+        )
     if entry is not None and entry["kind"] == "transformers":
-        model_class = _import_class(entry["class"])
+        model_class = allowed_model_class(entry.get("class"), where)
         config = model_class.config_class.from_dict(json.loads(entry["config"]))
         return ModelSource("transformers", entry["prefix"], config, model_class)
     if entry is not None and entry["kind"] == "reference_llama":

@@ -178,17 +178,16 @@ def measure_blocks(
 
 
 def measure_block_activations(
-    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], saves_output: Callable | None = None
+    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], saves_output=None, device=None
 ) -> list[BlockActivations]:
     """Run ``step()`` (one forward of ``module`` on a real-shaped batch) on fake tensors and measure each block.
 
     ``step`` is called inside the fake mode; tensors it creates from real data are converted on
-    the fly. Example::
+    the fly. ``device``: the batch's, where a meta-device module is faked (:func:`.fake.fake_parameters`). Example::
 
         sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     """
-    # Parameters are told apart by storage; fake copies made by fake_parameters are not the module's, so
-    # they are recognised inside the call, where the module's parameters are the fakes.
+    # Parameters are told apart by storage: the fakes, recognised inside the call (where they are the module's).
     tally = _BlockTally(len(blocks), [], keep=True)
 
     def run() -> None:
@@ -196,7 +195,7 @@ def measure_block_activations(
         with _counting(blocks, tally, saves_output):
             step()
 
-    fake_parameters(module, run)
+    fake_parameters(module, run, device=device)
     return tally.result(saves_output is not None)
 
 
@@ -257,22 +256,21 @@ def activation_bytes_by_mode(
 
 
 def measure_activations(
-    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object]
+    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], device: torch.device | None = None
 ) -> list[BlockActivations]:
     """:func:`measure_block_activations` (fake tensors), or one real forward where a kernel has no fake version.
 
     Some kernels lack a fake implementation for some dtypes (torch's grouped_mm, which Hugging Face MoE experts
     use, demands bf16 on fake tensors). A model with real weights is then measured by :func:`measure_blocks`,
-    which holds at most one block's activations at a time; on the meta device the error stands.
-
-    Example::
+    which holds at most one block's activations at a time; on the meta device the error stands. ``device``: the
+    batch's (see :func:`measure_block_activations`). Example::
 
         sizes = measure_activations(module, list(module.model.layers), lambda: module.training_step(batch, 0))
     """
     on_meta = any(p.is_meta for p in module.parameters())
     with _quiet_fake_kernel_errors(not on_meta):
         try:
-            return measure_block_activations(module, blocks, step)
+            return measure_block_activations(module, blocks, step, device=device)
         except RuntimeError:
             if on_meta:
                 raise

@@ -69,17 +69,23 @@ def block_modules(blocks: BlockStack) -> list[nn.Module]:
     return [block for _, block in blocks.named_children()]
 
 
+def block_kind(block: nn.Module) -> tuple[type, tuple[str, ...]]:
+    """A block's class and parameter names. Hybrid stacks mix classes, and one class can hold different layers
+    (DeepSeek-V3's dense and MoE blocks): blocks of one kind are planned and reported alike."""
+    return type(block), tuple(n for n, _ in block.named_parameters())
+
+
 def distinct_blocks(blocks_name: str, blocks: BlockStack) -> list[tuple[str, nn.Module]]:
-    """(name, block) of the first block of each class, pipeline stand-ins left out (hybrid stacks mix classes).
+    """(name, block) of the first block of each kind (:func:`block_kind`), pipeline stand-ins left out.
 
     Example::
 
         distinct_blocks("model.layers", jamba.model.layers)   # [("model.layers.0", mamba), ("model.layers.1", attn)]
     """
-    first: dict[type, tuple[str, nn.Module]] = {}
+    first: dict[tuple, tuple[str, nn.Module]] = {}
     for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
         if not getattr(block, "is_pipeline_placeholder", False):
-            first.setdefault(type(block), (name, block))
+            first.setdefault(block_kind(block), (name, block))
     return list(first.values())
 
 

@@ -104,10 +104,13 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The 5-D named mesh (pp, dp_replicate, dp_shard, cp, tp) plus the flattened ``dp`` axis (and, with
-        context parallelism, ``dp_shard_cp`` and ``dp_cp``)."""
+        context parallelism, ``dp_shard_cp`` and ``dp_cp``), and the names Lightning's ``ModelParallelStrategy`` gives
+        its mesh (``data_parallel``, ``tensor_parallel``), so a ``configure_model`` written for it finds its axes here."""
         shape = tuple(getattr(self, axis) for axis in AXES)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "dp")
+        flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "data_parallel")
+        flatten_mesh(self.mesh[("tp",)], "tensor_parallel")
         if self.cp > 1:
             flatten_mesh(self.mesh[("dp_shard", "cp")], "dp_shard_cp")
             flatten_mesh(self.mesh[("dp_replicate", "dp_shard", "cp")], "dp_cp")

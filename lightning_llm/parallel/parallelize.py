@@ -2,7 +2,7 @@
 
 The order matters and is the one torchtitan uses: the pipeline split first (each rank keeps its
 stages), the fp8 swap of Linear layers (torchao's ``Float8Linear`` must exist before FSDP2 wraps the
-weights, so that FSDP2 can all-gather them in fp8), then TP (it replaces Linear weights by
+weights, so that FSDP2 can all-gather them in fp8, and before TP, which gives it torchao's float8 styles), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
 gather the TP-sharded DTensors along the ``dp`` axes). Context parallelism hooks in right after the plans are checked
@@ -35,6 +35,7 @@ from lightning_llm.parallel.tp.apply import (
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage
+from lightning_llm.parallel.tp.float8 import fp8_tp_exclusions
 
 
 @dataclass
@@ -195,11 +196,13 @@ def parallelize(
         roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
     if fp8 is not None:
         shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
+        # Under TP only the column/row-split layers train in fp8 (see parallel/tp/float8.py).
+        split_only = fp8_tp_exclusions(module, report.tp_plan, blocks_name) if dims.tp > 1 else []
         report.fp8_layers = apply_fp8(
             module,
             blocks_name=blocks_name,
             recipe=fp8,
-            exclude=fp8_exclude or (),
+            exclude=[*(fp8_exclude or ()), *split_only],
             fsdp_float8_all_gather=shards and fp8 == "tensorwise",
         )
     if dims.tp > 1:

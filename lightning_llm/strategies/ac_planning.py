@@ -76,7 +76,8 @@ def _auto_policies(trainer, module, blocks, *, options, tp, sequence_parallel, n
     if num_microbatches:
         batch = split_microbatches(batch, num_microbatches)[0]
     with redirected_log(module):
-        sizes = measure_activations(module, blocks, lambda: module.training_step(batch, 0))
+        # The module may be on the meta device (built there by configure_model): faked where the batch is.
+        sizes = measure_activations(module, blocks, lambda: module.training_step(batch, 0), device=device)
     # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
     saved = [s.saved // tp for s in sizes]
     inputs = [s.input // (tp if sequence_parallel else 1) for s in sizes]

@@ -10,6 +10,7 @@ for callbacks and the CLI (:mod:`.parallel_contract`); every Lightning hook and 
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,8 +35,8 @@ from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import set_gradient_sync
 from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.strategies import applied_layouts, parallel_setup, pipeline_routing
 from lightning_llm.strategies import parallel_contract as contract
-from lightning_llm.strategies import parallel_setup, pipeline_routing
 from lightning_llm.strategies.parallel_contract import AsyncSave
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, build_options
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
@@ -80,7 +81,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):
             ``True``/"tensorwise" or "rowwise" scaling. Use it with ``precision="bf16-mixed"``: everything
             but those matmuls stays in bf16. The output head, layers with dims not divisible by 16 and
-            ``fp8_exclude`` patterns are skipped. Needs compute capability >= 8.9 on CUDA (H100, L40S, ...).
+            ``fp8_exclude`` patterns are skipped. With tensor parallelism (tensorwise only) the column- and
+            row-split layers use torchao's float8 TP styles; other Linear layers of the blocks stay high precision.
+            Needs compute capability >= 8.9 on CUDA (H100, L40S, ...).
         fp8_exclude: module-name patterns (fnmatch, as in ``named_modules()``) kept out of fp8.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: "nccl", "gloo", ...; the default follows the device.
@@ -112,7 +115,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | Literal["auto"] = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_replicate_size: int = 1,
@@ -185,6 +188,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
+        if self.options.parallel.tensor_parallel_size == "auto":  # Lightning's meaning: every device of a node
+            parallel = dataclasses.replace(self.options.parallel, tensor_parallel_size=self.num_processes)
+            self.options = dataclasses.replace(self.options, parallel=parallel)
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
         compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
@@ -209,7 +215,12 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         module, state = self.lightning_module, self.run_state
-        parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
+        # A second Trainer call finds the layout the first applied; a configure_model may have applied its own.
+        reused = applied_layouts.reuse(module, self.options, state, self.world_size)
+        if not reused and not applied_layouts.adopt_user_layout(module, self.options, state):
+            parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
+        if not reused:
+            applied_layouts.record(module, self.options, state, self.world_size)
         self.model = self.precision_plugin.convert_module(module)
         if not state.cpu_offload:
             self.model_to_device()
@@ -225,12 +236,21 @@ class LLMParallelStrategy(ModelParallelStrategy):
         parallel_setup.log_global_batch(trainer, self.options, state)
 
     @override
+    def on_train_start(self) -> None:
+        # The first step's fp8 weight scales too, from the weights after any checkpoint load: without them FSDP2's
+        # fp8 all-gather reduces each weight's amax over the dp axis only, so under TP each tp shard has its own.
+        self._precompute_fp8_scales()
+
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._precompute_fp8_scales()
+        return output
+
+    def _precompute_fp8_scales(self) -> None:
         if self.fp8 is not None and self.report is not None and self.report.fp8_layers:
             # With fp8 all-gather, every weight's scale in one all-reduce (a no-op without sharding).
             precompute_fp8_scales(self.lightning_module)
-        return output
 
     @property
     @override
@@ -320,8 +340,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         refuse_unverified(self, path)
         strict = self.lightning_module.strict_loading
         if cfs.isfile(path):
-            self.checkpoints.check_file(self.model, path, strict)
-            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only)
+            self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
+            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
         return self.checkpoints.load(self.model, self.optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:

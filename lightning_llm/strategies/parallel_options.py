@@ -16,6 +16,7 @@ from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
+from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
 from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
@@ -26,7 +27,7 @@ TRAINING_TIMEOUT = timedelta(minutes=10)
 class ParallelOptions:
     """The layout and how each block is parallelized (``fp8`` is the recipe name, or None when off)."""
 
-    tensor_parallel_size: int
+    tensor_parallel_size: int | Literal["auto"]  # "auto" is resolved to the devices of a node at setup
     pipeline_parallel_size: int
     data_parallel_size: int | Literal["auto"]
     data_parallel_replicate_size: int
@@ -151,10 +152,10 @@ def build_options(
             f"tensor_parallel_replicate={tensor_parallel_replicate!r} must be a list of module-name patterns "
             "(fnmatch, as in named_modules()), e.g. ['*.router']."
         )
-    if recipe is not None and tp > 1:
+    if recipe is not None and recipe != FP8_TP_RECIPE and tp != 1:
         raise ValueError(
-            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported yet (torchao's float8 "
-            "needs its own tensor-parallel styles); use fp8 with data and pipeline parallelism, or fp8=False."
+            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
+            f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
     pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
     if pp > 1:
@@ -195,7 +196,8 @@ def _check_layout(
     tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches, virtual_stages, device_memory
 ):
     """Refuse an impossible layout (sizes, ZeRO stage, sequence parallelism, micro-batches)."""
-    check_int("tensor_parallel_size", tp, minimum=1)
+    if tp != "auto":  # "auto": Lightning's ModelParallelStrategy meaning, the devices of a node (resolved at setup)
+        check_int("tensor_parallel_size", tp, minimum=1, hint="or 'auto' for every device of a node")
     check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")
     if dp != "auto":
         check_int("data_parallel_size", dp, minimum=1, hint="or 'auto' for world size / (tp * pp)")

@@ -57,10 +57,13 @@ class ShardedCheckpoints:
             return True
         return False
 
-    def check_file(self, model, path, strict: bool) -> None:
-        """Refuse (when ``strict``) a full checkpoint file whose tensors do not match the model's, both ways."""
+    def check_file(self, model, path, strict: bool, weights_only: bool | None = None) -> None:
+        """Refuse a full checkpoint file that holds more than tensors and plain values (read weights-only), and
+        (when ``strict``) one whose tensors do not match the model's, both ways. ``weights_only=False``: the
+        caller trusts the file (``trainer.fit(..., weights_only=False)``)."""
+        saved = dcp_checkpoint.file_shapes(path, weights_only)
         if strict:
-            matching_keys(dcp_checkpoint.model_shapes(model), dcp_checkpoint.file_shapes(path), strict, path)
+            matching_keys(dcp_checkpoint.model_shapes(model), saved, strict, path)
 
     def load(self, model, optimizers, path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         """Load a DCP checkpoint directory into this layout, whatever layout saved it (DCP reshards by name)."""

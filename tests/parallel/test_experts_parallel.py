@@ -35,7 +35,8 @@ def test_hf_moe_plan_splits_experts_and_drops_their_weight_entries():
         # Qwen3-MoE's HF plan also names dense-MLP layers (mlp.gate_proj); this config has none, so they are dropped.
         assert "model.model.layers.*.mlp.gate_proj" not in plan
         sp = add_sequence_parallel_boundaries(module, plan, "model.model.layers")
-        assert sp["model.model.layers.*.mlp"] == "gather_sequence"
+        layers = len(module.model.model.layers)  # named one by one: in hybrid stacks "mlp" may be dense elsewhere
+        assert all(sp[f"model.model.layers.{i}.mlp"] == "gather_sequence" for i in range(layers)), sp
 
 
 def test_experts_that_cannot_be_split_exactly_are_refused():

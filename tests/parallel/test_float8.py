@@ -1,4 +1,5 @@
-"""fp8 conversion: exactly the blocks' 16-aligned Linear layers become torchao Float8Linear, nothing else.
+"""fp8 conversion: exactly the blocks' 16-aligned Linear layers become torchao Float8Linear, nothing else
+(under tensor parallelism: only those the plan splits by column or row).
 
 The oracle is a brute-force list over ``named_modules()`` (every ``nn.Linear``, kept when it sits in
 the blocks, both dims divide by 16 and no exclude pattern matches) against what torchao actually
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_llm.parallel.float8 import apply_fp8, validate_fp8
+from lightning_llm.parallel.tp.styles import OwnLocalOutput
 from lightning_llm.strategies import LLMParallelStrategy
 from tests._optional import TORCHAO_REASON
 from tests.strategies._parity import make_model
@@ -120,9 +122,60 @@ def test_nothing_to_convert_and_bad_recipes_are_refused():
         validate_fp8("e5m2")
     with pytest.raises(ValueError, match="cannot all-gather fp8 weights under FSDP2"):
         apply_fp8(OddModel(), blocks_name="layers", recipe="rowwise", fsdp_float8_all_gather=True)
-    with pytest.raises(ValueError, match="fp8=True with tensor_parallel_size=2 is not supported yet"):
-        LLMParallelStrategy(tensor_parallel_size=2, fp8=True)
+    with pytest.raises(ValueError, match="fp8='rowwise' with tensor_parallel_size=2 is not supported: a rowwise scale"):
+        LLMParallelStrategy(tensor_parallel_size=2, fp8="rowwise")
+    assert LLMParallelStrategy(tensor_parallel_size=2, fp8=True).fp8 == "tensorwise"
     assert validate_fp8(True) == "tensorwise" and validate_fp8(False) is None
+
+
+class _MixedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)  # fused: split by its own style
+        self.o = nn.Linear(32, 32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.router = nn.Linear(32, 16)  # kept whole on every rank
+        self.extra = nn.Linear(32, 32)  # not named by the plan
+
+
+def test_under_tp_only_the_column_and_row_split_layers_train_in_fp8():
+    from lightning_llm.parallel.tp.float8 import fp8_tp_exclusions
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(_MixedBlock() for _ in range(2))
+    model.head = nn.Linear(32, 64)
+    plan = {
+        "layers.*.qkv": "fused_qkv",
+        "layers.*.o": "rowwise",
+        "layers.*": "replicate",  # matches every module under layers but applies nothing, as in apply_tensor_parallel
+        "layers.*.up": "colwise",
+        "layers.*.down": "rowwise",
+        "layers.*.router": "replicate",
+        "head": "colwise_gather",
+    }
+    excluded = fp8_tp_exclusions(model, plan, "layers")
+    assert excluded == [f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "router", "extra")]
+    names = apply_fp8(model, blocks_name="layers", exclude=excluded)
+    assert names == _converted(model) == [f"layers.{i}.{n}" for i in range(2) for n in ("o", "up", "down")]
+
+
+def test_fp8_layers_refuse_styles_and_recipes_the_tp_path_does_not_support():
+    from lightning_llm.parallel.tp.float8 import Float8Split
+    from lightning_llm.parallel.tp.styles import parallel_style
+
+    model = OddModel()
+    apply_fp8(model, blocks_name="layers")
+    layer = model.layers[0].up
+    assert isinstance(parallel_style("colwise", True, layer), Float8Split)
+    assert isinstance(parallel_style("rowwise", False, layer), OwnLocalOutput)  # local output for the model's code
+    assert parallel_style("replicate", False, layer) is None
+    with pytest.raises(ValueError, match="style 'fused_qkv' cannot split an fp8 layer .Float8Linear."):
+        parallel_style("fused_qkv", False, layer)
+    rowwise = OddModel()
+    apply_fp8(rowwise, blocks_name="layers", recipe="rowwise")
+    with pytest.raises(ValueError, match="does not use the 'tensorwise' recipe; under tensor parallelism only"):
+        parallel_style("colwise", False, rowwise.layers[0].up)
 
 
 def test_rowwise_recipe_converts_the_same_layers():

@@ -332,3 +332,21 @@ def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
 def test_head_counts_are_checked_before_anything_changes(make, tp, match):
     with pytest.raises(ValueError, match=match):
         _plan(make(), tp=tp)
+
+
+def test_shapes_decide_over_names_and_names_decide_square_layers():
+    class FeedForward(nn.Module):  # Lightning's test model: w1 and w2 read the residual width, w3 writes it
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+            self.o = nn.Linear(32, 32)  # square: its name says row-wise
+
+    module = nn.Module()
+    module.layers = nn.ModuleList(FeedForward() for _ in range(2))
+    plan, _ = _plan(module)
+    assert plan == {
+        "layers.*.w1": "colwise",
+        "layers.*.w2": "colwise",
+        "layers.*.w3": "rowwise",
+        "layers.*.o": "rowwise",
+    }

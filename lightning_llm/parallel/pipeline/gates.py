@@ -8,14 +8,15 @@ user's own ``training_step`` on its micro-batch; the block list yields, while th
 active:
 
 * the received activation in place of the hidden state at the stage's first block,
-* pass-through calls for blocks outside the stage,
+* pass-through calls for blocks outside the stage, returning the structure the stage's blocks return,
 * an early exit (carrying the hidden state) after the stage's last block, unless it is the
   last stage, where the user's forward goes on to the head and the user's loss.
 
 So any model whose forward loops over one ``nn.ModuleList`` of blocks (or calls one ``nn.Sequential``
-of them) that each map a hidden state tensor to a tensor (the reference Llama, Hugging Face Llama,
-GPT-2, hybrids such as Jamba whose blocks differ in class, and most decoders) pipelines unchanged,
-with parameter names, checkpoints and tensor-parallel plans as before.
+of them) that each take the hidden state tensor first and return it (as a tensor, or first in a tuple
+or dataclass: see :mod:`~lightning_llm.parallel.pipeline.block_outputs`) pipelines unchanged: the
+reference Llama, Hugging Face Llama, GPT-2, GPT-Neo, Falcon, MPT, hybrids such as Jamba whose blocks
+differ in class, and most decoders, with parameter names, checkpoints and tensor-parallel plans as before.
 Graph tracing (``torch.distributed.pipelining.pipeline``) was not used: it needs the user's
 ``training_step`` (loss included) to export as one graph, which Hugging Face models and most
 user code do not. The schedules, stages and communication are torch's
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm._compat.torch import module_parameters
 from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
+from lightning_llm.parallel.pipeline.block_outputs import BlockOutputs, probe
 
 
 class StageOutput(Exception):
@@ -97,21 +99,20 @@ def _replace_hidden(args: tuple, kwargs: dict, name: str, value: torch.Tensor) -
 class _BlockCall:
     """What the block list yields for a block of the active stage."""
 
-    def __init__(self, block: nn.Module, index: int, name: str, hidden_name: str, state: PipelineState) -> None:
-        self._block, self._index, self._name, self._hidden_name, self._state = block, index, name, hidden_name, state
+    def __init__(
+        self, block: nn.Module, index: int, name: str, hidden_name: str, state: PipelineState, outputs: BlockOutputs
+    ) -> None:
+        self._block, self._index, self._name, self._hidden_name = block, index, name, hidden_name
+        self._state, self._outputs = state, outputs
 
     def __call__(self, *args, **kwargs):
         chunk = self._state.active
         if self._index == chunk.blocks.start and not chunk.is_first:
             args, kwargs = _replace_hidden(args, kwargs, self._hidden_name, self._state.received)
         out = self._block(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"Pipeline parallelism needs blocks that return the hidden-state tensor, but {self._name} returned "
-                f"{type(out).__name__}. Wrap the block so it returns a tensor, or train without pipeline parallelism."
-            )
+        hidden = self._outputs.hidden(self._block, out, self._name)
         if self._index == chunk.blocks.stop - 1 and not chunk.is_last:
-            raise StageOutput(out)
+            raise StageOutput(hidden)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -121,15 +122,19 @@ class _BlockCall:
 class _PassThrough:
     """What the block list yields for a block outside the active stage: returns its hidden-state input.
 
-    Its attributes are the block's (a forward may read ``layer.attention_type`` to pick a mask), or for
-    a block another rank holds, the plain attributes its placeholder kept.
+    In the structure the stage's own blocks return; ``stage_call`` learns it (by running the stage's first
+    block on these arguments) if no block has run yet. Its attributes are the block's (a forward may read
+    ``layer.attention_type`` to pick a mask), or for a block another rank holds, the plain attributes its
+    placeholder kept.
     """
 
-    def __init__(self, hidden_name: str, block: nn.Module) -> None:
+    def __init__(self, hidden_name: str, block: nn.Module, outputs: BlockOutputs, stage_call: Callable) -> None:
         self._hidden_name, self._block = hidden_name, block
+        self._outputs, self._stage_call = outputs, stage_call
 
     def __call__(self, *args, **kwargs):
-        return _hidden(args, kwargs, self._hidden_name)
+        hidden = _hidden(args, kwargs, self._hidden_name)
+        return self._outputs.passed_through(hidden, lambda: self._stage_call(args, kwargs))
 
     def __getattr__(self, name: str) -> Any:
         block = self.__dict__["_block"]
@@ -167,15 +172,25 @@ class _Gate:
                 "The model was called outside the pipeline schedule; with pipeline parallelism every forward "
                 "runs through LLMParallelStrategy's training/validation step."
             )
+        outputs: BlockOutputs = self.__dict__["_block_outputs"]
         calls = []
         names = self.__dict__["_block_names"]
         for index, module in enumerate(block_modules(self)):  # every block: __iter__ below hides some
             hidden_name = self.__dict__["_hidden_names"][index]
             if index in chunk.blocks:
-                calls.append(_BlockCall(module, index, names[index], hidden_name, state))
+                calls.append(_BlockCall(module, index, names[index], hidden_name, state, outputs))
             else:
-                calls.append(_PassThrough(hidden_name, module))
+                calls.append(_PassThrough(hidden_name, module, outputs, self._probe_stage))
         return calls
+
+    def _probe_stage(self, args: tuple, kwargs: dict) -> tuple[nn.Module, Any]:
+        """The active stage's first block and its output on a pass-through's arguments, received activation in."""
+        state: PipelineState = self.__dict__["_pipeline_state"]
+        start = state.active.blocks.start
+        block = block_modules(self)[start]
+        if state.received is not None:
+            args, kwargs = _replace_hidden(args, kwargs, self.__dict__["_hidden_names"][start], state.received)
+        return block, probe(block, args, kwargs)
 
     def __iter__(self):
         return iter(self._calls())
@@ -224,6 +239,9 @@ class _Unreachable(nn.Module):
 
 
 def _gated_embedding_class(base: type, state: PipelineState) -> type:
+    # A second Trainer call on the same model gates it again: follow the new state, not the first one's gate.
+    base = getattr(base, "_pipeline_base", base)
+
     def forward(self, ids, *args, **kwargs):
         if state.active is not None and state.active.is_first:
             return base.forward(self, ids, *args, **kwargs)
@@ -233,7 +251,7 @@ def _gated_embedding_class(base: type, state: PipelineState) -> type:
             return base.forward(self, ids, *args, **kwargs) * 0
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype, device=ids.device)
 
-    return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward})
+    return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward, "_pipeline_base": base})
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -280,7 +298,9 @@ def install_gates(
     hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in modules]
     names = block_names(blocks_name, blocks)
     blocks.__class__ = _GatedSequential if isinstance(blocks, nn.Sequential) else _GatedBlocks
-    blocks.__dict__.update(_pipeline_state=state, _hidden_names=hidden_names, _block_names=names)
+    blocks.__dict__.update(
+        _pipeline_state=state, _hidden_names=hidden_names, _block_names=names, _block_outputs=BlockOutputs()
+    )
     for name in owned_outer["before"]:
         embedding = module.get_submodule(name)
         embedding.__class__ = _gated_embedding_class(type(embedding), state)

@@ -47,6 +47,12 @@ class StageRunner(nn.Module):
     def forward(self, *inputs: torch.Tensor):
         state: PipelineState = self.__dict__["_state"]
         hidden, index = (None, inputs[0]) if self.chunk.is_first else inputs
+        first_call, self.__dict__["_metadata_known"] = not self.__dict__.get("_metadata_known"), True
+        if first_call and self.chunk.is_last and not torch.is_grad_enabled():
+            # torch infers a stage's output metadata with one extra forward before the first real micro-batch. An
+            # evaluation's last stage sends a placeholder, so that forward does not run the user's step: it would
+            # update the user's metrics (a torchmetrics mean in validation_step) with one micro-batch too many.
+            return torch.zeros((), device=index.device)
         if self.chunk.is_first and not index.requires_grad:
             # The index travels as a differentiable leaf with a zero gradient (see the end of this method): torch
             # 2.11's split backward (zero-bubble schedules) refuses a stage output that does not require grad.

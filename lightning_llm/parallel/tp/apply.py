@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_llm.modeling.blocks import block_modules, block_names
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.tp.attention_heads import shard_attention_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
@@ -58,12 +58,12 @@ log = logging.getLogger(__name__)
 
 
 def _class_representatives(blocks_name: str, blocks) -> list[tuple[str, nn.Module, list[str]]]:
-    """(name of the first block, the block, names of every block) per distinct class of the owned blocks."""
-    classes: dict[type, list[tuple[str, nn.Module]]] = {}
+    """(name of the first block, the block, names of every block) per distinct kind of the owned blocks."""
+    kinds: dict[tuple, list[tuple[str, nn.Module]]] = {}
     for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
         if not getattr(block, "is_pipeline_placeholder", False):
-            classes.setdefault(type(block), []).append((name, block))
-    return [(members[0][0], members[0][1], [n for n, _ in members]) for members in classes.values()]
+            kinds.setdefault(block_kind(block), []).append((name, block))
+    return [(members[0][0], members[0][1], [n for n, _ in members]) for members in kinds.values()]
 
 
 def local_styles(block_name: str, block: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -128,12 +128,12 @@ def apply_tensor_parallel(
     # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
     modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
     explicit, styled = {}, set()
+    # Inside a module that gathers the whole sequence (an MoE block under SP), layers see whole sequences.
+    gathered = [n for n in modules for p, s in plan.items() if s == "gather_sequence" and _matches(n, p)]
     for pattern, style in plan.items():
         for name, module in modules.items():
-            if (
-                _matches(name, pattern)
-                and (torch_style := parallel_style(style, sequence_parallel, module)) is not None
-            ):
+            sp_here = sequence_parallel and not any(name.startswith(g + ".") for g in gathered)
+            if _matches(name, pattern) and (torch_style := parallel_style(style, sp_here, module)) is not None:
                 explicit[name] = torch_style
                 styled.add(id(module))
     parallelize_module(model, tp_mesh, explicit)

@@ -18,7 +18,7 @@ import fnmatch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.modeling.blocks import block_modules, block_names
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 
 MAX_WHOLE_SHARE = 0.05
 _WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence")
@@ -47,13 +47,20 @@ def check_coverage(
 
         check_coverage("model.layers", model.layers, plan, resolved.unknown, tp=2)
     """
-    seen: set[type] = set()
     named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
+    split = lambda styles: any(s not in _WHOLE_STYLES for s in styles)  # noqa: E731
+    if not any(split(_styles_of(f"{n}.{rel}", plan)) for n, b in named for rel, _ in b.named_modules() if rel):
+        raise ValueError(
+            f"tensor_parallel_size={tp} but nothing inside the blocks at {blocks_name!r} is split: they contain no "
+            "nn.Linear (or Conv1D) layer to shard that a plan or inference can split. Pass `tensor_parallel_plan` "
+            "to the strategy, or use tensor_parallel_size=1."
+        )
+    seen: set[tuple] = set()
     for block_name, block in named:
-        if type(block) in seen or getattr(block, "is_pipeline_placeholder", False):
+        if block_kind(block) in seen or getattr(block, "is_pipeline_placeholder", False):
             continue
-        same_class = [n for n, b in named if type(b) is type(block)]
-        seen.add(type(block))
+        same_class = [n for n, b in named if block_kind(b) == block_kind(block)]
+        seen.add(block_kind(block))
         total = sum(p.numel() for p in block.parameters()) or 1
         for rel, module in block.named_modules():
             name = f"{block_name}.{rel}" if rel else block_name
@@ -130,17 +137,18 @@ def _parts(module: nn.Module, prefix: str = "") -> list[tuple[str, float]]:
 
 
 def coverage_lines(blocks: list[nn.Module]) -> list[str]:
-    """One line per distinct block class: each part's share held by this rank, whole parts listed last.
+    """One line per distinct kind of block (class and parameter names: DeepSeek-V3's dense and MoE blocks share a
+    class): each part's share held by this rank, whole parts listed last.
 
     Example::
 
         coverage_lines(owned_blocks)  # ["LlamaDecoderLayer x2: self_attn 50%/rank, mlp 50%/rank; replicated: ..."]
     """
     lines = []
-    classes: dict[type, list[nn.Module]] = {}
+    kinds: dict[tuple, list[nn.Module]] = {}
     for block in blocks:
-        classes.setdefault(type(block), []).append(block)
-    for cls, members in classes.items():
+        kinds.setdefault(block_kind(block), []).append(block)
+    for (cls, _), members in kinds.items():
         parts = _parts(members[0])
         split = [f"{n} {s:.0%}/rank" for n, s in parts if s < 1]
         whole = [n for n, s in parts if s >= 1]

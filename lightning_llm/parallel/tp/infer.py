@@ -3,8 +3,9 @@
 Inference reads every distinct block class of the block list (hybrid models mix attention, state-space
 and MoE layers), never a model's name:
 
-* Linear (and ``Conv1D``) layers by name (``q_proj`` column-wise, ``o_proj`` row-wise), then by shape
-  (``dim -> wider`` column-wise, ``wider -> dim`` row-wise);
+* Linear (and ``Conv1D``) layers by shape (``dim -> other`` column-wise, ``other -> dim`` row-wise, ``dim``
+  being the width most layers of the block read), then, where shapes cannot tell (square layers), by name
+  (``q_proj`` column-wise, ``o_proj`` row-wise);
 * fused projections of a known layout (:data:`KNOWN_FUSED`);
 * experts modules (3-D weights indexed by expert, see :mod:`.experts`) as whole experts per rank, and the
   router beside them (a layer with one output per expert) replicated;
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import block_modules, block_names, distinct_blocks
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, distinct_blocks
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
 from lightning_llm.parallel.tp.experts import expert_count
 from lightning_llm.parallel.tp.fused import projection_dims
@@ -82,11 +83,11 @@ def infer_styles(
         for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks))
         if not getattr(block, "is_pipeline_placeholder", False)
     ]
-    by_class: dict[type, dict[str, tuple[str | None, str | None]]] = {}
+    by_kind: dict[tuple, dict[str, tuple[str | None, str | None]]] = {}
     for block_name, block in owned:
-        if type(block) not in by_class:
-            by_class[type(block)] = _block_styles(block, block_name)
-        for rel, (style, why) in by_class[type(block)].items():
+        if block_kind(block) not in by_kind:
+            by_kind[block_kind(block)] = _block_styles(block, block_name)
+        for rel, (style, why) in by_kind[block_kind(block)].items():
             name = f"{block_name}.{rel}"
             if covered(name) or _under_covered(name, block_name, covered):
                 continue
@@ -114,7 +115,7 @@ def variant_plan(model: nn.Module, blocks_name: str, blocks) -> dict[str, str]:
     named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
     representatives = distinct_blocks(blocks_name, blocks)
     for _, block in representatives:
-        members = [n for n, b in named if type(b) is type(block)]
+        members = [n for n, b in named if block_kind(b) == block_kind(block)]
         for name, style in attention_plan(block, config).items():
             if len(representatives) == 1:
                 plan[f"{blocks_name}.*.{name}"] = style
@@ -200,15 +201,19 @@ def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Mod
             "'fused_qkv' (all q, then all k, then all v), 'fused_colwise:2' (gate then up), 'fused_colwise:Q,K,V' "
             "(explicit sizes), or 'colwise' if its rows are already contiguous per head (GPT-NeoX's q0 k0 v0 q1 k1 v1 ...)."
         )
-    if _COLWISE.match(leaf):
-        return "colwise", None
-    if _ROWWISE.match(leaf):
-        return "rowwise", None
+    if 1 in (in_features, out_features):  # a scalar gate (Qwen3-Next's shared_expert_gate): nothing to split
+        return "replicate", None
+    # Shapes first: a layer reading the residual width and writing another opens a split, one writing the
+    # residual width closes it, whatever it is called (Lightning's FeedForward names its two inputs w1, w2).
     dims = [d[0] for d in map(projection_dims, block.modules()) if d is not None]
     model_dim = max(set(dims), key=dims.count)
     if in_features == model_dim and out_features != model_dim:
         return "colwise", None
     if out_features == model_dim and in_features != model_dim:
+        return "rowwise", None
+    if _COLWISE.match(leaf):  # names decide only what shapes cannot (square layers, latent widths)
+        return "colwise", None
+    if _ROWWISE.match(leaf):
         return "rowwise", None
     return None, (
         f"Cannot tell whether {full_name!r} ({in_features} -> {out_features}) is an input or an output "

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from lightning_llm.modeling.blocks import block_names
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
@@ -247,6 +248,29 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
         parent = name.rpartition(".")[0]
         if parent and any(_matches(name, p) for p in experts) and not covered(parent):
             plan[parent] = "gather_sequence"
+    return _gather_parts_without_row_split(model, plan, blocks_name)
+
+
+# Styles whose output goes back on the sequence-sharded stream under SP.
+_CLOSES_UNDER_SP = ("rowwise", "rowwise_split_input")
+
+
+def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
+    """A block part whose split layers all hand back whole outputs (HF's gathered plans: Qwen3-Next's linear
+    attention is ``colwise_gather`` only) computes on the whole sequence: it gets ``gather_sequence``."""
+    blocks = model.get_submodule(blocks_name)
+    for block_name in block_names(blocks_name, blocks):
+        for part, _ in model.get_submodule(block_name).named_children():
+            name = f"{block_name}.{part}"
+            inside = [
+                s
+                for n, _ in model.get_submodule(name).named_modules()
+                for p, s in plan.items()
+                if _matches(f"{name}.{n}" if n else name, p)
+            ]
+            split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel")]
+            if split and "gather_sequence" not in split and not any(s in _CLOSES_UNDER_SP for s in split):
+                plan[name] = "gather_sequence"
     return plan
 
 

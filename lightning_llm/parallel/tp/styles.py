@@ -4,7 +4,7 @@ Every style is torch's own ``ColwiseParallel``/``RowwiseParallel``/``SequencePar
 input/output layouts the position in the model needs, except :class:`ReplicateGradSum`, a small
 ``ParallelStyle`` (built with torch's ``distribute_module``) for a module kept whole on every rank
 but applied to each rank's own heads, the fused-projection and ``Conv1D`` styles of :mod:`.tp_fused`,
-and the expert split of :mod:`.tp_experts`.
+and the expert split of :mod:`.tp_experts`. A torchao ``Float8Linear`` gets the fp8 styles of :mod:`.float8`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
 from lightning_llm.parallel.tp.experts import ExpertsParallel, _sum_grad
+from lightning_llm.parallel.tp.float8 import float8_parallel_style, is_float8_linear
 from lightning_llm.parallel.tp.fused import (
     FUSED_PREFIX,
     Conv1DColwise,
@@ -152,16 +153,21 @@ class GatherSequence(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(lambda m, args: self._gather(args, device_mesh))
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: self._gather(args, kwargs, device_mesh), with_kwargs=True
+        )
         module.register_forward_hook(lambda m, args, output: self._split(output, device_mesh))
         return module
 
     @staticmethod
-    def _gather(args: tuple, mesh: DeviceMesh) -> tuple:
-        x, *rest = args
+    def _gather(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+        """The hidden state (the first positional argument, else ``hidden_states=``) as the whole sequence."""
+        key = 0 if args else "hidden_states"
+        x = args[0] if args else kwargs[key]
         if _plain_tensor(x):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        return (x.redistribute(mesh, [Replicate()]).to_local(), *rest)
+        x = x.redistribute(mesh, [Replicate()]).to_local()
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, key: x})
 
     @staticmethod
     def _split(output, mesh: DeviceMesh):
@@ -177,10 +183,14 @@ def _plain_tensor(x) -> bool:
 def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` for one of our style names applied to ``module`` (``None``: leave it as it is).
 
-    ``module`` matters for Hugging Face ``Conv1D`` layers (weights stored transposed) and fused projections.
+    ``module`` matters for Hugging Face ``Conv1D`` layers (weights stored transposed), fused projections and
+    fp8 layers.
     """
     sharded_seq = Shard(1) if sequence_parallel else Replicate()
     local = not sequence_parallel
+    if is_float8_linear(module):
+        fp8_style = float8_parallel_style(style, sequence_parallel, module)
+        return OwnLocalOutput(fp8_style) if fp8_style is not None and style == "rowwise" and local else fp8_style
     conv1d = module is not None and is_conv1d(module)
     if style.startswith(FUSED_PREFIX):
         sizes = fused_sizes(style, projection_dims(module)[1])

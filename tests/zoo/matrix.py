@@ -1,0 +1,103 @@
+"""The supported-architectures table, generated from the test matrix (``python -m tests.zoo.matrix``).
+
+Each parity test module declares the models and layouts it trains against one process; :func:`cells` reads
+those declarations (the same lists the tests parametrize over), and :data:`MECHANISMS` says which
+architecture mechanism each model stands for. ``docs/models.md`` holds the table between markers;
+``tests/zoo/test_matrix.py`` fails when the file and the tests disagree, when a tested model has no mechanism,
+or when a mechanism names a model no test trains.
+
+    python -m tests.zoo.matrix           # print the table
+    python -m tests.zoo.matrix --write   # rewrite it in docs/models.md
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+BEGIN, END = (
+    "<!-- architectures-table:begin (generated: python -m tests.zoo.matrix --write) -->",
+    ("<!-- architectures-table:end -->"),
+)
+
+# Mechanism -> the models whose cells prove it (model names as the test modules use them).
+MECHANISMS = {
+    "GQA attention, gated MLP (Llama-style)": ["llama", "qwen2", "litgpt_llama"],
+    "sliding-window attention": ["mistral", "gemma2"],
+    "per-head q/k norms": ["qwen3", "olmo2"],
+    "tied embeddings": ["gemma3", "gpt2"],
+    "fused QKV [q, k, v] and [gate, up]": ["phi3", "litgpt_pythia"],
+    "fused QKV contiguous per head": ["gpt_neox"],
+    "Conv1D projections": ["gpt2"],
+    "MoE, stacked experts": ["mixtral", "qwen3_moe"],
+    "multi-query attention (fused / separate k,v)": ["gpt_bigcode_mqa", "falcon_mqa", "llama_mqa"],
+    "fused QKV grouped per KV head": ["falcon_grouped"],
+    "ALiBi": ["bloom_alibi"],
+    "attention sinks (per-head parameters)": ["gpt_oss_sinks"],
+    "multi-head latent attention": ["deepseek_v3_mla", "deepseek_v3"],
+    "hybrid Mamba + attention, MoE beside dense": ["jamba"],
+    "dense and MoE blocks of one class": ["deepseek_v3"],
+    "blocks in a user's nn.Sequential": ["user_sequential"],
+    "blocks returning tuples": ["hf_gpt_neo", "hf_falcon", "user_tuple"],
+    "blocks returning a ModelOutput": ["user_model_output"],
+}
+COLUMNS = {  # layout names of the test modules -> table column
+    "dp2_zero3": "ZeRO-3",
+    "tp2": "tp2",
+    "tp2_sp": "tp2+SP",
+    "dp2xtp2": "dp2×tp2",
+    "pp2": "pp2",
+    "pp2-1f1b": "pp2",
+    "pp2-interleaved1f1b-v2": "pp2 interleaved",
+    "ac_selective": "AC selective",
+    "ac_full": "AC full",
+    "zero_auto": "ZeRO auto",
+}
+
+
+def cells() -> dict[str, set[str]]:
+    """Model -> the table columns some parity test trains it under (the tests' own parametrization lists)."""
+    from tests.strategies import test_pipeline_tuples
+    from tests.zoo import test_attention_variants, test_hybrid_blocks, test_hybrid_tensor_parallel, test_zoo
+
+    matrices = [
+        (test_zoo.MODELS, test_zoo.LAYOUTS),
+        (test_attention_variants.MODELS, test_attention_variants.TP_LAYOUTS),
+        (test_hybrid_blocks.HYBRID_MODELS, test_hybrid_blocks.LAYOUTS),
+        (test_hybrid_tensor_parallel.MODELS, test_hybrid_tensor_parallel.LAYOUTS),
+        (test_pipeline_tuples.MODELS, test_pipeline_tuples.LAYOUTS),
+    ]
+    tested: dict[str, set[str]] = {}
+    for models, layouts in matrices:
+        for model in models:
+            tested.setdefault(model, set()).update(COLUMNS[layout] for layout in layouts)
+    return tested
+
+
+def table() -> str:
+    """The markdown table: one row per mechanism, one column per layout, ✓ where a model of the row is tested."""
+    tested = cells()
+    columns = list(dict.fromkeys(COLUMNS.values()))
+    lines = [
+        "| mechanism | models | " + " | ".join(columns) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in columns) + " |",
+    ]
+    for mechanism, models in MECHANISMS.items():
+        covered = set().union(*(tested.get(m, set()) for m in models))
+        marks = ["✓" if column in covered else "" for column in columns]
+        lines.append(f"| {mechanism} | {', '.join(models)} | " + " | ".join(marks) + " |")
+    return "\n".join(lines)
+
+
+def render(document: str) -> str:
+    """``document`` with the text between the markers replaced by the generated table."""
+    start, end = document.index(BEGIN) + len(BEGIN), document.index(END)
+    return document[:start] + "\n" + table() + "\n" + document[end:]
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        DOC.write_text(render(DOC.read_text()))
+    else:
+        print(table())
