@@ -48,15 +48,18 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by tp ({self.tp}) * cp ({self.cp}) * pp ({self.pp}) * "
-                    f"dp_replicate ({self.dp_replicate}) = {others}; change the degrees or the number of devices."
+                    f"world size {self.world_size} is not divisible by tp ({self.tp}) * "
+                    + (f"cp ({self.cp}) * " if self.cp > 1 else "")
+                    + f"pp ({self.pp}) * dp_replicate ({self.dp_replicate}) = {others}; change the degrees or the "
+                    "number of devices."
                 )
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1 or others * self.dp_shard != self.world_size:
             raise ValueError(
-                f"pp ({self.pp}) * dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * cp ({self.cp}) * "
-                f"tp ({self.tp}) = "
-                f"{others * self.dp_shard}, but the world size is {self.world_size}; the product must equal it."
+                f"pp ({self.pp}) * dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * "
+                + (f"cp ({self.cp}) * " if self.cp > 1 else "")
+                + f"tp ({self.tp}) = {others * self.dp_shard}, but the world size is {self.world_size}; the product "
+                "must equal it."
             )
 
     @classmethod
@@ -84,9 +87,9 @@ class ParallelDims:
             dp = cls(world_size=world_size, tp=tp, pp=pp, cp=cp).dp_shard
         elif dp * tp * pp * cp != world_size:
             raise ValueError(
-                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) * pipeline_parallel_size ({pp}) * "
-                f"context_parallel_size ({cp}) = {dp * tp * pp * cp}, but there are {world_size} processes; make the "
-                "product equal devices * nodes."
+                f"data_parallel_size ({dp}) * tensor_parallel_size ({tp}) * pipeline_parallel_size ({pp})"
+                + (f" * context_parallel_size ({cp})" if cp > 1 else "")
+                + f" = {dp * tp * pp * cp}, but there are {world_size} processes; make the product equal devices * nodes."
             )
         if replicate_all:
             return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp, dp_shard=1, cp=cp)
