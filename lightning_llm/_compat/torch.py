@@ -138,3 +138,55 @@ register(
         check=lambda: resolve("torch.amp:GradScaler._unscale_grads_"),
     )
 )
+
+
+def flash_attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: CPU SDPA's flash kernel, returning (output, logsumexp).
+
+    The log-sum-exp of every query row is what merges partial attentions over key blocks exactly (ring attention);
+    public ``scaled_dot_product_attention`` does not return it. (batch, heads, seq, head_dim) in; logsumexp is
+    (batch, heads, seq) in fp32. Checked on torch 2.13.0.
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=None, scale=scale
+    )
+
+
+def flash_attention_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward``: (dq, dk, dv) of one key block given the
+    merged output and log-sum-exp of the whole row (so each block's share of the gradient is exact). Checked on
+    torch 2.13.0."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=None, scale=scale
+    )
+
+
+register(
+    Private(
+        name="aten._scaled_dot_product_flash_attention_for_cpu (+ _backward)",
+        upstream="torch",
+        accessor="torch.flash_attention_cpu, torch.flash_attention_cpu_backward",
+        used_by=("parallel/cp/ring.py",),
+        why="ring attention merges partial attentions over key blocks with each row's log-sum-exp and recomputes "
+        "each block's gradient from the merged output; CPU SDPA's flash kernel returns the log-sum-exp, the public "
+        "SDPA does not",
+        caught_by="`tests/parallel/test_context_parallel.py`",
+        checked=CHECKED,
+        check=lambda: (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        ),
+    )
+)

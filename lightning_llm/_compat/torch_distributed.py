@@ -120,7 +120,8 @@ register(
         upstream="torch",
         accessor="torch_distributed.flatten_mesh",
         used_by=("parallel/mesh.py",),
-        why="the flattened `dp` axis over (dp_replicate, dp_shard); torchtitan uses the same",
+        why="the flattened `dp` axis over (dp_replicate, dp_shard), and `dp_shard_cp`/`dp_cp` with context "
+        "parallelism; torchtitan uses the same",
         caught_by="every multi-rank parity test, `tests/strategies/test_parallel_parity.py`",
         checked=CHECKED,
         check=lambda: resolve("torch.distributed.device_mesh:DeviceMesh._flatten"),

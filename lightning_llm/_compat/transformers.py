@@ -63,3 +63,36 @@ register(
         check=_check,
     )
 )
+
+
+def attention_implementation(model: Any) -> str | None:
+    """The attention function a Hugging Face model calls (``config._attn_implementation``: "sdpa", "eager", or a
+    name registered with ``AttentionInterface``), or ``None`` for a model without one. ``set_attn_implementation``
+    is public but has no public getter; context parallelism reads it back to confirm the switch to its function.
+    Checked on transformers 5.24."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _check_attention_implementation():
+    try:
+        from transformers import LlamaConfig
+    except ImportError:
+        return "skipped: transformers is not installed"
+    if LlamaConfig(attn_implementation="sdpa")._attn_implementation != "sdpa":
+        raise AttributeError("PretrainedConfig._attn_implementation no longer reports the attention implementation")
+    return None
+
+
+register(
+    Private(
+        name="transformers `PretrainedConfig._attn_implementation`",
+        upstream="transformers",
+        accessor="transformers.attention_implementation",
+        used_by=("parallel/cp/interception.py",),
+        why="confirm that `set_attn_implementation` switched a model to context parallelism's registered attention "
+        "function (it only warns when a model cannot switch); no public getter",
+        caught_by="`tests/strategies/test_context_parallel_parity.py`",
+        checked=CHECKED,
+        check=_check_attention_implementation,
+    )
+)

@@ -112,10 +112,15 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shaped (seq_len, head_dim // 2)."""
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shaped (seq_len, head_dim // 2), or (batch, seq_len, head_dim // 2) at
+    explicit ``positions`` (batch, seq_len) (a shard of a longer sequence under context parallelism)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
@@ -123,7 +128,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate (batch, seq, heads, head_dim) by pairs of interleaved channels, in fp32."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = x_pairs.unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # (seq, 1, d/2) or per sample (batch, seq, 1, d/2)
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -221,10 +226,18 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(param, std=std)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits; with ``document_ids`` (batch, seq) a token attends only to earlier tokens of its own document."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits; with ``document_ids`` (batch, seq) a token attends only to earlier tokens of its own document.
+
+        ``position_ids`` (batch, seq), default ``0..seq-1``, are the tokens' positions for the rotary embedding.
+        """
         h = self.tok_embeddings(tokens)
-        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, h.device)
+        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, h.device, position_ids)
         mask = None if document_ids is None else document_causal_mask(document_ids)
         for layer in self.layers:
             # The three-argument call stays as it was without document ids (pipeline stages and wrappers see it).

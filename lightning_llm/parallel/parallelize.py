@@ -6,7 +6,9 @@ stages), expert parallelism (whole experts per EP rank, DTensors on the ``ep`` a
 before TP, which gives it torchao's float8 styles), then TP (it replaces Linear weights by
 DTensors on the ``tp`` axis), activation checkpointing next (torch's composable checkpoint around each block, which TP
 hooks sit inside), per-block ``torch.compile``, and FSDP2/replicate last (its per-block units
-gather the TP-sharded DTensors along the ``dp`` axes; the experts get their own units over the ``edp`` axis first).
+gather the TP-sharded DTensors along the ``dp`` axes; the experts get their own units over the ``edp`` axis first). Context parallelism hooks in right after the plans are checked
+and before anything is cut (its attention switch must precede the per-module config copies TP makes for head counts);
+FSDP then shards over ``dp × cp``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from lightning_llm.modeling.blocks import BlockStack, block_names, distinct_blocks, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.ep.apply import apply_expert_data_parallel, apply_expert_parallel
 from lightning_llm.parallel.ep.mesh import build_expert_meshes
@@ -54,6 +57,7 @@ class ParallelizeReport:
     tied: list[list[str]] = field(default_factory=list)
     fp8_layers: list[str] = field(default_factory=list)
     expert_parallel_modules: int = 0
+    context_parallel: str = ""
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
@@ -151,6 +155,7 @@ def parallelize(
     fp8_exclude: list[str] | None = None,
     expert_parallel_size: int = 1,
     expert_parallel_plan: dict[str, str] | None = None,
+    context_parallel_method: str = "ring",
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
@@ -158,7 +163,8 @@ def parallelize(
     or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
     pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
     the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). ``expert_parallel_size > 1``
-    splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`).
+    splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`). With ``dims.cp > 1`` every sequence
+    is split over the ``cp`` axis (:mod:`lightning_llm.parallel.cp`), and FSDP shards over ``dp × cp``.
 
     Example::
 
@@ -168,6 +174,8 @@ def parallelize(
     """
     blocks_name, block_list = find_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
+    if dims.cp > 1:  # refused before anything is changed
+        check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module,
@@ -176,6 +184,15 @@ def parallelize(
             blocks=block_list,
             user_plan=tensor_parallel_plan,
             replicate=tensor_parallel_replicate or (),
+        )
+    if dims.cp > 1:  # hooks on the model's input/output and each block's attention, before TP copies any config
+        report.context_parallel = apply_context_parallel(
+            module,
+            blocks_name=blocks_name,
+            blocks=list(block_list),
+            cp_mesh=dims.mesh["cp"],
+            method=context_parallel_method,
+            tp=dims.tp,
         )
     owned_blocks, roots = list(block_list), None
     if pipeline is not None and dims.pp > 1:
@@ -214,10 +231,8 @@ def parallelize(
     if compile_blocks:
         for block in owned_blocks:
             block.compile()
-    if dims.dp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
-        dp_mesh = (
-            dims.mesh["dp"] if dims.dp_replicate == 1 or dims.dp_shard == 1 else dims.mesh["dp_replicate", "dp_shard"]
-        )
+    if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
+        dp_mesh = dims.data_parallel_mesh()
         if experts:
             apply_expert_data_parallel(
                 experts,

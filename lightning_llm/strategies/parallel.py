@@ -91,6 +91,14 @@ class LLMParallelStrategy(ModelParallelStrategy):
             10 minutes by default rather than torch's 30: long enough for a checkpoint save or the first step's
             compilation, short enough that a rank that stopped responding does not hold the job for half an hour.
             Add :class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.
+        context_parallel_size: ranks that split every sequence (the ``cp`` mesh axis): each holds two head-tail
+            (zig-zag) chunks of every sample from the embedding to the output, attention gathers the other ranks'
+            keys/values, and the logits are gathered back, so the user's loss is computed unchanged and exactly. The
+            CP ranks read the same batch; FSDP shards over data-parallel × CP ranks. The sequence length must be a
+            multiple of ``2 * context_parallel_size``.
+        context_parallel_method: "ring" (ring attention: key/value shards passed around the CP group, partial outputs
+            merged by log-sum-exp) or "ulysses" (all-to-all to whole heads over the whole sequence and back; the
+            query heads must divide by ``context_parallel_size * tensor_parallel_size``).
         load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
             index) loaded into the sharded model before training; its tensor names must match the module's
             parameter names after a common prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).
@@ -144,6 +152,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
         load_pretrained: str | None = None,
         expert_parallel_size: int = 1,
         expert_parallel_plan: dict[str, str] | None = None,
+        context_parallel_size: int = 1,
+        context_parallel_method: Literal["ring", "ulysses"] = "ring",
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -170,6 +180,8 @@ class LLMParallelStrategy(ModelParallelStrategy):
     fp8_exclude = Forwarded("options.parallel.fp8_exclude")
     expert_parallel_size = Forwarded("options.parallel.expert_parallel_size")
     expert_parallel_plan = Forwarded("options.parallel.expert_parallel_plan")
+    context_parallel_size = Forwarded("options.parallel.context_parallel_size")
+    context_parallel_method = Forwarded("options.parallel.context_parallel_method")
     activation_checkpointing = Forwarded("options.planning.activation_checkpointing")
     ac_options = Forwarded("options.planning.ac_options")
     device_memory = Forwarded("options.planning.device_memory")

@@ -43,6 +43,8 @@ class ParallelOptions:
     fp8_exclude: list[str]
     expert_parallel_size: int = 1
     expert_parallel_plan: dict[str, str] | None = None
+    context_parallel_size: int = 1
+    context_parallel_method: Literal["ring", "ulysses"] = "ring"
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def build_options(
     load_pretrained,
     expert_parallel_size=1,
     expert_parallel_plan=None,
+    context_parallel_size=1,
+    context_parallel_method="ring",
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
@@ -133,6 +137,15 @@ def build_options(
         num_microbatches,
         virtual_stages,
         device_memory,
+    )
+    _check_context_parallel(
+        context_parallel_size,
+        context_parallel_method,
+        sequence_parallel=sequence_parallel,
+        pp=pp,
+        zero_stage=zero_stage,
+        activation_checkpointing=activation_checkpointing,
+        compile_blocks=compile_blocks,
     )
     timeout = check_timeout("timeout", timeout)
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
@@ -149,7 +162,9 @@ def build_options(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
             f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
-    _check_expert_parallel(expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size)
+    _check_expert_parallel(
+        expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size, context_parallel_size
+    )
     if expert_parallel_size > 1 and activation_checkpointing in ("selective", "auto"):
         # The experts' own FSDP2 unit inside a checkpointed block runs FSDP's root pre-forward (a profiler op) only
         # in the recompute, which selective checkpointing, replaying ops by count, refuses (torch 2.13).
@@ -178,6 +193,8 @@ def build_options(
             list(fp8_exclude or []),
             expert_parallel_size,
             dict(expert_parallel_plan) if expert_parallel_plan else None,
+            context_parallel_size,
+            context_parallel_method,
         ),
         pipeline=pipeline,
         planning=PlanningOptions(
@@ -216,10 +233,15 @@ def _check_layout(
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
 
 
-def _check_expert_parallel(ep, plan, tp, pp, dp) -> None:
+def _check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
     """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
     check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
     check_expert_parallel_plan(plan)
+    if ep > 1 and cp != 1:
+        raise ValueError(
+            f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported yet: the experts' groups "
+            "are carved from the data-parallel ranks, which context parallelism also divides. Use one of the two."
+        )
     if ep > 1 and (tp > 1 or pp > 1):
         raise ValueError(
             f"expert_parallel_size={ep} with tensor_parallel_size={tp} and pipeline_parallel_size={pp} is not "
@@ -231,6 +253,28 @@ def _check_expert_parallel(ep, plan, tp, pp, dp) -> None:
             f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the expert-parallel groups are "
             f"carved out of the data-parallel ranks. Use an expert_parallel_size that divides {dp}."
         )
+
+
+def _check_context_parallel(
+    cp, method, *, sequence_parallel, pp, zero_stage, activation_checkpointing, compile_blocks
+) -> None:
+    """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
+    check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
+    check_choice("context_parallel_method", method, ("ring", "ulysses"))
+    if cp == 1:
+        return
+    combined = {
+        "sequence_parallel": sequence_parallel or None,
+        "pipeline_parallel_size": pp if pp > 1 else None,
+        "zero_stage": zero_stage if zero_stage == "auto" else None,
+        "compile_blocks": compile_blocks or None,
+    }
+    for name, value in combined.items():
+        if value is not None:
+            raise ValueError(
+                f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
+                "composes with data parallelism (ZeRO 0-3), activation checkpointing and tensor parallelism without SP today. Drop one of the two."
+            )
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:

@@ -36,6 +36,7 @@ def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
         dp=parallel.data_parallel_size,
         dp_replicate=parallel.data_parallel_replicate_size,
         replicate_all=parallel.zero_stage == 0,
+        cp=parallel.context_parallel_size,
     )
 
 
@@ -85,6 +86,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         fp8_exclude=parallel.fp8_exclude,
         expert_parallel_size=parallel.expert_parallel_size,
         expert_parallel_plan=parallel.expert_parallel_plan,
+        context_parallel_method=parallel.context_parallel_method,
     )
     if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
         state.agreed_seed = agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed
@@ -131,13 +133,15 @@ def log_layout(options: StrategyOptions, state: RunState) -> None:
     dims, report, fp8 = state.parallel_dims, state.report, options.parallel.fp8
     rank_zero_info(
         f"LLMParallelStrategy: world={dims.world_size} pp={dims.pp} dp={dims.dp} (replicate={dims.dp_replicate}, "
-        f"shard={dims.dp_shard}) tp={dims.tp}"
+        f"shard={dims.dp_shard}) cp={dims.cp} tp={dims.tp}"
         + (f" ep={options.parallel.expert_parallel_size}" if options.parallel.expert_parallel_size > 1 else "")
         + f" zero_stage={state.zero_stage}; {report.num_blocks} blocks at "
         f"{report.blocks_name!r}"
         + (f"; TP plan from {report.tp_plan_source}" if dims.tp > 1 else "")
         + (f"; fp8 ({fp8}) in {len(report.fp8_layers)} Linear layers" if fp8 else "")
     )
+    if report.context_parallel:
+        rank_zero_info(f"LLMParallelStrategy: {report.context_parallel}")
     for line in report.tp_coverage:
         rank_zero_info(f"LLMParallelStrategy: tensor parallel coverage: {line}")
 

@@ -43,6 +43,11 @@ PARALLEL_PRESETS: list[Preset] = [
     ),
     ("llm_ep2", {"expert_parallel_size": 2}, "LLMParallelStrategy: MoE experts split over 2 ranks, ZeRO 3"),
     ("llm_ep4", {"expert_parallel_size": 4}, "LLMParallelStrategy: MoE experts split over 4 ranks, ZeRO 3"),
+    (
+        "llm_cp2",
+        {"context_parallel_size": 2},
+        "LLMParallelStrategy: sequences split over 2 ranks (ring attention), ZeRO 3 over data-parallel × CP ranks",
+    ),
 ]
 
 DEEPSPEED_PRESETS: list[Preset] = [

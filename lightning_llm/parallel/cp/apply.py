@@ -1,0 +1,76 @@
+"""Context parallelism applied to a LightningModule: check the model, route its attention, shard its input/output."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_llm.parallel.cp.interception import route_attention
+from lightning_llm.parallel.cp.layout import CPGroup
+from lightning_llm.parallel.cp.sharding import shard_model_io
+from lightning_llm.parallel.cp.ulysses import check_ulysses_heads
+from lightning_llm.parallel.cp.variants import check_context_parallel_model
+from lightning_llm.parallel.tp.attention_variants import head_count, is_attention, model_config
+
+log = logging.getLogger(__name__)
+
+
+def context_parallel_model(module: nn.Module, blocks_name: str) -> tuple[str, nn.Module]:
+    """The model whose input is sharded: the LightningModule's child holding the blocks (name, module)."""
+    top = blocks_name.split(".")[0]
+    if top == blocks_name:
+        raise ValueError(
+            f"context parallelism shards the input of the model holding the blocks, but the blocks {blocks_name!r} "
+            f"are a direct child of {type(module).__name__}; hold the model (embedding, blocks, head) in one "
+            "attribute of the LightningModule."
+        )
+    return top, module.get_submodule(top)
+
+
+def check_context_parallel(module: nn.Module, *, blocks_name: str, blocks: list[nn.Module]) -> None:
+    """Refuse, before anything is changed, a model context parallelism cannot split exactly (see :mod:`.variants`)."""
+    name, model = context_parallel_model(module, blocks_name)
+    check_context_parallel_model(model, blocks, where=name)
+
+
+def _check_heads(module: nn.Module, blocks: list[nn.Module], cp: int, tp: int) -> None:
+    """Ulysses: refuse, at setup, query head counts that do not divide by cp × tp."""
+    config = model_config(module)
+    for block in blocks:
+        for attention in filter(is_attention, block.modules()):
+            heads = head_count(attention, config)
+            if heads is not None:
+                check_ulysses_heads(heads, None, cp, tp)
+
+
+def apply_context_parallel(
+    module: nn.Module,
+    *,
+    blocks_name: str,
+    blocks: list[nn.Module],
+    cp_mesh: DeviceMesh,
+    method: str = "ring",
+    tp: int = 1,
+) -> str:
+    """Split every sequence over ``cp_mesh`` from the embedding to the output (in place); returns a report line.
+
+    Example::
+
+        dims = ParallelDims(world_size=2, cp=2)
+        dims.build_mesh("cpu")
+        apply_context_parallel(lightning_module, blocks_name="model.layers", blocks=layers, cp_mesh=dims.mesh["cp"])
+    """
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"context_parallel_method={method!r} is not one of 'ring', 'ulysses'.")
+    check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
+    _, model = context_parallel_model(module, blocks_name)
+    if method == "ulysses":
+        _check_heads(model, blocks, cp_mesh.size(), tp)
+    cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), method)
+    route = route_attention(model, blocks, cp, blocks_name=blocks_name)
+    shard_model_io(model, cp)
+    line = f"Applied context parallel (cp={cp.size}, {method}, zig-zag shards) to {len(blocks)} blocks via {route}"
+    log.info(line)
+    return line

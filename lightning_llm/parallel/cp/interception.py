@@ -1,0 +1,149 @@
+"""Route every block's attention to the CP attention (:func:`attend`), without changing the model.
+
+- **Hugging Face models** call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` in each attention module:
+  a function is registered under :data:`CP_ATTENTION` (``transformers.AttentionInterface``) and the model switched
+  to it with ``set_attn_implementation``. No mask function is registered under that name, so transformers builds
+  no (local, wrong-sized) mask; causality is applied by global position instead.
+- **SDPA-based models** (the reference model, user models) call ``F.scaled_dot_product_attention``: a
+  ``TorchFunctionMode`` entered by each block's forward pre-hook and left by its forward hook redirects those calls.
+
+Either way each block must have routed at least one attention call through CP by the end of its forward; a block
+that computed attention some other way (an eager softmax) would see only its shard's keys, so it is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from weakref import WeakKeyDictionary
+
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from lightning_llm._compat.transformers import attention_implementation
+from lightning_llm.parallel.cp.attention import context_parallel_attention
+from lightning_llm.parallel.cp.layout import CPGroup
+from lightning_llm.parallel.cp.ring import ring_attention
+from lightning_llm.parallel.cp.ulysses import ulysses_attention
+
+CP_ATTENTION = "lightning_llm_context_parallel"
+_GROUPS: WeakKeyDictionary[nn.Module, CPGroup] = WeakKeyDictionary()  # HF attention modules -> their CP group
+_ACTIVE: list[list[int]] = []  # one call counter per block whose forward is running
+_SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                      scale=None, enable_gqa=False: None).parameters)  # fmt: skip
+
+
+def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None):
+    """The CP attention of ``cp.method`` for this device: Ulysses' all-to-all, or the send/recv ring on CPU (measured faster from 8K tokens on 2 gloo ranks
+    and holding two key/value shards at most), the all-gather elsewhere until a GPU ring kernel is wired in."""
+    if cp.method == "ulysses":
+        fn = ulysses_attention
+    else:
+        fn = ring_attention if query.device.type == "cpu" else context_parallel_attention
+    return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
+
+
+def _count_call() -> None:
+    if _ACTIVE:
+        _ACTIVE[-1][0] += 1
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+    cp = _GROUPS.get(module)
+    if cp is None:
+        raise RuntimeError(f"{type(module).__name__} runs context-parallel attention but was not set up for it.")
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"context parallelism does not support attention with `{name}` yet ({type(module).__name__})."
+            )
+    if attention_mask is not None or dropout:
+        raise ValueError(
+            f"context parallelism computes plain causal attention; {type(module).__name__} passed "
+            f"{'a mask' if attention_mask is not None else f'dropout={dropout}'}, which it cannot split yet."
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    _count_call()
+    out = attend(query, key, value, cp, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _SDPARouter(TorchFunctionMode):
+    """Redirects ``F.scaled_dot_product_attention`` calls to the CP attention while a block's forward runs."""
+
+    def __init__(self, cp: CPGroup, where: str) -> None:
+        super().__init__()
+        self.cp, self.where = cp, where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = dict(zip(_SDPA_PARAMS, args), **kwargs)
+        if call.get("attn_mask") is not None or call.get("dropout_p", 0.0):
+            raise ValueError(
+                f"context parallelism computes causal attention by global position; {self.where} passed "
+                f"scaled_dot_product_attention an attn_mask or dropout_p, which it cannot split yet."
+            )
+        _count_call()
+        return attend(
+            call["query"], call["key"], call["value"], self.cp, is_causal=call.get("is_causal", False),
+            scale=call.get("scale"),
+        )  # fmt: skip
+
+
+def _switch_hf_attention(model: nn.Module) -> bool:
+    """Switch a Hugging Face model to :data:`CP_ATTENTION`; ``False`` for a model without an attention registry."""
+    if attention_implementation(model) is None or not callable(getattr(model, "set_attn_implementation", None)):
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CP_ATTENTION, _hf_attention)
+    model.set_attn_implementation(CP_ATTENTION)
+    if attention_implementation(model) != CP_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} does not let its attention implementation be switched to {CP_ATTENTION!r} "
+            "(transformers' set_attn_implementation refused), so context parallelism cannot distribute its "
+            "attention; use context_parallel_size=1 for this model."
+        )
+    return True
+
+
+def _block_hooks(block: nn.Module, where: str, router: _SDPARouter | None) -> list[RemovableHandle]:
+    def enter(module, args):
+        _ACTIVE.append([0])
+        if router is not None:
+            router.__enter__()
+
+    def leave(module, args, output):
+        if router is not None:
+            router.__exit__(None, None, None)
+        calls = _ACTIVE.pop()[0]
+        if calls == 0:
+            raise RuntimeError(
+                f"{where} computed no attention through context parallelism (no scaled_dot_product_attention or "
+                "Hugging Face attention-function call): its attention would see only this rank's shard of the "
+                "sequence. Use SDPA in its attention, or context_parallel_size=1."
+            )
+
+    return [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+
+
+def route_attention(model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, blocks_name: str) -> str:
+    """Make every block of ``model`` compute attention with CP; returns how ("transformers registry"/"SDPA").
+
+    Example::
+
+        route_attention(hf_model, list(hf_model.model.layers), CPGroup(group, 2, rank), blocks_name="model.layers")
+    """
+    hf = _switch_hf_attention(model)
+    if hf:
+        for block in blocks:
+            for module in block.modules():
+                _GROUPS[module] = cp
+    for index, block in enumerate(blocks):
+        where = f"block {blocks_name}.{index}"
+        _block_hooks(block, where, None if hf else _SDPARouter(cp, where))
+    return "transformers attention registry" if hf else "SDPA inside the blocks"

@@ -1,0 +1,128 @@
+"""Ring attention with send/recv: key/value shards travel around the CP group, partial outputs merged by LSE.
+
+The alternative to :mod:`.attention`'s all-gather. At step ``s`` of ``C`` each rank holds the key/value shard of
+rank ``r - s`` (it arrived from the previous rank while the last step computed) and attends its two query chunks
+to the key chunks it may see: earlier chunks whole, its own chunk with the causal diagonal, later chunks not at
+all. Partial outputs are merged exactly with their log-sum-exp (``out = Σ exp(lse_i - lse) out_i``, ``lse =
+logsumexp_i lse_i``), as flash attention merges key tiles. No rank ever holds more than two shards of keys/values.
+
+The backward (an ``autograd.Function``) walks the ring again: each key block's gradient is recomputed by the flash
+kernel's backward from the *merged* output and log-sum-exp (which makes each block's share exact), and the block's
+dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. CPU only (the
+CPU flash kernel is the one that returns the log-sum-exp here); GQA by repeating key/value heads per block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_llm._compat.torch import flash_attention_cpu, flash_attention_cpu_backward
+from lightning_llm.parallel.cp.attention import observe_queries
+from lightning_llm.parallel.cp.layout import CPGroup, chunk_indices
+
+
+def _rotate(tensors: list[torch.Tensor], cp: CPGroup) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next rank of the ring and receive the previous rank's."""
+    to = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size) if cp.group is not None else (cp.rank + 1) % cp.size
+    frm = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size) if cp.group is not None else (cp.rank - 1) % cp.size
+    tensors = [t.contiguous() for t in tensors]  # gloo sends and receives contiguous buffers only
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, to, cp.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, frm, cp.group) for t in received]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _pairs(cp: CPGroup, source: int, causal: bool):
+    """(query half, key half, causal diagonal?) pairs this rank computes against ``source``'s key/value shard."""
+    for qh, qi in enumerate(chunk_indices(cp.size, cp.rank)):
+        for kh, ki in enumerate(chunk_indices(cp.size, source)):
+            if not causal or ki < qi:
+                yield qh, kh, False
+            elif ki == qi:
+                yield qh, kh, True
+
+
+def _half(t: torch.Tensor, h: int) -> torch.Tensor:
+    c = t.shape[-2] // 2
+    return t[..., h * c : (h + 1) * c, :]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPGroup, causal: bool, scale: float | None):
+        groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc)
+        kv = [k, v]
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            nxt = _rotate(kv, cp) if step < cp.size - 1 else None  # posted before computing (gloo runs it anyway)
+            ks, vs = (t.repeat_interleave(groups, dim=-3) for t in kv)
+            for qh, kh, diagonal in _pairs(cp, source, causal):
+                part, part_lse = flash_attention_cpu(
+                    _half(q, qh), _half(ks, kh), _half(vs, kh), is_causal=diagonal, scale=scale
+                )  # fmt: skip
+                c = q.shape[-2] // 2
+                rows = slice(qh * c, (qh + 1) * c)
+                start = chunk_indices(cp.size, cp.rank)[qh] * c
+                observe_queries(torch.arange(start, start + c), c)
+                merged = torch.logaddexp(lse[..., rows], part_lse)
+                out[..., rows, :] = (
+                    out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
+                    + part.to(acc) * torch.exp(part_lse - merged)[..., None]
+                )
+                lse[..., rows] = merged
+            kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
+        groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
+        c = q.shape[-2] // 2
+        dq = torch.zeros(q.shape, dtype=acc)
+        held = [k, v, torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)]
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            ks, vs = (t.repeat_interleave(groups, dim=-3) for t in held[:2])
+            dks, dvs = torch.zeros(ks.shape, dtype=acc), torch.zeros(vs.shape, dtype=acc)
+            for qh, kh, diagonal in _pairs(cp, source, causal):
+                rows, keys = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
+                dqi, dki, dvi = flash_attention_cpu_backward(
+                    grad_out[..., rows, :].contiguous(), q[..., rows, :], ks[..., keys, :], vs[..., keys, :],
+                    out[..., rows, :], lse[..., rows].contiguous(), is_causal=diagonal, scale=scale,
+                )  # fmt: skip
+                dq[..., rows, :] += dqi
+                dks[..., keys, :] += dki
+                dvs[..., keys, :] += dvi
+            held[2] += dks.unflatten(-3, (-1, groups)).sum(-3)  # GQA: the repeated heads' gradients summed
+            held[3] += dvs.unflatten(-3, (-1, groups)).sum(-3)
+            held = _rotate(held, cp) if step < cp.size - 1 else [*held[:2], *_rotate(held[2:], cp)]
+        return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None, None
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cp: CPGroup,
+    *,
+    is_causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Like :func:`~.attention.context_parallel_attention`, with key/value shards passed around the ring (CPU).
+
+    Example::
+
+        out = ring_attention(q, k, v, CPGroup(group, 2, rank), is_causal=True)
+    """
+    if query.device.type != "cpu":
+        raise ValueError(f"send/recv ring attention runs on CPU (flash kernel with log-sum-exp); got {query.device}.")
+    return _RingAttention.apply(query, key, value, cp, is_causal, scale)

@@ -1,0 +1,95 @@
+"""The model's input sharded along the sequence and its output gathered back: no change to the LightningModule.
+
+A forward pre-hook on the model (the LightningModule's child that holds the blocks) keeps this rank's zig-zag
+chunks of the token ids and passes their global ``position_ids``; every layer from the embedding to the output head
+then computes on ``seq / cp`` tokens. A forward hook gathers the output (logits) back to the whole sequence in
+global order, so the user's ``training_step`` computes its own loss, whatever it is (shifted cross entropy, ignored
+labels, ...), on the same logits as one process: the loss is exact by construction. Gradients flow back to each
+rank's own positions (:mod:`.collectives`). The gathered logits cost one (batch, seq, vocab) tensor per rank; a
+loss computed on the shard (labels sharded with the inputs, as torchtitan does) is the next step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_llm.parallel.cp.collectives import gather_sequence
+from lightning_llm.parallel.cp.layout import CPGroup, zigzag_positions
+
+# Inputs that would need sharding rules of their own (a padding mask, precomputed embeddings, labels that HF would
+# shift inside the shard): refused by name rather than silently misread.
+_REFUSED = {
+    "attention_mask": "a padding mask",
+    "inputs_embeds": "precomputed embeddings",
+    "labels": "labels (the model would compute its loss on one shard; compute it from the logits in training_step)",
+}
+
+
+def _shard_inputs(cp: CPGroup, takes_use_cache: bool):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise TypeError(
+                f"context parallelism shards the model's token ids, a (batch, seq) tensor passed first or as "
+                f"input_ids; {type(module).__name__} got {type(ids).__name__}."
+            )
+        for name, what in _REFUSED.items():
+            value = kwargs.get(name)
+            if value is None or (name == "attention_mask" and bool(value.all())):
+                kwargs.pop(name, None)
+                continue
+            raise ValueError(f"context parallelism does not shard {what} (`{name}`) yet; call the model without it.")
+        if len(args) > 1:
+            raise ValueError(
+                f"context parallelism does not shard extra positional inputs of {type(module).__name__} yet (e.g. "
+                "document ids of packed documents); train without them or with context_parallel_size=1."
+            )
+        positions = zigzag_positions(ids.shape[1], cp.size, cp.rank, ids.device)
+        given = kwargs.get("position_ids")
+        kwargs["position_ids"] = (
+            positions.expand(ids.shape[0], -1) if given is None else given.index_select(-1, positions)
+        )
+        if takes_use_cache and kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False  # a KV cache of one shard is of no use and costs memory
+        local = ids.index_select(1, positions)
+        if args:
+            return (local,), kwargs
+        kwargs["input_ids"] = local
+        return args, kwargs
+
+    return hook
+
+
+def _gather_output(cp: CPGroup):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output):
+        if isinstance(output, torch.Tensor):
+            return gather_sequence(output, cp, dim=1, backward="replicated")
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            output.logits = gather_sequence(logits, cp, dim=1, backward="replicated")
+            return output
+        raise TypeError(
+            f"context parallelism gathers the model's logits, a tensor or an output with `.logits`; "
+            f"{type(module).__name__} returned {type(output).__name__}."
+        )
+
+    return hook
+
+
+def shard_model_io(model: nn.Module, cp: CPGroup) -> list[RemovableHandle]:
+    """Shard ``model``'s token ids (and positions) on the way in and gather its logits on the way out.
+
+    Example::
+
+        handles = shard_model_io(lightning_module.model, CPGroup(group, 2, rank))
+        logits = lightning_module.model(tokens)   # whole sequence; the blocks saw seq / 2 tokens
+    """
+    takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    return [
+        model.register_forward_pre_hook(_shard_inputs(cp, takes_use_cache), with_kwargs=True),
+        model.register_forward_hook(_gather_output(cp), with_kwargs=True),
+    ]

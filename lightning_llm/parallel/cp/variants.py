@@ -1,0 +1,72 @@
+"""Attention variants context parallelism cannot yet distribute exactly, refused at setup by name.
+
+The CP attention (:mod:`.attention`) computes plain softmax attention, causal or not, by global position. A
+model whose attention adds anything per (query, key) pair that this does not know about would be silently wrong, so
+each such feature is recognised from the config and the modules (never class names) and refused before training:
+softcapped logits, sliding windows, ALiBi / position biases, attention sinks, attention dropout (not reproducible
+across shards). A forward without ``position_ids`` is refused too: its positions would restart in every shard.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from lightning_llm.parallel.tp.attention_variants import alibi_argument, is_attention, model_config
+
+_FIX = "use context_parallel_size=1 for this model (or a model without it)"
+
+
+def _sliding_window(config: object) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(t) for t in layer_types):
+        return None
+    return window
+
+
+def unsupported_features(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """The features of ``model``'s attention that CP would get wrong, each named with where it was found."""
+    config = model_config(model)
+    found = []
+    if config is not None:
+        if getattr(config, "attn_logit_softcapping", None):
+            found.append(f"attention logit softcapping (config.attn_logit_softcapping={config.attn_logit_softcapping})")
+        if (window := _sliding_window(config)) is not None:
+            found.append(f"sliding-window attention (config.sliding_window={window})")
+        if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+            found.append("ALiBi position biases (config)")
+        for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+            if isinstance(getattr(config, name, None), float) and getattr(config, name) > 0:
+                found.append(f"attention dropout (config.{name}={getattr(config, name)})")
+    for index, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            where = f"block {index}" + (f" ({name})" if name else "")
+            if is_attention(module) and alibi_argument(module):
+                found.append(f"ALiBi / position-bias argument {alibi_argument(module)!r} in {where}")
+            if any(p.split(".")[-1] in ("sinks", "attention_sinks") for p, _ in module.named_parameters(recurse=False)):
+                found.append(f"attention sinks in {where}")
+        if found:
+            break  # one block names every feature its class has
+    return found
+
+
+def check_context_parallel_model(model: nn.Module, blocks: list[nn.Module], *, where: str) -> None:
+    """Refuse, naming the feature, a model whose attention or positions CP cannot distribute exactly."""
+    found = unsupported_features(model, blocks)
+    if found:
+        raise ValueError(
+            f"context parallelism cannot split the attention of {where} exactly: it uses {'; '.join(found)}. "
+            f"These are not supported with context_parallel_size > 1 yet; {_FIX}."
+        )
+    parameters = inspect.signature(model.forward).parameters
+    if "position_ids" not in parameters:
+        raise ValueError(
+            f"{where}.forward({', '.join(parameters)}) takes no `position_ids`: under context parallelism each rank "
+            "holds a shard of every sequence, so positions computed inside the model would restart in every shard. "
+            "Give its forward a `position_ids` argument (global positions of the tokens it receives), or "
+            f"{_FIX}."
+        )

@@ -1,0 +1,92 @@
+"""Context parallelism's parts: zig-zag layout, and the attention of a shard against torch's SDPA on the whole
+sequence (forward and every gradient), on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_llm.parallel.cp.attention import context_parallel_attention, count_queries
+from lightning_llm.parallel.cp.layout import CPGroup, check_sequence_length, gathered_to_global, zigzag_positions
+from lightning_llm.parallel.cp.ring import ring_attention
+from lightning_llm.parallel.cp.ulysses import ulysses_attention
+from lightning_llm.testing import run_distributed
+
+
+@pytest.mark.timeout(30)
+def test_zigzag_positions_balance_causal_work():
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    shards = torch.cat([zigzag_positions(24, 3, r) for r in range(3)])
+    assert torch.equal(shards[gathered_to_global(24, 3)], torch.arange(24))
+    # Causal (query, key) pairs per rank: equal for every rank.
+    work = [int((zigzag_positions(24, 3, r) + 1).sum()) for r in range(3)]
+    assert len(set(work)) == 1, work
+    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 4"):
+        check_sequence_length(10, 2)
+
+
+def _attention_matches_sdpa(cases, method="allgather", dtype=torch.float64):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cp = CPGroup(dist.group.WORLD, size, rank)
+    results = []
+    for heads, kv_heads, seq, causal in cases:
+        gen = torch.Generator().manual_seed(seq + heads)
+        q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+        grad_out = torch.randn(2, heads, seq, 8, generator=gen, dtype=dtype)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=heads != kv_heads)
+        want.backward(grad_out)
+        pos = zigzag_positions(seq, size, rank)
+        local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+        seen = []
+        attention = {"ring": ring_attention, "ulysses": ulysses_attention}.get(method, context_parallel_attention)
+        with count_queries(lambda positions, keys: seen.append((positions.tolist(), keys))):
+            got = attention(*local, cp, is_causal=causal, scale=None)
+        got.backward(grad_out[:, :, pos])
+        errors = [(got - want[:, :, pos]).abs().max().item()]
+        for mine, ref in zip(local, full):  # each rank's gradient of its shard of q, k and v
+            errors.append((mine.grad - ref.grad[:, :, pos]).abs().max().item())
+        results.append((max(errors), sorted({p for positions, _ in seen for p in positions}), pos.tolist(), seen))
+    return results
+
+
+CASES = [(4, 2, 16, True), (4, 4, 8, True), (6, 2, 24, True), (4, 2, 16, False), (4, 1, 8, True)]
+RUNS = [
+    ("allgather", torch.float64, 1e-12),
+    ("ring", torch.float64, 1e-12),
+    ("ring", torch.float32, 1e-5),
+    ("ulysses", torch.float64, 1e-12),
+]
+
+
+def _every_method(runs):
+    """All runs in one spawned group (each call initializes the group once)."""
+    results = [_attention_matches_sdpa(CASES, method, dtype) for method, dtype, _ in runs]
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
+    """Every CP attention (keys/values all-gathered; the send/recv ring merging partials by log-sum-exp with a
+    per-block flash backward from the merged output; Ulysses' all-to-all to heads, key/value heads repeated when
+    fewer than the ranks), causal and not, GQA and MHA: outputs and q/k/v gradients
+    match full SDPA (float64 1e-12, float32 1e-5); each rank's kernel computed exactly its own queries, each query
+    chunk over only the keys up to its diagonal."""
+    for rank, per_run in enumerate(run_distributed(_every_method, 2, RUNS)):
+        for (method, dtype, tolerance), results in zip(RUNS, per_run):
+            for (heads, kv_heads, seq, causal), (error, queries, own, calls) in zip(CASES, results):
+                label = (method, dtype, rank, heads, kv_heads, seq, causal)
+                assert error < tolerance, (*label, error)
+                # Ulysses: every position, for heads / C heads; the others: exactly this rank's shard
+                assert queries == (list(range(seq)) if method == "ulysses" else own), (*label, queries, own)
+                if causal and method == "allgather":
+                    chunk = seq // 4
+                    assert [keys for _, keys in calls] == [(i + 1) * chunk for i in (rank, 3 - rank)]
+                if causal and method == "ring":  # 5 of the 8 (query, key) chunk pairs on each rank: balanced
+                    assert len(calls) == 5, (*label, calls)

@@ -1,0 +1,118 @@
+"""Context parallelism refuses, by name and before training, what it cannot do exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_llm.parallel.cp import CPGroup
+from lightning_llm.parallel.cp.apply import check_context_parallel
+from lightning_llm.parallel.cp.sharding import shard_model_io
+from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.strategies import LLMParallelStrategy
+from tests.zoo._models import ZooLM
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"context_parallel_size": 0}, "context_parallel_size"),
+        ({"context_parallel_size": 2, "context_parallel_method": "rings"}, "context_parallel_method"),
+        (
+            {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+            "with sequence_parallel=True is not supported",
+        ),
+        ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, "with pipeline_parallel_size=2"),
+        ({"context_parallel_size": 2, "zero_stage": "auto"}, "with zero_stage='auto'"),
+        ({"context_parallel_size": 2, "compile_blocks": True}, "compile_blocks=True"),
+    ],
+)
+def test_bad_context_parallel_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLMParallelStrategy(**kwargs)
+
+
+def test_options_are_forwarded_and_the_preset_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = LLMParallelStrategy(context_parallel_size=2)
+    assert strategy.context_parallel_size == 2 and strategy.context_parallel_method == "ring"
+    assert StrategyRegistry.get("llm_cp2").context_parallel_size == 2
+
+
+def test_mesh_degrees_include_cp():
+    dims = ParallelDims.for_world(8, tp=2, cp=2)
+    assert (dims.dp_shard, dims.cp, dims.dp) == (2, 2, 2)  # CP ranks are not data-parallel replicas
+    assert ParallelDims.for_world(4, cp=2, replicate_all=True).dp_replicate == 2
+    with pytest.raises(ValueError, match=r"not divisible by tp \(1\) \* cp \(4\)"):
+        ParallelDims(world_size=6, cp=4)
+    with pytest.raises(ValueError, match=r"context_parallel_size \(2\) = 8, but there are 4 processes"):
+        ParallelDims.for_world(4, dp=4, cp=2)
+
+
+@pytest.mark.parametrize(
+    "name, feature",
+    [
+        ("mistral", r"sliding-window attention \(config.sliding_window=8\)"),
+        ("gemma2", r"attention logit softcapping"),
+        ("litgpt_llama", r"takes no `position_ids`"),
+    ],
+)
+def test_models_cp_cannot_split_exactly_are_refused_by_feature(name, feature):
+    module = ZooLM(name)
+    blocks_name = "model.transformer.h" if name.startswith("litgpt") else "model.model.layers"
+    blocks = list(module.get_submodule(blocks_name))
+    with pytest.raises(ValueError, match=feature):
+        check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    from lightning_llm.parallel.cp.ulysses import check_ulysses_heads
+
+    check_ulysses_heads(8, 2, 2, tp=2)
+    with pytest.raises(ValueError, match=r"= 4 ranks whole attention heads, but the model has 6 query heads; use "):
+        check_ulysses_heads(6, 2, 2, tp=2)
+
+
+def test_sequence_length_not_divisible_is_refused_at_the_first_batch():
+    model = torch.nn.Linear(1, 1)
+    model.forward = lambda input_ids, position_ids=None: input_ids  # a stand-in: only the hooks run here
+    shard_model_io(model, CPGroup(None, 2, 0))
+    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 4; make the model's input length"):
+        model(torch.zeros(2, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"does not shard a padding mask"):
+        model(torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.tensor([[1] * 8, [0] + [1] * 7]))
+
+
+def test_alibi_is_refused_by_name():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    holder = torch.nn.Module()
+    holder.model = transformers.BloomForCausalLM(config)
+    with pytest.raises(ValueError, match=r"ALiBi / position-bias argument 'alibi' in block 0"):
+        check_context_parallel(holder, blocks_name="model.transformer.h", blocks=list(holder.model.transformer.h))
+
+
+class _EagerBlock(torch.nn.Module):
+    """Attention computed by hand (softmax of q k^T): nothing CP can intercept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def test_a_block_whose_attention_bypasses_cp_is_refused_at_its_first_forward():
+    from lightning_llm.parallel.cp.interception import route_attention
+
+    blocks = torch.nn.ModuleList([_EagerBlock()])
+    route_attention(torch.nn.Sequential(*blocks), list(blocks), CPGroup(None, 1, 0), blocks_name="layers")
+    with pytest.raises(RuntimeError, match=r"block layers.0 computed no attention through context parallelism"):
+        blocks[0](torch.randn(1, 4, 8))
