@@ -3,6 +3,9 @@
 #
 #   bash benchmarks/gpu_suite.sh [REPORT.md]            # on a GPU machine, from the repository root
 #   bash benchmarks/gpu_suite.sh --quick [REPORT.md]    # CPU smoke test: tiny model, few steps, same commands
+#   bash benchmarks/gpu_suite.sh --short [REPORT.md]    # a GPU lent for ~10 minutes: 1B, one round of 15 steps,
+#       AC none/selective eager, AC none compiled (bf16 and fp8), a 50-step fp8 curve, the gpu tests; the CPU-only
+#       gloo tests (fp16 scaler, 8 ranks) are left to CI
 #
 # Nothing is installed from a package index. The project is put on PYTHONPATH as it is; the few small packages an
 # image lacks (jsonargparse, torchao: benchmarks/gpu_wheels.sh downloads them, about 4 MiB) are installed from the
@@ -19,10 +22,12 @@
 set -uo pipefail
 
 QUICK=0
+SHORT=0
 REPORT=gpu_results.md
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=1 ;;
+    --short) SHORT=1 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) REPORT=$arg ;;
   esac
@@ -44,6 +49,8 @@ else
   SIZE=1B; SEQ=2048; BATCH=4; STEPS=30; WARMUP=5; ROUNDS=2; CURVE_STEPS=200; DEVICE=cuda; PRECISION=bf16-mixed
   PEAK=()
 fi
+STEP_TIMEOUT=0  # seconds a step may run (0: no limit)
+if [ "$SHORT" = 1 ]; then STEPS=15; WARMUP=3; ROUNDS=1; CURVE_STEPS=50; STEP_TIMEOUT=150; fi
 LOG=$(mktemp -d)
 MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"; STEPS_TABLE="$LOG/steps.md"
 FAILED=(); SKIPPED=()
@@ -53,7 +60,8 @@ run() {  # run NAME CMD...: keep the log, time it, note a failure, go on
   local name=$1; shift
   local began=$SECONDS status=ok
   echo ">>> $name: $*"
-  if "$@" >"$LOG/$name.log" 2>&1; then tail -n 4 "$LOG/$name.log"; else
+  local limit=(); [ "$STEP_TIMEOUT" -gt 0 ] && limit=(timeout -k 10 "$STEP_TIMEOUT")
+  if "${limit[@]}" "$@" >"$LOG/$name.log" 2>&1; then tail -n 4 "$LOG/$name.log"; else
     status="failed (exit $?)"; echo "FAILED, see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
   echo "| $name | $status | $((SECONDS - began)) s |" >>"$STEPS_TABLE"
 }
@@ -69,6 +77,7 @@ for fp8 in "" "--fp8"; do
     for compile in "" "--compile"; do
       name="mfu-$SIZE-ac_$ac${compile:+-compile}${fp8:+-fp8}"
       case "$QUICK:$name" in 1:*-ac_none-compile*|1:*-ac_selective-fp8|1:*-ac_selective-compile-fp8) continue ;; esac
+      case "$SHORT:$name" in 1:*-ac_selective-compile*|1:*-ac_none-fp8|1:*-ac_selective-fp8) continue ;; esac
       if [ -n "$fp8" ] && ! has torchao.float8; then skip "$name" "torchao is not installed"; continue; fi
       run "$name" "$PY" benchmarks/mfu.py --size "$SIZE" --device "$DEVICE" --precision "$PRECISION" --ac "$ac" \
         $compile $fp8 --batch "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" \
@@ -88,15 +97,19 @@ run "fp8-loss-curve" "$PY" benchmarks/fp8_loss_curve.py --size "$SIZE" --device 
 fi
 # 4. and 5. Tests: gpu-marked, then the 8-rank layouts (collected only in --quick: 8 ranks are slow on few cores).
 run "pytest-gpu" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider
+if [ "$SHORT" = 1 ]; then skip "pytest-fp16-scaler" "--short: gloo on CPU cores, run by CI"; else
 run "pytest-fp16-scaler" "$PY" -m pytest tests/strategies/test_fp16_parity.py -q -rs -p no:cacheprovider
-if [ "$QUICK" = 1 ]; then
+fi
+if [ "$SHORT" = 1 ]; then
+  skip "pytest-8-ranks" "--short: gloo on CPU cores, run by CI"
+elif [ "$QUICK" = 1 ]; then
   run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py --collect-only -q -p no:cacheprovider
 else
   run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py -q -rs --durations=0 -p no:cacheprovider
 fi
 
 {
-  echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   echo
   echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
        "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
@@ -116,7 +129,8 @@ fi
   echo
   echo "## Tests"
   echo
-  for name in pytest-gpu pytest-fp16-scaler pytest-8-ranks; do echo "- $name: $(tail -n 1 "$LOG/$name.log")"; done
+  for name in pytest-gpu pytest-fp16-scaler pytest-8-ranks; do
+    echo "- $name: $(tail -n 1 "$LOG/$name.log" 2>/dev/null || echo skipped)"; done
   echo
   echo "## Steps and wall time ($((SECONDS - START)) s in all)"
   echo

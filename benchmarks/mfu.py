@@ -17,6 +17,7 @@ appends one table row per run (see ``benchmarks/gpu_suite.sh``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -182,7 +183,9 @@ def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) 
         "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n"
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(  # GIT_COMMIT: a copy of the tree without .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
 
     def mfu(n):
         return f"{tokens_per_s[n] * flops_per_token / peak:.1%}" if peak else "n/a"
