@@ -175,7 +175,6 @@ def main() -> None:
 
 def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) -> None:
     """Append this run as a row of the GPU suite's markdown table (header written when the file is new)."""
-    import os
     import subprocess
 
     header = (
@@ -183,9 +182,12 @@ def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) 
         "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n"
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    commit = os.environ.get("GIT_COMMIT") or subprocess.run(  # GIT_COMMIT: a copy of the tree without .git
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("GIT_COMMIT")
+        or subprocess.run(  # GIT_COMMIT: a copy of the tree without .git
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
 
     def mfu(n):
         return f"{tokens_per_s[n] * flops_per_token / peak:.1%}" if peak else "n/a"
