@@ -40,7 +40,9 @@ class _Losses(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def _fit(module, strategy="auto", precision="32-true", steps=STEPS, callbacks=(), ckpt_path=None, **trainer_kwargs):
+def _fit(
+    module, strategy="auto", precision="32-true", steps=STEPS, callbacks=(), ckpt_path=None, enable_checkpointing=False
+):
     losses = _Losses()
     trainer = L.Trainer(
         accelerator="cuda",
@@ -49,12 +51,11 @@ def _fit(module, strategy="auto", precision="32-true", steps=STEPS, callbacks=()
         precision=precision,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=enable_checkpointing,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[losses, *callbacks],
-        **trainer_kwargs,
     )
     trainer.fit(module, LLMDataModule(num_tokens=50_000, seq_len=64, batch_size=8, seed=3), ckpt_path=ckpt_path)
     params = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
