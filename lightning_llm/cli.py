@@ -239,6 +239,9 @@ def plan(args: list[str]) -> str:
         activation_checkpointing=strategy.activation_checkpointing if native else "none",
         backend=backend,
         margin=options.margin,
+        whole_grads=native
+        and cli.trainer.accumulate_grad_batches > 1
+        and strategy.accumulation_sync == "last_micro_batch",
     )
     try:
         _check_layout(module, settings["world_size"], settings["tp"], settings["pp"])

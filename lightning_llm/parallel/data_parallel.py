@@ -28,6 +28,8 @@ with compute), then the root takes the remaining parameters (embeddings, final n
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -96,8 +98,39 @@ def apply_data_parallel(
     )
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn gradient reduction on or off for every FSDP2/replicate unit (off on accumulation steps)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
+# How gradients are reduced on the micro-batches before the last one of an optimizer step.
+ACCUMULATION_SYNC = ("auto", "every_micro_batch", "last_micro_batch")
+
+
+def syncs_every_micro_batch(accumulation_sync: str, zero_stage: int) -> bool:
+    """Whether accumulation steps reduce(-scatter) their gradients, for an option of :data:`ACCUMULATION_SYNC`.
+
+    "auto" does where gradients are sharded (ZeRO 1-3): skipping the reduce-scatter would keep every rank's whole
+    unsharded gradients alive until the last micro-batch, undoing what the stage was chosen for. At ZeRO 0 the
+    gradients are whole on every rank anyway, so one all-reduce at the last micro-batch is the cheaper choice.
+    """
+    if accumulation_sync == "auto":
+        return zero_stage >= 1
+    return accumulation_sync == "every_micro_batch"
+
+
+@contextmanager
+def accumulation_sync(model: nn.Module, *, every_micro_batch: bool) -> Iterator[None]:
+    """Gradient reduction of every FSDP2 unit of ``model`` for one accumulation (not last) micro-batch.
+
+    ``every_micro_batch``: reduce-scatter as usual, so each rank accumulates only its gradient shard (torchtitan's
+    behaviour); under HSDP the all-reduce across replicas waits for the last micro-batch. Otherwise no reduction at
+    all (DDP's ``no_sync``): each rank accumulates whole gradients and the last micro-batch reduces the sum.
+    """
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        if every_micro_batch:
+            unit.set_requires_all_reduce(False, recurse=False)
+        else:
+            unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+            unit.set_requires_all_reduce(True, recurse=False)

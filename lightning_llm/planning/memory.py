@@ -83,13 +83,15 @@ def model_state_bytes(
     offload: str = "none",
     largest_block_params: float = 0.0,
     root_params: float = 0.0,
+    whole_grads: bool = False,
 ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state incl. master weights) bytes per rank for ``num_params`` per model-parallel rank.
 
     Native stages follow :mod:`lightning_llm.parallel.data_parallel`: stage 1 runs as stage 2, whose
     gathered parameters stay resident from forward to backward; stage 3 holds its shard, one gathered
     block (``largest_block_params``) and, natively, the root unit (``root_params``: embeddings, head),
-    which FSDP2 keeps gathered through the step.
+    which FSDP2 keeps gathered through the step. ``whole_grads``: gradient accumulation without a reduction on
+    its micro-batches (``accumulation_sync="last_micro_batch"``) holds every gradient unsharded until the last one.
     """
     table = _DEEPSPEED_BYTES if backend == "deepspeed" else _BYTES
     if precision not in table:
@@ -107,6 +109,8 @@ def model_state_bytes(
     else:
         params = p_bytes * ((num_params - root_params) / dp + root_params + largest_block_params)
         grads, optimizer = g_bytes * num_params / dp, optimizer / dp
+    if whole_grads:
+        grads = g_bytes * num_params
     if offload in ("optimizer", "optimizer+params"):
         optimizer = 0.0
     if offload == "optimizer+params":

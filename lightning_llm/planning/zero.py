@@ -45,8 +45,12 @@ def estimate_options(
     backend: str = "native",
     allow_offload: bool = True,
     usable: float | None = None,
+    whole_grads: bool = False,
 ) -> list[MemoryEstimate]:
-    """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes."""
+    """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes.
+
+    ``whole_grads``: gradients accumulate unsharded (see :func:`~lightning_llm.planning.memory.model_state_bytes`).
+    """
     dp = world_size // (tp * pp)
     shard = max(dp // dp_replicate, 1)
     per_rank_params, per_rank_block = num_params / (tp * pp), largest_block / tp
@@ -65,6 +69,7 @@ def estimate_options(
             offload=offload,
             largest_block_params=per_rank_block,
             root_params=root,
+            whole_grads=whole_grads,
         )
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / tp)
@@ -106,6 +111,7 @@ def plan_zero_stage(
     backend: str = "native",
     allow_offload: bool = True,
     margin: float = 0.1,
+    whole_grads: bool = False,
 ) -> ZeroDecision:
     """The least-communication (stage, offload) whose per-rank memory fits ``device_memory * (1 - margin)``.
 
@@ -129,6 +135,7 @@ def plan_zero_stage(
         precision=precision,
         backend=backend,
         outside_blocks=footprint.outside_blocks,
+        whole_grads=whole_grads,
     )
     rows = estimate_options(
         footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload, usable=usable, **common
@@ -158,6 +165,7 @@ def _what_would_fit(
     precision,
     backend,
     outside_blocks,
+    whole_grads,
 ) -> list[str]:
     def fits(**changes) -> bool:
         settings = dict(
@@ -170,12 +178,15 @@ def _what_would_fit(
             allow_offload=allow_offload,
             usable=usable,
             outside_blocks=outside_blocks,
+            whole_grads=whole_grads,
         )
         acts = changes.pop("activations", activations)
         settings.update(changes)
         return any(r.fits for r in estimate_options(footprint.num_params, footprint.largest_block, acts, **settings))
 
     hints = []
+    if whole_grads and fits(whole_grads=False):
+        hints.append("accumulation_sync='every_micro_batch' (gradients stay sharded through accumulation)")
     for factor in (2, 4, 8, 16, 32):
         if fits(world_size=world_size * factor):
             hints.append(f"{world_size * factor} devices ({factor}x) with ZeRO 3")

@@ -32,7 +32,7 @@ from lightning_llm.contract import ParallelLayout
 from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import set_gradient_sync
+from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_micro_batch
 from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies import applied_layouts, parallel_setup, pipeline_routing
@@ -109,6 +109,12 @@ class LLMParallelStrategy(ModelParallelStrategy):
             data-parallel ranks outside their group. See :mod:`lightning_llm.parallel.ep`.
         expert_parallel_plan: module-name pattern (fnmatch) -> ``"expert_parallel"`` (split a user's own experts
             module) or ``"data_parallel"`` (keep a found one whole); experts modules are otherwise found by shape.
+        accumulation_sync: with ``accumulate_grad_batches > 1``, how the micro-batches before the last one of a step
+            reduce their gradients: "every_micro_batch" (reduce-scatter each, so gradients stay sharded: ZeRO 1-3
+            keep their memory promise), "last_micro_batch" (no reduction until the last, like DDP's ``no_sync``:
+            fewer collectives, but every rank holds the whole unsharded gradients meanwhile) or "auto" (the first
+            at ZeRO 1-3, the second at ZeRO 0). Within one pipeline-parallel step torch's schedule reduces at the
+            last of its micro-batches either way.
 
     Example::
 
@@ -154,6 +160,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         expert_parallel_plan: dict[str, str] | None = None,
         context_parallel_size: int = 1,
         context_parallel_method: Literal["ring", "ulysses"] = "ring",
+        accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto",
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -182,6 +189,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
     expert_parallel_plan = Forwarded("options.parallel.expert_parallel_plan")
     context_parallel_size = Forwarded("options.parallel.context_parallel_size")
     context_parallel_method = Forwarded("options.parallel.context_parallel_method")
+    accumulation_sync = Forwarded("options.parallel.accumulation_sync")
     activation_checkpointing = Forwarded("options.planning.activation_checkpointing")
     ac_options = Forwarded("options.planning.ac_options")
     device_memory = Forwarded("options.planning.device_memory")
@@ -280,12 +288,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self):
-        """Skip gradient reduction on accumulation steps; the last micro-batch reduces the sum."""
-        set_gradient_sync(self.model, False)
-        try:
+        """Accumulation (not last) micro-batches: reduce-scatter or skip the reduction, per ``accumulation_sync``."""
+        every = syncs_every_micro_batch(self.options.parallel.accumulation_sync, self.zero_stage)
+        with accumulation_sync(self.model, every_micro_batch=every):
             yield
-        finally:
-            set_gradient_sync(self.model, True)
 
     # Step hooks: through the pipeline schedule with pipeline parallelism (see .pipeline_routing), else the parent's.
 

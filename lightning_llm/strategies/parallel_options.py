@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Literal
 
 from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
+from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
 from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
@@ -45,6 +45,7 @@ class ParallelOptions:
     expert_parallel_plan: dict[str, str] | None = None
     context_parallel_size: int = 1
     context_parallel_method: Literal["ring", "ulysses"] = "ring"
+    accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def build_options(
     expert_parallel_plan=None,
     context_parallel_size=1,
     context_parallel_method="ring",
+    accumulation_sync="auto",
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
@@ -148,6 +150,7 @@ def build_options(
         compile_blocks=compile_blocks,
     )
     timeout = check_timeout("timeout", timeout)
+    check_choice("accumulation_sync", accumulation_sync, ACCUMULATION_SYNC)
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
     check_int("seq_len", seq_len, minimum=1, optional=True)
     recipe = validate_fp8(fp8)
@@ -195,6 +198,7 @@ def build_options(
             dict(expert_parallel_plan) if expert_parallel_plan else None,
             context_parallel_size,
             context_parallel_method,
+            accumulation_sync,
         ),
         pipeline=pipeline,
         planning=PlanningOptions(

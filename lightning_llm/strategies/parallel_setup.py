@@ -123,6 +123,7 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         activation_checkpointing=planning.activation_checkpointing,
         backend="native",
         allow_offload=True,
+        whole_grads=trainer.accumulate_grad_batches > 1 and options.parallel.accumulation_sync == "last_micro_batch",
         **planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len),
     )
     state.zero_stage, state.cpu_offload = decision.stage, decision.offload != "none"

@@ -125,11 +125,16 @@ def _accumulation_and_validation(world_size):
         return original(*args, **kwargs)
 
     # FSDP2 reduce-scatters gradients through dist.reduce_scatter_single; counting the calls shows
-    # whether accumulation micro-batches skipped it.
+    # whether accumulation micro-batches skipped it (as asked: by default they reduce-scatter, see
+    # test_accumulation_sync.py).
     dist.reduce_scatter_single = counting
     try:
         accumulated = train(
-            "reference", LLMParallelStrategy(zero_stage=3), devices=world_size, dp=world_size, accumulate=2
+            "reference",
+            LLMParallelStrategy(zero_stage=3, accumulation_sync="last_micro_batch"),
+            devices=world_size,
+            dp=world_size,
+            accumulate=2,
         )
     finally:
         dist.reduce_scatter_single = original
