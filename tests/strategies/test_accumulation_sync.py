@@ -121,3 +121,27 @@ def test_plan_counts_whole_gradients_when_accumulation_skips_the_sync():
 def test_accumulation_sync_is_checked_at_construction():
     with pytest.raises(ValueError, match="accumulation_sync='sometimes' is not one of"):
         LLMParallelStrategy(accumulation_sync="sometimes")
+
+
+def _hsdp_accumulate(world_size):
+    return [
+        train(
+            "reference",
+            LLMParallelStrategy(zero_stage=3, data_parallel_replicate_size=2, accumulation_sync=mode),
+            devices=world_size,
+            dp=world_size,
+            accumulate=2,
+            steps=STEPS,
+        )
+        for mode in ("auto", "last_micro_batch")
+    ]
+
+
+@pytest.mark.distributed
+def test_hsdp_accumulation_defers_only_the_all_reduce_and_matches_one_process():
+    # HSDP 2x2: "auto" reduce-scatters every micro-batch within a shard group and all-reduces across the two
+    # replicas at the last one (FSDP2's set_requires_all_reduce(False) on the others).
+    auto, skipped = run_distributed(_hsdp_accumulate, 4, 4, timeout=280)[0]
+    reference = train("reference", accumulate=2, steps=STEPS)
+    assert_parity(auto, reference, "hsdp2x2 zero3 accumulate=2 accumulation_sync=auto")
+    assert_parity(skipped, reference, "hsdp2x2 zero3 accumulate=2 accumulation_sync=last_micro_batch")
