@@ -109,6 +109,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
             data-parallel ranks outside their group. See :mod:`lightning_llm.parallel.ep`.
         expert_parallel_plan: module-name pattern (fnmatch) -> ``"expert_parallel"`` (split a user's own experts
             module) or ``"data_parallel"`` (keep a found one whole); experts modules are otherwise found by shape.
+        num_microbatches: with pipeline parallelism, micro-batches each step's per-rank batch is cut into. Unset, one
+            sample per micro-batch (torchtitan's default, the smallest bubble the batch allows) when the per-rank
+            batch size is known and a multiple of ``pipeline_parallel_size``, else one per stage; a bubble above
+            25% of the step is warned about at setup, naming the count that would bring it under.
         accumulation_sync: with ``accumulate_grad_batches > 1``, how the micro-batches before the last one of a step
             reduce their gradients: "every_micro_batch" (reduce-scatter each, so gradients stay sharded: ZeRO 1-3
             keep their memory promise), "last_micro_batch" (no reduction until the last, like DDP's ``no_sync``:

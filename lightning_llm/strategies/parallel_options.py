@@ -50,7 +50,7 @@ class ParallelOptions:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """The pipeline schedule; ``num_microbatches`` defaults to the number of stages with pipeline parallelism."""
+    """The pipeline schedule; ``num_microbatches`` left ``None`` is chosen at setup from the per-rank batch size."""
 
     schedule: str
     num_microbatches: int | None
@@ -282,18 +282,21 @@ def _check_context_parallel(
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:
-    """With pipeline parallelism: refuse full checkpoints and too few micro-batches; default one per stage."""
+    """With pipeline parallelism: refuse full checkpoints and too few micro-batches.
+
+    Left unset, ``num_microbatches`` is chosen at setup from the per-rank batch size
+    (:func:`~lightning_llm.parallel.pipeline.microbatches.default_microbatches`).
+    """
     if not save_distributed_checkpoint:
         raise ValueError(
             f"save_distributed_checkpoint=False with pipeline_parallel_size={pp}: rank 0 holds "
             "only the first stage, so a full checkpoint written by it would lack the others. Keep "
             "save_distributed_checkpoint=True (consolidate with `python -m lightning_llm.checkpoint`)."
         )
-    stages = pp * pipeline.spec().stages_per_rank()
-    resolved = pipeline.num_microbatches or stages
-    if resolved < pp:
+    pipeline.spec().stages_per_rank()  # refuses an unknown schedule or virtual_stages before any process starts
+    if pipeline.num_microbatches is not None and pipeline.num_microbatches < pp:
         raise ValueError(
             f"num_microbatches={pipeline.num_microbatches} is fewer than pipeline_parallel_size={pp}: "
             "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
         )
-    return PipelineOptions(pipeline.schedule, resolved, pipeline.virtual_stages, pipeline.split)
+    return pipeline

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
@@ -17,13 +17,14 @@ from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
+from lightning_llm.parallel.pipeline.microbatches import bubble_warning, default_microbatches
 from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipeline_routing import check_microbatches
 from lightning_llm.strategies.pipelined_steps import build_pipelined_steps
 from lightning_llm.strategies.run_state import RunState
-from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
+from lightning_llm.strategies.zero_auto import decide_and_report, first_batch_shape, planning_inputs
 
 
 def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
@@ -50,6 +51,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         state.model_shape = ModelShape.of(module, parallel.blocks)
     except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
         state.model_shape = None
+    resolve_microbatches(trainer, options, state, device)
     check_microbatches(trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches)
     if state.zero_stage == "auto":
         choose_zero_stage(trainer, module, options, state, device)
@@ -93,6 +95,35 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         materialize(module, device, init_fills)
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
+
+
+def resolve_microbatches(trainer, options: StrategyOptions, state: RunState, device: torch.device) -> None:
+    """With pipeline parallelism: the default micro-batch count from the per-rank batch, and a large bubble warned."""
+    pp, spec = options.parallel.pipeline_parallel_size, state.pipeline
+    if pp == 1:
+        return
+    if spec.num_microbatches is None:
+        spec.num_microbatches = default_microbatches(
+            _local_batch_size(trainer, options, device), pp, spec.stages_per_rank()
+        )
+        rank_zero_info(
+            f"LLMParallelStrategy: {spec.num_microbatches} pipeline micro-batches per step (num_microbatches)"
+        )
+    warning = bubble_warning(spec.schedule, pp, spec.stages_per_rank(), spec.num_microbatches)
+    if warning:
+        rank_zero_warn(warning)
+
+
+def _local_batch_size(trainer, options: StrategyOptions, device: torch.device) -> int | None:
+    """Samples per data-parallel rank and step: the strategy's micro_batch_size, the datamodule's, or a batch's."""
+    hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+    size = options.planning.micro_batch_size or hparams.get("batch_size")
+    if size is None and trainer.state.fn == TrainerFn.FITTING:
+        try:
+            size = first_batch_shape(trainer, device)[0]
+        except ValueError:  # an iterable dataset or no batch_size: the count falls back to the stages
+            return None
+    return size if isinstance(size, int) else None
 
 
 def build_pipeline(module, options: StrategyOptions, state: RunState, device: torch.device) -> None:

@@ -75,14 +75,14 @@ def planning_inputs(
     micro_batch_size = micro_batch_size or hparams.get("batch_size")
     seq_len = seq_len or hparams.get("seq_len")
     if not micro_batch_size or not seq_len:
-        batch_size, batch_seq_len = _first_batch_shape(trainer, device)
+        batch_size, batch_seq_len = first_batch_shape(trainer, device)
         micro_batch_size, seq_len = micro_batch_size or batch_size, seq_len or batch_seq_len
     memory = parse_size(device_memory) if device_memory is not None else total_device_memory(device)
     memory = min_over_ranks(memory)  # every rank plans from the same memory, so all choose the same stage
     return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
 
 
-def _first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, int]:
+def first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, int]:
     try:
         batch = example_batch(trainer, device)
     except (ValueError, TypeError, AttributeError) as error:
