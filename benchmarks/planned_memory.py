@@ -1,7 +1,8 @@
 """The memory planner's per-GPU estimate for the MFU benchmark's runs, to compare with their measured peak.
 
 One process, ZeRO 0 (nothing to shard), the reference model on the meta device (nothing allocated):
-parameters + gradients + AdamW state from the byte table, activations from one fake-tensor forward.
+parameters + gradients + AdamW state from the byte table, activations from one fake-tensor forward, planned
+per checkpointing policy as the strategy's planner does (``zero_auto.model_footprint``).
 ``benchmarks/gpu_suite.sh`` prints it next to ``mfu.py``'s measured peak; a gap above 10% means the
 planner's tables need updating.
 
@@ -14,9 +15,10 @@ import argparse
 
 import torch
 
-from lightning_llm.modeling.activations import activation_bytes, parameter_counts
+from lightning_llm.modeling.activations import parameter_counts
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.planning.memory import model_state_bytes
+from lightning_llm.strategies.zero_auto import model_footprint
 
 
 def main() -> None:
@@ -34,14 +36,8 @@ def main() -> None:
     params, grads, optimizer = model_state_bytes(
         total, zero_stage=0, dp=1, precision=args.precision, largest_block_params=largest
     )
-    # The planner plans "selective" at its "none" value (an upper bound); "full" is measured as such.
-    activations = activation_bytes(
-        module,
-        micro_batch_size=args.batch,
-        seq_len=args.seq_len,
-        activation_checkpointing=args.ac,
-        precision=args.precision,
-    )
+    footprint = model_footprint(module, micro_batch_size=args.batch, seq_len=args.seq_len, precision=args.precision)
+    activations = footprint.activations_for(args.ac)
     gib = 2**30
     print(
         f"planned: params {params / gib:.2f} GiB, grads {grads / gib:.2f} GiB, optimizer {optimizer / gib:.2f} GiB, "

@@ -237,6 +237,7 @@ def plan(args: list[str]) -> str:
         seq_len=hparams.get("seq_len", 2048),
         precision=str(cli.trainer.precision),
         activation_checkpointing=strategy.activation_checkpointing if native else "none",
+        ac_options=strategy.ac_options if native else None,
         backend=backend,
         margin=options.margin,
         whole_grads=native

@@ -53,6 +53,13 @@ class BlockActivations:
     op: int | None = None
 
 
+class MeasuredBlocks(list):
+    """One :class:`BlockActivations` per block, and ``outside``: bytes saved outside the blocks (the embedding's
+    output, the final norm, the head's input and the logits the loss keeps), counted once per storage."""
+
+    outside: int = 0
+
+
 class _Dropped:
     """Stands in for a saved tensor in a measuring pass that never runs backward."""
 
@@ -79,6 +86,8 @@ class _BlockTally:
         self.params = {_storage(p) for p in params}
         self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
         self.ran = [False] * num_blocks
+        self.outside = 0
+        self._outside: dict[StorageWeakRef, torch.Tensor] = {}
         self._shared: set[StorageWeakRef] = set()
         # Tensors counted in the running block, held so that their storages' weak refs stay unique.
         self._saved: dict[StorageWeakRef, torch.Tensor] = {}
@@ -101,7 +110,11 @@ class _BlockTally:
 
     def pack(self, t: torch.Tensor):
         ref = _storage(t)
-        if self.current is not None and ref not in self.params and ref not in self._shared and ref not in self._saved:
+        if self.current is None:
+            if ref not in self.params and ref not in self._outside:
+                self._outside[ref] = t  # held (also when dropping) so that its weak ref stays unique
+                self.outside += _nbytes(t)
+        elif ref not in self.params and ref not in self._shared and ref not in self._saved:
             self._saved[ref] = t
             self.saved[self.current] += _nbytes(t)
         return t if self.keep else _Dropped()
@@ -112,8 +125,12 @@ class _BlockTally:
                 self._op[_storage(t)] = t
                 self.op[self.current] += _nbytes(t)
 
-    def result(self, with_op: bool) -> list[BlockActivations]:
-        return [BlockActivations(s, i, o if with_op else None) for s, i, o in zip(self.saved, self.input, self.op)]
+    def result(self, with_op: bool) -> MeasuredBlocks:
+        blocks = MeasuredBlocks(
+            BlockActivations(s, i, o if with_op else None) for s, i, o in zip(self.saved, self.input, self.op)
+        )
+        blocks.outside = self.outside
+        return blocks
 
 
 class _SavedOutputs(TorchDispatchMode):
@@ -153,7 +170,7 @@ def _counting(blocks: Sequence[nn.Module], tally: _BlockTally, saves_output: Cal
 
 def measure_blocks(
     blocks: Sequence[nn.Module], measure_fn: Callable[[], object], saves_output: Callable | None = None
-) -> list[BlockActivations]:
+) -> MeasuredBlocks:
     """Measure each block during one real call of ``measure_fn()`` (a forward of the model holding ``blocks``).
 
     The pass keeps no activations beyond the block that is running; its result is discarded and
@@ -179,7 +196,7 @@ def measure_blocks(
 
 def measure_block_activations(
     module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], saves_output=None, device=None
-) -> list[BlockActivations]:
+) -> MeasuredBlocks:
     """Run ``step()`` (one forward of ``module`` on a real-shaped batch) on fake tensors and measure each block.
 
     ``step`` is called inside the fake mode; tensors it creates from real data are converted on
@@ -211,7 +228,8 @@ def activation_bytes(
     """Bytes autograd keeps for one micro-batch, measured on fake tensors.
 
     "full" keeps each block's input plus, while one block recomputes, that block's activations; the
-    other modes are planned at their "none" value (an upper bound). ``batch_fn(b, t)`` builds a batch;
+    other modes are planned at their "none" value (an upper bound; the strategies' planner,
+    :func:`lightning_llm.strategies.zero_auto.model_footprint`, plans "selective" by its policy). ``batch_fn(b, t)`` builds a batch;
     by default (b, t + 1) token ids, the layout of :class:`~lightning_llm.models.CausalLM`. The forward
     runs in the parameters' dtype; for 16-bit precisions the bytes are halved (autocast keeps nearly
     every saved activation in 16 bits).
@@ -238,6 +256,30 @@ def activation_bytes_by_mode(
 
         none, full = activation_bytes_by_mode(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
+    sizes = measure_model_activations(
+        module, micro_batch_size=micro_batch_size, seq_len=seq_len, batch_fn=batch_fn, precision=precision
+    )
+    return sum(s.saved for s in sizes), sum(s.input for s in sizes) + max(s.saved for s in sizes)
+
+
+def measure_model_activations(
+    module: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    batch_fn=None,
+    precision: str = "32-true",
+    saves_output: Callable | None = None,
+) -> MeasuredBlocks:
+    """Per-block bytes of one micro-batch (:class:`BlockActivations`), and those outside the blocks, from one fake
+    forward of ``module``.
+
+    ``saves_output(op)``: the selective policy's choice of ops to keep, to measure ``op`` too. For 16-bit
+    precisions the bytes are halved (the forward runs in the parameters' dtype; autocast keeps nearly every
+    saved activation in 16 bits). Example::
+
+        sizes = measure_model_activations(module, micro_batch_size=1, seq_len=4096, saves_output=saves_output)
+    """
     device = next(module.parameters()).device
     batch = (
         batch_fn(micro_batch_size, seq_len)
@@ -246,18 +288,32 @@ def activation_bytes_by_mode(
     )
     name, blocks = find_blocks(module)
     step = lambda: module.training_step(batch, 0)  # noqa: E731
+    outside = []
+
+    def measure(sample: list) -> MeasuredBlocks:
+        sizes = measure_activations(module, sample, step, saves_output=saves_output)
+        outside.append(sizes.outside)
+        return sizes
+
     with redirected_log(module):
         # Identical blocks: two measured stand for all (modeling.repeated_blocks), so planning a deep model costs
         # the same as a shallow one.
-        sizes = measure_repeated(module, name, blocks, lambda sample: measure_activations(module, sample, step))
-        sizes = sizes or measure_activations(module, list(blocks), step)
-    scale = 0.5 if precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4 else 1.0
-    return scale * sum(s.saved for s in sizes), scale * (sum(s.input for s in sizes) + max(s.saved for s in sizes))
+        sizes = measure_repeated(module, name, blocks, measure) or measure(list(blocks))
+    half = precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4
+    result = MeasuredBlocks(
+        BlockActivations(s.saved // 2, s.input // 2, None if s.op is None else s.op // 2) if half else s for s in sizes
+    )
+    result.outside = outside[-1] // 2 if half else outside[-1]
+    return result
 
 
 def measure_activations(
-    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], device: torch.device | None = None
-) -> list[BlockActivations]:
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    step: Callable[[], object],
+    device: torch.device | None = None,
+    saves_output: Callable | None = None,
+) -> MeasuredBlocks:
     """:func:`measure_block_activations` (fake tensors), or one real forward where a kernel has no fake version.
 
     Some kernels lack a fake implementation for some dtypes (torch's grouped_mm, which Hugging Face MoE experts
@@ -270,11 +326,11 @@ def measure_activations(
     on_meta = any(p.is_meta for p in module.parameters())
     with _quiet_fake_kernel_errors(not on_meta):
         try:
-            return measure_block_activations(module, blocks, step, device=device)
+            return measure_block_activations(module, blocks, step, saves_output=saves_output, device=device)
         except RuntimeError:
             if on_meta:
                 raise
-    return measure_blocks(blocks, step)
+    return measure_blocks(blocks, step, saves_output)
 
 
 @contextmanager

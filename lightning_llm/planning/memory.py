@@ -43,6 +43,8 @@ class ModelFootprint:
         outside_blocks: parameters outside the blocks (embeddings, final norm, head).
         activations: bytes autograd keeps for one micro-batch without checkpointing.
         full_activations: the same with every block fully checkpointed.
+        selective_activations: the same with ``activation_checkpointing="selective"``'s policy; ``None`` when not
+            measured (then planned at ``activations``, an upper bound).
     """
 
     num_params: float
@@ -50,6 +52,15 @@ class ModelFootprint:
     outside_blocks: float
     activations: float
     full_activations: float
+    selective_activations: float | None = None
+
+    def activations_for(self, activation_checkpointing: str) -> float:
+        """Bytes for one mode: "full", "selective" (when measured) or, for "none" and "auto", without checkpointing."""
+        if activation_checkpointing == "full":
+            return self.full_activations
+        if activation_checkpointing == "selective" and self.selective_activations is not None:
+            return self.selective_activations
+        return self.activations
 
 
 @dataclass

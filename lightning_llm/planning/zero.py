@@ -125,7 +125,7 @@ def plan_zero_stage(
                                    activations=30 * 2**30, full_activations=4 * 2**30)
         plan_zero_stage(footprint, device_memory=80 * 2**30, world_size=8).stage   # 3
     """
-    activations = footprint.full_activations if activation_checkpointing == "full" else footprint.activations
+    activations = footprint.activations_for(activation_checkpointing)
     usable = device_memory * (1 - margin)
     common = dict(
         world_size=world_size,

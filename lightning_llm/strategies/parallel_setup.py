@@ -152,6 +152,7 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         pp=dims.pp,
         dp_replicate=dims.dp_replicate,
         activation_checkpointing=planning.activation_checkpointing,
+        ac_options=planning.ac_options,
         backend="native",
         allow_offload=True,
         whole_grads=trainer.accumulate_grad_batches > 1 and options.parallel.accumulation_sync == "last_micro_batch",

@@ -20,16 +20,30 @@ from torch.utils.data import IterableDataset
 
 from lightning_llm._compat.lightning import fit_loop_data_source
 from lightning_llm._compat.torch import tree_leaves
-from lightning_llm.modeling.activations import activation_bytes_by_mode, parameter_counts
+from lightning_llm.modeling.activations import measure_model_activations, parameter_counts
+from lightning_llm.parallel.activation_checkpointing import ACOptions, block_policies, saves_output
 from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
+from lightning_llm.planning.activation_budget import predicted_peak
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
 
 
 def model_footprint(
-    module: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true"
+    module: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str = "32-true",
+    ac_options: ACOptions | None = None,
 ) -> ModelFootprint:
-    """Parameter counts and activation bytes (without and with full checkpointing) of ``module``, on fake tensors.
+    """Parameter counts and activation bytes of ``module`` under each checkpointing mode, on fake tensors.
+
+    Each mode's bytes are the peak of backward walking the blocks last to first
+    (:func:`~lightning_llm.planning.activation_budget.predicted_peak`): every block keeps what its policy keeps
+    (all it saves; its input; its input and the outputs of the ops the selective policy saves) while the block
+    running backward holds all it saves; what is saved outside the blocks (embedding output, the head's input,
+    the logits the loss keeps) is added to every mode. "selective" follows ``ac_options`` (per operator, or every
+    ``every_n_layers``-th block in full); recomputing every other matmul is planned as keeping them (an upper bound).
 
     Example::
 
@@ -38,14 +52,33 @@ def model_footprint(
         model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     num_params, largest, outside = parameter_counts(module)
-    none, full = activation_bytes_by_mode(
-        module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
+    sizes = measure_model_activations(
+        module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, saves_output=saves_output
     )
-    return ModelFootprint(num_params, largest, outside, none, full)
+    saved, inputs = [s.saved for s in sizes], [s.input for s in sizes]
+    options = ac_options or ACOptions()
+    policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
+    kept = {"none": saved, "full": inputs, "op": [s.saved if s.op is None else s.op for s in sizes]}
+    selective = [kept[policy][i] for i, policy in enumerate(policies)]
+    around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
+    return ModelFootprint(
+        num_params,
+        largest,
+        outside,
+        around + predicted_peak(saved, saved),
+        around + predicted_peak(saved, inputs),
+        around + predicted_peak(saved, selective),
+    )
 
 
 def choose_zero_stage(
-    model: nn.Module, *, micro_batch_size: int, seq_len: int, precision: str = "32-true", **options: Any
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str = "32-true",
+    ac_options: ACOptions | None = None,
+    **options: Any,
 ) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
 
@@ -53,7 +86,9 @@ def choose_zero_stage(
 
         choose_zero_stage(module, device_memory=80 * 2**30, world_size=64, tp=8, micro_batch_size=1, seq_len=4096)
     """
-    footprint = model_footprint(model, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+    footprint = model_footprint(
+        model, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, ac_options=ac_options
+    )
     return plan_zero_stage(footprint, precision=precision, **options)
 
 
