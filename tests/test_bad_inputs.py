@@ -56,6 +56,15 @@ CONSTRUCTOR_CASES = [
     (LLMParallelStrategy, {"timeout": -1}, "timeout=-1"),
     (LLMParallelStrategy, {"timeout": timedelta(seconds=-3)}, "timeout=datetime.timedelta(days=-1, seconds=86397)"),
     (LLMParallelStrategy, {"timeout": "10m"}, "timeout='10m'"),
+    (LLMParallelStrategy, {"compile_blocks": "no"}, "compile_blocks='no'"),
+    (LLMParallelStrategy, {"compile_blocks": 2}, "compile_blocks=2"),
+    (LLMParallelStrategy, {"compile_blocks": "max-autotune"}, "compile_blocks='max-autotune'"),
+    (LLMParallelStrategy, {"cpu_offload": "true"}, "cpu_offload='true'"),
+    (LLMParallelStrategy, {"save_distributed_checkpoint": "false"}, "save_distributed_checkpoint='false'"),
+    (LLMParallelStrategy, {"fp8_exclude": "*.down_proj"}, "fp8_exclude='*.down_proj'"),
+    (LLMParallelStrategy, {"tensor_parallel_replicate": "*.router"}, "tensor_parallel_replicate='*.router'"),
+    (LLMParallelStrategy, {"pipeline_schedule": "Foo"}, "pipeline_schedule='Foo'"),
+    (LLMParallelStrategy, {"accumulation_sync": "never"}, "accumulation_sync='never'"),
     (LossSpikeGuard, {"threshold": NAN}, "threshold=nan"),
     (LossSpikeGuard, {"threshold": INF}, "threshold=inf"),
     (LossSpikeGuard, {"threshold": "6"}, "threshold='6'"),
@@ -71,6 +80,9 @@ CONSTRUCTOR_CASES = [
     (CheckpointRotation, {"every_n_train_steps": 0}, "every_n_train_steps=0"),
     (CheckpointRotation, {"keep_last": 2.5}, "keep_last=2.5"),
     (CheckpointRotation, {"every_n_minutes": "10"}, "every_n_minutes='10'"),
+    (CheckpointRotation, {"async_save": "no"}, "async_save='no'"),
+    (CheckpointRotation, {"save_on_train_end": "false"}, "save_on_train_end='false'"),
+    (CheckpointRotation, {"dirpath": ""}, "dirpath=''"),
     (GradNormMonitor, {"log_every_n_steps": "5"}, "log_every_n_steps='5'"),
     (GradNormMonitor, {"norm_type": NAN}, "norm_type=nan"),
     (MFUMonitor, {"log_every_n_steps": 0}, "log_every_n_steps=0"),
@@ -279,3 +291,19 @@ def test_cli_fit_refuses_before_training(case, tmp_path, monkeypatch, capsys):
 
 def test_there_are_at_least_60_cases():
     assert len(CONSTRUCTOR_CASES) + len(FIT_CASES) + len(PLAN_CASES) + len(FIT_CLI_CASES) + len(CKPT_CASES) >= 60
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"num_microbatches": 4}, "num_microbatches=4 ignored: pipeline_parallel_size=1"),
+        ({"pipeline_split": [["a"], ["b"]]}, "pipeline_split=[['a'], ['b']] ignored"),
+        (
+            {"activation_checkpointing": "full", "activation_checkpointing_options": {"selective": "layer"}},
+            "activation_checkpointing_options={'selective': 'layer'} ignored",
+        ),
+    ],
+)
+def test_options_the_mode_ignores_are_warned_about(kwargs, named):
+    with pytest.warns(UserWarning, match=named.replace("[", r"\[").replace("]", r"\]")):
+        LLMParallelStrategy(**kwargs)

@@ -38,6 +38,7 @@ from lightning_llm.checkpointing.verified_load import VerifiedLoad
 from lightning_llm.checkpointing.write_gate import resume_background_writes
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
+from lightning_llm.validation import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,13 @@ class CheckpointRotation(ModelCheckpoint):
         require_monitor: bool = True,
     ) -> None:
         validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
+        check_bool("async_save", async_save)
+        check_bool("require_monitor", require_monitor)
+        if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
+            raise ValueError(
+                f"dirpath={dirpath!r} names no directory; give a path or URL, or leave it None for "
+                "<default_root_dir>/checkpoints."
+            )
         location = cfs.normalize(dirpath) if dirpath is not None else None  # ValueError naming an unknown protocol
         super().__init__(
             dirpath=dirpath,

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_llm.checkpointing import files
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.contract import contract_of
-from lightning_llm.validation import check_float, check_int
+from lightning_llm.validation import check_bool, check_float, check_int
 
 
 def staging_location(final: str, trainer: L.Trainer) -> str:
@@ -38,6 +38,7 @@ def validate_options(
     every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify
 ) -> None:
     """Refuse CheckpointRotation arguments that cannot work, naming the value and what is allowed."""
+    check_bool("save_on_train_end", save_on_train_end)  # "false" would otherwise mean True
     check_int("keep_last", keep_last)
     check_int("every_n_train_steps", every_n_train_steps, optional=True)
     check_float("every_n_minutes", every_n_minutes, optional=True)

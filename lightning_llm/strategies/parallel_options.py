@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
 from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
+from lightning_llm.parallel.pipeline.split import SCHEDULES
 from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
 from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
 
@@ -151,15 +154,21 @@ def build_options(
     )
     timeout = check_timeout("timeout", timeout)
     check_choice("accumulation_sync", accumulation_sync, ACCUMULATION_SYNC)
+    for name, value in (
+        ("compile_blocks", compile_blocks),
+        ("cpu_offload", cpu_offload),
+        ("save_distributed_checkpoint", save_distributed_checkpoint),
+    ):
+        check_bool(name, value)  # "no", 2 or "max-autotune" would otherwise all mean True
+    check_patterns("fp8_exclude", fp8_exclude, example="['*.down_proj']")
+    check_choice("pipeline_schedule", pipeline_schedule, sorted(SCHEDULES))  # at pp=1 too: a typo is a typo
+    _warn_unused(
+        pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, activation_checkpointing_options
+    )
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
     check_int("seq_len", seq_len, minimum=1, optional=True)
     recipe = validate_fp8(fp8)
-    replicate_patterns = tensor_parallel_replicate or []
-    if isinstance(replicate_patterns, str) or not all(isinstance(p, str) for p in replicate_patterns):
-        raise ValueError(
-            f"tensor_parallel_replicate={tensor_parallel_replicate!r} must be a list of module-name patterns "
-            "(fnmatch, as in named_modules()), e.g. ['*.router']."
-        )
+    replicate_patterns = check_patterns("tensor_parallel_replicate", tensor_parallel_replicate, example="['*.router']")
     if recipe is not None and recipe != FP8_TP_RECIPE and tp != 1:
         raise ValueError(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
@@ -212,6 +221,47 @@ def build_options(
         process_group_backend=process_group_backend,
         timeout=timeout,
     )
+
+
+def check_patterns(name: str, patterns, *, example: str) -> list[str]:
+    """A list of module-name patterns (a bare string would be read character by character), or ``[]`` for None."""
+    if patterns is None:
+        return []
+    if (
+        isinstance(patterns, str)
+        or not isinstance(patterns, (list, tuple))
+        or not all(isinstance(p, str) for p in patterns)
+    ):
+        raise ValueError(
+            f"{name}={patterns!r} must be a list of module-name patterns (fnmatch, as in named_modules()), "
+            f"e.g. {example}."
+        )
+    return list(patterns)
+
+
+def _warn_unused(pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, ac_options) -> None:
+    """Options that the chosen mode ignores, said once instead of dropped silently."""
+    ignored = [
+        f"{name}={value!r}"
+        for name, value in (
+            ("num_microbatches", num_microbatches),
+            ("virtual_stages", virtual_stages),
+            ("pipeline_split", pipeline_split),
+        )
+        if value is not None
+    ]
+    if pp == 1 and ignored:
+        rank_zero_warn(f"{', '.join(ignored)} ignored: pipeline_parallel_size=1 runs no pipeline.")
+    if isinstance(ac_options, ACOptions):  # the CLI parses a config's options into the dataclass
+        defaults = ACOptions()
+        given = {k: v for k, v in vars(ac_options).items() if v != getattr(defaults, k)}
+    else:
+        given = dict(ac_options or {})
+    if activation_checkpointing in ("none", "full") and given:
+        rank_zero_warn(
+            f"activation_checkpointing_options={given!r} ignored: activation_checkpointing="
+            f"{activation_checkpointing!r} takes none of them (they apply to 'selective' and 'auto')."
+        )
 
 
 def _check_layout(
