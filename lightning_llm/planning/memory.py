@@ -31,6 +31,9 @@ _DEEPSPEED_BYTES = {  # DeepSpeed keeps 16-bit parameters and gradients plus fp3
     "16-mixed": (2, 2, 8, 4),
     "bf16-true": (2, 2, 4, 0),
 }
+# With 16-bit parameters DeepSpeed also keeps an fp32 gradient partition for the optimizer step (the "18" of its own
+# estimators, estimate_zero2/zero3_model_states_mem_needs: 2 fp16 grads + 4 fp32 grads + 4 fp32 params + 8 moments).
+_DEEPSPEED_FP32_GRADS = {"bf16-mixed": 4, "16-mixed": 4}
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,11 @@ def model_state_bytes(
     which FSDP2 keeps gathered through the step. ``whole_grads``: gradient accumulation without a reduction on
     its micro-batches (``accumulation_sync="last_micro_batch"``) holds every gradient unsharded until the last one.
     """
-    table = _DEEPSPEED_BYTES if backend == "deepspeed" else _BYTES
+    if backend == "deepspeed":
+        return _deepspeed_state_bytes(
+            num_params, zero_stage=zero_stage, dp=dp, precision=precision, offload=offload, largest=largest_block_params
+        )
+    table = _BYTES
     if precision not in table:
         raise ValueError(f"precision={precision!r} is not planned for; use one of {sorted(table)}.")
     p_bytes, g_bytes, o_bytes, master = table[precision]
@@ -122,8 +129,41 @@ def model_state_bytes(
         grads, optimizer = g_bytes * num_params / dp, optimizer / dp
     if whole_grads:
         grads = g_bytes * num_params
-    if offload in ("optimizer", "optimizer+params"):
-        optimizer = 0.0
+    if offload != "none":
+        # FSDP2's CPUOffloadPolicy moves the sharded parameters, gradients and optimizer state to the host (it has no
+        # optimizer-only mode): the device holds the root unit and the block in flight, gathered, and that block's
+        # gradients until they are reduce-scattered to the host.
+        params = p_bytes * (root_params + largest_block_params)
+        grads, optimizer = g_bytes * largest_block_params, 0.0
+    return params, grads, optimizer
+
+
+def _deepspeed_state_bytes(
+    num_params: float, *, zero_stage: int, dp: int, precision: str, offload: str, largest: float
+) -> tuple[float, float, float]:
+    """:func:`model_state_bytes` as DeepSpeed allocates, following its own estimators (without their buffer factor).
+
+    Stages 1-2 keep 16-bit parameters whole and shard fp16 gradients, fp32 gradients and the optimizer state; stage 3
+    also shards the parameters, keeps no fp16 gradient partition beside the fp32 one, and gathers one block's 16-bit
+    parameters (``largest``: the largest transformer block, where DeepSpeed's estimator counts 4 bytes per parameter
+    of the largest leaf layer; a block holds several such layers).
+    """
+    if precision not in _DEEPSPEED_BYTES:
+        raise ValueError(f"precision={precision!r} is not planned for; use one of {sorted(_DEEPSPEED_BYTES)}.")
+    p_bytes, g_bytes, o_bytes, master = _DEEPSPEED_BYTES[precision]
+    fp32_grads = _DEEPSPEED_FP32_GRADS.get(precision, 0)
+    optimizer = (o_bytes + master) * num_params / (dp if zero_stage >= 1 else 1)
+    if zero_stage == 0:
+        params, grads = p_bytes * num_params, (g_bytes + fp32_grads) * num_params
+    elif zero_stage == 1:
+        params, grads = p_bytes * num_params, g_bytes * num_params + fp32_grads * num_params / dp
+    elif zero_stage == 2:
+        params, grads = p_bytes * num_params, (g_bytes + fp32_grads) * num_params / dp
+    else:
+        params = p_bytes * (num_params / dp + largest)
+        grads = (fp32_grads or g_bytes) * num_params / dp
+    if offload in ("optimizer", "optimizer+params"):  # the fp32 state and gradient partitions live on the host
+        optimizer, grads = 0.0, 0.0
     if offload == "optimizer+params":
-        params = p_bytes * largest_block_params
+        params = p_bytes * largest
     return params, grads, optimizer

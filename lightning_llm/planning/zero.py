@@ -13,7 +13,8 @@ from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, model_
 
 GiB = 2**30
 # Options from least to most communication (and host traffic).
-NATIVE_OPTIONS = [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+# FSDP2's only offload (CPUOffloadPolicy) moves parameters, gradients and optimizer state together.
+NATIVE_OPTIONS = [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer+params")]
 DEEPSPEED_OPTIONS = [(1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")]
 
 
@@ -200,7 +201,9 @@ def _what_would_fit(
             hints.append(f"pipeline_parallel_size={new_pp}")
             break
     if not allow_offload and fits(allow_offload=True):
-        hints.append("CPU offload (offload='auto' or 'optimizer')")
+        hints.append(
+            "CPU offload (cpu_offload=True)" if backend == "native" else "CPU offload (offload='auto' or 'optimizer')"
+        )
     if activation_checkpointing != "full" and fits(activations=footprint.full_activations):
         hints.append("activation_checkpointing='full'")
     return hints
