@@ -48,6 +48,7 @@ class ModelFootprint:
         full_activations: the same with every block fully checkpointed.
         selective_activations: the same with ``activation_checkpointing="selective"``'s policy; ``None`` when not
             measured (then planned at ``activations``, an upper bound).
+        optimizer_states: the optimizer's state bytes per parameter byte (see :func:`model_state_bytes`).
     """
 
     num_params: float
@@ -56,6 +57,7 @@ class ModelFootprint:
     activations: float
     full_activations: float
     selective_activations: float | None = None
+    optimizer_states: float = 2.0  # state bytes per parameter byte of the user's optimizer (AdamW: 2)
 
     def activations_for(self, activation_checkpointing: str) -> float:
         """Bytes for one mode: "full", "selective" (when measured) or, for "none" and "auto", without checkpointing."""
@@ -98,6 +100,7 @@ def model_state_bytes(
     largest_block_params: float = 0.0,
     root_params: float = 0.0,
     whole_grads: bool = False,
+    optimizer_states: float = 2.0,
 ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state incl. master weights) bytes per rank for ``num_params`` per model-parallel rank.
 
@@ -106,15 +109,24 @@ def model_state_bytes(
     block (``largest_block_params``) and, natively, the root unit (``root_params``: embeddings, head),
     which FSDP2 keeps gathered through the step. ``whole_grads``: gradient accumulation without a reduction on
     its micro-batches (``accumulation_sync="last_micro_batch"``) holds every gradient unsharded until the last one.
+    ``optimizer_states``: the optimizer's state bytes per parameter byte (AdamW's 2, which the tables assume; SGD with
+    momentum 1, AMSGrad 3; :mod:`lightning_llm.modeling.optimizer_state` measures the user's).
     """
     if backend == "deepspeed":
         return _deepspeed_state_bytes(
-            num_params, zero_stage=zero_stage, dp=dp, precision=precision, offload=offload, largest=largest_block_params
+            num_params,
+            zero_stage=zero_stage,
+            dp=dp,
+            precision=precision,
+            offload=offload,
+            largest=largest_block_params,
+            optimizer_states=optimizer_states,
         )
     table = _BYTES
     if precision not in table:
         raise ValueError(f"precision={precision!r} is not planned for; use one of {sorted(table)}.")
     p_bytes, g_bytes, o_bytes, master = table[precision]
+    o_bytes *= optimizer_states / 2
     optimizer = (o_bytes + master) * num_params
     if backend == "native" and zero_stage in (1, 2):
         params, grads, optimizer = p_bytes * num_params, g_bytes * num_params / dp, optimizer / dp
@@ -139,7 +151,14 @@ def model_state_bytes(
 
 
 def _deepspeed_state_bytes(
-    num_params: float, *, zero_stage: int, dp: int, precision: str, offload: str, largest: float
+    num_params: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    precision: str,
+    offload: str,
+    largest: float,
+    optimizer_states: float,
 ) -> tuple[float, float, float]:
     """:func:`model_state_bytes` as DeepSpeed allocates, following its own estimators (without their buffer factor).
 
@@ -151,6 +170,7 @@ def _deepspeed_state_bytes(
     if precision not in _DEEPSPEED_BYTES:
         raise ValueError(f"precision={precision!r} is not planned for; use one of {sorted(_DEEPSPEED_BYTES)}.")
     p_bytes, g_bytes, o_bytes, master = _DEEPSPEED_BYTES[precision]
+    o_bytes *= optimizer_states / 2
     fp32_grads = _DEEPSPEED_FP32_GRADS.get(precision, 0)
     optimizer = (o_bytes + master) * num_params / (dp if zero_stage >= 1 else 1)
     if zero_stage == 0:

@@ -47,6 +47,7 @@ def estimate_options(
     allow_offload: bool = True,
     usable: float | None = None,
     whole_grads: bool = False,
+    optimizer_states: float = 2.0,
 ) -> list[MemoryEstimate]:
     """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes.
 
@@ -71,6 +72,7 @@ def estimate_options(
             largest_block_params=per_rank_block,
             root_params=root,
             whole_grads=whole_grads,
+            optimizer_states=optimizer_states,
         )
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / tp)
@@ -137,6 +139,7 @@ def plan_zero_stage(
         backend=backend,
         outside_blocks=footprint.outside_blocks,
         whole_grads=whole_grads,
+        optimizer_states=footprint.optimizer_states,
     )
     rows = estimate_options(
         footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload, usable=usable, **common
@@ -167,6 +170,7 @@ def _what_would_fit(
     backend,
     outside_blocks,
     whole_grads,
+    optimizer_states,
 ) -> list[str]:
     def fits(**changes) -> bool:
         settings = dict(
@@ -180,6 +184,7 @@ def _what_would_fit(
             usable=usable,
             outside_blocks=outside_blocks,
             whole_grads=whole_grads,
+            optimizer_states=optimizer_states,
         )
         acts = changes.pop("activations", activations)
         settings.update(changes)

@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from lightning_llm._compat.lightning import fit_loop_data_source
 from lightning_llm._compat.torch import tree_leaves
 from lightning_llm.modeling.activations import measure_model_activations, parameter_counts
+from lightning_llm.modeling.optimizer_state import optimizer_states
 from lightning_llm.parallel.activation_checkpointing import ACOptions, block_policies, saves_output
 from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
 from lightning_llm.planning.activation_budget import predicted_peak
@@ -44,6 +45,8 @@ def model_footprint(
     running backward holds all it saves; what is saved outside the blocks (embedding output, the head's input,
     the logits the loss keeps) is added to every mode. "selective" follows ``ac_options`` (per operator, or every
     ``every_n_layers``-th block in full); recomputing every other matmul is planned as keeping them (an upper bound).
+    The optimizer state is that of ``module.configure_optimizers()``, measured on fake tensors
+    (:mod:`lightning_llm.modeling.optimizer_state`).
 
     Example::
 
@@ -68,6 +71,7 @@ def model_footprint(
         around + predicted_peak(saved, saved),
         around + predicted_peak(saved, inputs),
         around + predicted_peak(saved, selective),
+        optimizer_states(module).states,
     )
 
 
