@@ -233,6 +233,7 @@ def plan(args: list[str]) -> str:
         world_size=devices * nodes,
         tp=strategy.tensor_parallel_size if native else 1,
         pp=strategy.pipeline_parallel_size if native else 1,
+        cp=strategy.context_parallel_size if native else 1,
         micro_batch_size=hparams.get("batch_size", 1),
         seq_len=hparams.get("seq_len", 2048),
         precision=str(cli.trainer.precision),
@@ -245,13 +246,13 @@ def plan(args: list[str]) -> str:
         and strategy.accumulation_sync == "last_micro_batch",
     )
     try:
-        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"])
+        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"], settings["cp"])
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     params = sum(p.numel() for p in module.parameters())
     header = (
         f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
-        f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']}; micro-batch "
+        f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
         f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}"
     )
     try:
@@ -311,14 +312,15 @@ def _check_plan_options(options) -> None:
         raise ValueError(f"--device_memory={options.device_memory!r} must be a positive size such as 80GB.")
 
 
-def _check_layout(module, world_size: int, tp: int, pp: int) -> None:
+def _check_layout(module, world_size: int, tp: int, pp: int, cp: int = 1) -> None:
     """The parallel layout against the machine and the model: tp divides the heads, pp fits the blocks."""
     from lightning_llm.modeling.blocks import find_blocks
 
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
+        context = f" x context_parallel_size={cp}" if cp > 1 else ""
         raise ValueError(
-            f"{world_size} devices cannot be split into tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
-            f"groups; use a device count that is a multiple of {tp * pp}, or other tp/pp sizes."
+            f"{world_size} devices cannot be split into tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+            f"{context} groups; use a device count that is a multiple of {tp * pp * cp}, or other sizes."
         )
     config = getattr(module, "config", None)
     for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):

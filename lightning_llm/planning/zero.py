@@ -42,6 +42,7 @@ def estimate_options(
     tp: int = 1,
     pp: int = 1,
     dp_replicate: int = 1,
+    cp: int = 1,
     precision: str = "32-true",
     backend: str = "native",
     allow_offload: bool = True,
@@ -52,9 +53,11 @@ def estimate_options(
     """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes.
 
     ``whole_grads``: gradients accumulate unsharded (see :func:`~lightning_llm.planning.memory.model_state_bytes`).
+    ``cp``: context-parallel ranks split every sequence, so each holds ``1/cp`` of the activations, and FSDP shards
+    over the data-parallel and context-parallel ranks together (torchtitan's ``dp_shard_cp``).
     """
-    dp = world_size // (tp * pp)
-    shard = max(dp // dp_replicate, 1)
+    dp = world_size // (tp * pp * cp)
+    shard = max(dp // dp_replicate, 1) * cp
     per_rank_params, per_rank_block = num_params / (tp * pp), largest_block / tp
     # Natively the root unit (embeddings, head) stays gathered through the step.
     root = outside_blocks / tp if backend == "native" else 0.0
@@ -75,7 +78,7 @@ def estimate_options(
             optimizer_states=optimizer_states,
         )
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
-        row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / tp)
+        row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / (tp * cp))
         row.fits = usable is not None and row.total <= usable
         rows.append(row)
     return rows
@@ -109,6 +112,7 @@ def plan_zero_stage(
     tp: int = 1,
     pp: int = 1,
     dp_replicate: int = 1,
+    cp: int = 1,
     precision: str = "32-true",
     activation_checkpointing: str = "none",
     backend: str = "native",
@@ -135,6 +139,7 @@ def plan_zero_stage(
         tp=tp,
         pp=pp,
         dp_replicate=dp_replicate,
+        cp=cp,
         precision=precision,
         backend=backend,
         outside_blocks=footprint.outside_blocks,
@@ -166,6 +171,7 @@ def _what_would_fit(
     tp,
     pp,
     dp_replicate,
+    cp,
     precision,
     backend,
     outside_blocks,
@@ -178,6 +184,7 @@ def _what_would_fit(
             tp=tp,
             pp=pp,
             dp_replicate=dp_replicate,
+            cp=cp,
             precision=precision,
             backend=backend,
             allow_offload=allow_offload,
@@ -198,12 +205,16 @@ def _what_would_fit(
             hints.append(f"{world_size * factor} devices ({factor}x) with ZeRO 3")
             break
     for new_tp in (2, 4, 8):
-        if new_tp > tp and (world_size % (new_tp * pp) == 0) and fits(tp=new_tp):
+        if new_tp > tp and (world_size % (new_tp * pp * cp) == 0) and fits(tp=new_tp):
             hints.append(f"tensor_parallel_size={new_tp}")
             break
     for new_pp in (2, 4, 8):
-        if new_pp > pp and (world_size % (tp * new_pp) == 0) and fits(pp=new_pp):
+        if new_pp > pp and (world_size % (tp * new_pp * cp) == 0) and fits(pp=new_pp):
             hints.append(f"pipeline_parallel_size={new_pp}")
+            break
+    for new_cp in (2, 4, 8):
+        if new_cp > cp and (world_size % (tp * pp * new_cp) == 0) and fits(cp=new_cp):
+            hints.append(f"context_parallel_size={new_cp}")
             break
     if not allow_offload and fits(allow_offload=True):
         hints.append(

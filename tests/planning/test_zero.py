@@ -174,3 +174,28 @@ def test_deepspeed_model_states_match_deepspeeds_own_estimator(stage, offload):
             psi, zero_stage=3, dp=gpus, precision="bf16-mixed", backend="deepspeed", largest_block_params=2e8
         )
         assert sum(with_block) - ours == pytest.approx(2 * 2e8)
+
+
+def test_context_parallelism_divides_activations_and_shards_over_dp_times_cp():
+    from lightning_llm.planning.zero import estimate_options
+
+    common = dict(num_params=8e9, largest_block=2e8, activations=64 * 2**30, world_size=16, precision="bf16-mixed")
+    plain = {(r.zero_stage, r.offload): r for r in estimate_options(**common)}
+    cp4 = {(r.zero_stage, r.offload): r for r in estimate_options(**common, cp=4)}
+    # 16 ranks: dp 16, or dp 4 x cp 4; FSDP shards over dp x cp = 16 either way, activations split 4 ways.
+    for key in plain:
+        assert cp4[key].activations == plain[key].activations / 4
+        assert (cp4[key].params, cp4[key].grads, cp4[key].optimizer) == (
+            plain[key].params,
+            plain[key].grads,
+            plain[key].optimizer,
+        )
+
+
+def test_nothing_fits_names_context_parallelism_when_activations_are_the_problem():
+    from lightning_llm.planning.memory import ModelFootprint
+    from lightning_llm.planning.zero import plan_zero_stage
+
+    long_sequences = ModelFootprint(1e9, 5e7, 2e8, activations=200 * 2**30, full_activations=120 * 2**30)
+    with pytest.raises(MemoryPlanError, match="context_parallel_size=4"):
+        plan_zero_stage(long_sequences, device_memory=80 * 2**30, world_size=8, allow_offload=False)
