@@ -234,6 +234,8 @@ def plan(args: list[str]) -> str:
         tp=strategy.tensor_parallel_size if native else 1,
         pp=strategy.pipeline_parallel_size if native else 1,
         cp=strategy.context_parallel_size if native else 1,
+        ep=strategy.expert_parallel_size if native else 1,
+        expert_parallel_plan=strategy.expert_parallel_plan if native else None,
         micro_batch_size=hparams.get("batch_size", 1),
         seq_len=hparams.get("seq_len", 2048),
         precision=str(cli.trainer.precision),

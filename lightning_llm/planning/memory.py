@@ -58,6 +58,7 @@ class ModelFootprint:
     full_activations: float
     selective_activations: float | None = None
     optimizer_states: float = 2.0  # state bytes per parameter byte of the user's optimizer (AdamW: 2)
+    expert_params: float = 0.0  # of num_params, those in MoE experts (divided by expert parallelism)
 
     def activations_for(self, activation_checkpointing: str) -> float:
         """Bytes for one mode: "full", "selective" (when measured) or, for "none" and "auto", without checkpointing."""

@@ -49,34 +49,47 @@ def estimate_options(
     usable: float | None = None,
     whole_grads: bool = False,
     optimizer_states: float = 2.0,
+    ep: int = 1,
+    expert_params: float = 0.0,
 ) -> list[MemoryEstimate]:
     """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes.
 
     ``whole_grads``: gradients accumulate unsharded (see :func:`~lightning_llm.planning.memory.model_state_bytes`).
     ``cp``: context-parallel ranks split every sequence, so each holds ``1/cp`` of the activations, and FSDP shards
     over the data-parallel and context-parallel ranks together (torchtitan's ``dp_shard_cp``).
+    ``expert_params`` of ``num_params`` are MoE experts: with ``ep > 1`` each rank holds ``1/ep`` of them whole, and
+    ZeRO 1-3 shard those over the ``dp / ep`` ranks outside its expert group (so at ZeRO 3 the bytes equal the dense
+    ones'; ZeRO 0 and 2 gain from ``ep``); a block's experts share of ``largest_block`` is taken as the model's.
     """
+    expert_fraction = expert_params / num_params if num_params else 0.0
     dp = world_size // (tp * pp * cp)
     shard = max(dp // dp_replicate, 1) * cp
-    per_rank_params, per_rank_block = num_params / (tp * pp), largest_block / tp
+    # Expert parallelism: each rank holds 1/ep of the experts, sharded further over the dp/ep ranks outside its group.
+    experts = expert_params / (tp * pp)
+    dense, dense_block = (num_params - expert_params) / (tp * pp), largest_block * (1 - expert_fraction) / tp
+    expert_block = largest_block * expert_fraction / tp / ep
     # Natively the root unit (embeddings, head) stays gathered through the step.
     root = outside_blocks / tp if backend == "native" else 0.0
     rows = []
     for stage, offload in NATIVE_OPTIONS if backend == "native" else DEEPSPEED_OPTIONS:
         if offload != "none" and not allow_offload:
             continue
-        params, grads, optimizer = model_state_bytes(
-            per_rank_params,
+        common = dict(
             zero_stage=stage,
-            dp=1 if stage == 0 else shard,
             precision=precision,
             backend=backend,
             offload=offload,
-            largest_block_params=per_rank_block,
-            root_params=root,
             whole_grads=whole_grads,
             optimizer_states=optimizer_states,
         )
+        params, grads, optimizer = model_state_bytes(
+            dense, dp=1 if stage == 0 else shard, largest_block_params=dense_block, root_params=root, **common
+        )
+        if experts:
+            expert_states = model_state_bytes(
+                experts / ep, dp=1 if stage == 0 else max(shard // ep, 1), largest_block_params=expert_block, **common
+            )
+            params, grads, optimizer = (a + b for a, b in zip((params, grads, optimizer), expert_states))
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / (tp * cp))
         row.fits = usable is not None and row.total <= usable
@@ -113,6 +126,7 @@ def plan_zero_stage(
     pp: int = 1,
     dp_replicate: int = 1,
     cp: int = 1,
+    ep: int = 1,
     precision: str = "32-true",
     activation_checkpointing: str = "none",
     backend: str = "native",
@@ -145,6 +159,8 @@ def plan_zero_stage(
         outside_blocks=footprint.outside_blocks,
         whole_grads=whole_grads,
         optimizer_states=footprint.optimizer_states,
+        ep=ep,
+        expert_params=footprint.expert_params,
     )
     rows = estimate_options(
         footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload, usable=usable, **common
@@ -177,6 +193,8 @@ def _what_would_fit(
     outside_blocks,
     whole_grads,
     optimizer_states,
+    ep,
+    expert_params,
 ) -> list[str]:
     def fits(**changes) -> bool:
         settings = dict(
@@ -192,6 +210,8 @@ def _what_would_fit(
             outside_blocks=outside_blocks,
             whole_grads=whole_grads,
             optimizer_states=optimizer_states,
+            ep=ep,
+            expert_params=expert_params,
         )
         acts = changes.pop("activations", activations)
         settings.update(changes)

@@ -151,6 +151,8 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         tp=dims.tp,
         pp=dims.pp,
         dp_replicate=dims.dp_replicate,
+        ep=options.parallel.expert_parallel_size,
+        expert_parallel_plan=options.parallel.expert_parallel_plan,
         activation_checkpointing=planning.activation_checkpointing,
         ac_options=planning.ac_options,
         backend="native",

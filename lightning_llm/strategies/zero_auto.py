@@ -24,6 +24,7 @@ from lightning_llm.modeling.activations import measure_model_activations, parame
 from lightning_llm.modeling.optimizer_state import optimizer_states
 from lightning_llm.parallel.activation_checkpointing import ACOptions, block_policies, saves_output
 from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
+from lightning_llm.parallel.ep.apply import find_experts
 from lightning_llm.planning.activation_budget import predicted_peak
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
@@ -36,6 +37,7 @@ def model_footprint(
     seq_len: int,
     precision: str = "32-true",
     ac_options: ACOptions | None = None,
+    expert_parallel_plan: dict[str, str] | None = None,
 ) -> ModelFootprint:
     """Parameter counts and activation bytes of ``module`` under each checkpointing mode, on fake tensors.
 
@@ -46,7 +48,8 @@ def model_footprint(
     the logits the loss keeps) is added to every mode. "selective" follows ``ac_options`` (per operator, or every
     ``every_n_layers``-th block in full); recomputing every other matmul is planned as keeping them (an upper bound).
     The optimizer state is that of ``module.configure_optimizers()``, measured on fake tensors
-    (:mod:`lightning_llm.modeling.optimizer_state`).
+    (:mod:`lightning_llm.modeling.optimizer_state`); the MoE experts are found as expert parallelism finds them
+    (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
     Example::
 
@@ -72,6 +75,7 @@ def model_footprint(
         around + predicted_peak(saved, inputs),
         around + predicted_peak(saved, selective),
         optimizer_states(module).states,
+        sum(p.numel() for _, experts in find_experts(module, expert_parallel_plan) for p in experts.parameters()),
     )
 
 
@@ -82,6 +86,7 @@ def choose_zero_stage(
     seq_len: int,
     precision: str = "32-true",
     ac_options: ACOptions | None = None,
+    expert_parallel_plan: dict[str, str] | None = None,
     **options: Any,
 ) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
@@ -91,7 +96,12 @@ def choose_zero_stage(
         choose_zero_stage(module, device_memory=80 * 2**30, world_size=64, tp=8, micro_batch_size=1, seq_len=4096)
     """
     footprint = model_footprint(
-        model, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, ac_options=ac_options
+        model,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        ac_options=ac_options,
+        expert_parallel_plan=expert_parallel_plan,
     )
     return plan_zero_stage(footprint, precision=precision, **options)
 

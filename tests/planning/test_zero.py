@@ -199,3 +199,33 @@ def test_nothing_fits_names_context_parallelism_when_activations_are_the_problem
     long_sequences = ModelFootprint(1e9, 5e7, 2e8, activations=200 * 2**30, full_activations=120 * 2**30)
     with pytest.raises(MemoryPlanError, match="context_parallel_size=4"):
         plan_zero_stage(long_sequences, device_memory=80 * 2**30, world_size=8, allow_offload=False)
+
+
+def test_expert_parallelism_divides_the_experts_by_ep_at_the_stages_that_keep_parameters_whole():
+    from lightning_llm.planning.zero import estimate_options
+
+    psi, experts, world, ep = 10e9, 8e9, 8, 4  # fp32: 4 bytes of parameters, 4 of gradients, 8 of AdamW state
+    common = dict(num_params=psi, largest_block=0, activations=0.0, world_size=world, allow_offload=False)
+    rows = {r.zero_stage: r for r in estimate_options(**common, ep=ep, expert_params=experts)}
+    dense = {r.zero_stage: r for r in estimate_options(**common)}
+    # ZeRO 0: the dense part whole, a quarter of the experts per rank.
+    assert rows[0].params == 4 * (psi - experts + experts / ep) and rows[0].optimizer == 8 * (
+        psi - experts + experts / ep
+    )
+    # ZeRO 2: parameters likewise; gradients and optimizer state sharded over all 8 ranks as without EP.
+    assert rows[2].params == rows[0].params
+    assert (rows[2].grads, rows[2].optimizer) == pytest.approx((dense[2].grads, dense[2].optimizer))
+    # ZeRO 3: experts 1/ep per rank, sharded over the dp/ep = 2 ranks outside the group: 1/8 like the rest.
+    assert (rows[3].params, rows[3].grads, rows[3].optimizer) == pytest.approx(
+        (dense[3].params, dense[3].grads, dense[3].optimizer)
+    )
+
+
+def test_the_footprint_counts_a_moe_models_experts():
+    from lightning_llm.strategies.zero_auto import model_footprint
+    from tests.zoo._models import ZooLM
+
+    module = ZooLM("mixtral")
+    footprint = model_footprint(module, micro_batch_size=1, seq_len=16)
+    experts = sum(p.numel() for n, p in module.named_parameters() if ".experts." in n)
+    assert experts > 0 and footprint.expert_params == experts
