@@ -79,6 +79,9 @@ def test_hybrid_stack_under_tensor_parallel_matches_single_process(layout, name)
     for group in CHECKED_SHARES[name]:
         assert held[group] <= 0.55, f"{name} {layout}: a rank holds {held[group]:.0%} of the {group} parameters"
     assert len(coverage) == len({block_kind(b) for b in find_blocks(ZooLM(name))[1]}), coverage  # a line per kind
+    if name == "user_sequential":  # its attention is computed in the block's forward: q/kv split, o row-wise
+        attention_line = next(line for line in coverage if line.startswith("_Attention"))
+        assert "q_proj 50%/rank" in attention_line and "kv_proj 50%/rank" in attention_line, attention_line
     if name == "jamba":
         mamba_line = next(line for line in coverage if line.startswith("JambaMambaDecoderLayer"))
         assert "feed_forward.experts 50%/rank" in mamba_line and "replicated: mamba" in mamba_line, mamba_line

@@ -262,11 +262,14 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
     for block_name in block_names(blocks_name, blocks):
         for part, _ in model.get_submodule(block_name).named_children():
             name = f"{block_name}.{part}"
+            # Styles of the layers inside the part; a part that is itself one planned layer (a q_proj beside the
+            # block's o_proj, the attention computed in the block's own forward) is not a part of its own.
             inside = [
                 s
                 for n, _ in model.get_submodule(name).named_modules()
+                if n
                 for p, s in plan.items()
-                if _matches(f"{name}.{n}" if n else name, p)
+                if _matches(f"{name}.{n}", p)
             ]
             split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel")]
             if split and "gather_sequence" not in split and not any(s in _CLOSES_UNDER_SP for s in split):
