@@ -272,7 +272,13 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
                 if _matches(f"{name}.{n}", p)
             ]
             split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel")]
-            if split and "gather_sequence" not in split and not any(s in _CLOSES_UNDER_SP for s in split):
+            planned_itself = any(_matches(name, p) for p in plan)  # never replace an entry the plan already has
+            if (
+                split
+                and not planned_itself
+                and "gather_sequence" not in split
+                and not any(s in _CLOSES_UNDER_SP for s in split)
+            ):
                 plan[name] = "gather_sequence"
     return plan
 
