@@ -125,10 +125,25 @@ class LLMCLI(LightningCLI):
         logger = trainer.get("logger")
         if getattr(logger, "class_path", "").endswith("WandbLogger") and not logger.init_args.get("name"):
             logger.init_args.name = run_name(config)
+        _offline_unless_configured(trainer)
 
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+
+
+def _offline_unless_configured(trainer) -> None:
+    """With a WandbLogger on a machine where W&B was never configured: offline mode, said once, naming the folder."""
+    loggers = trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers]
+    wandb = [each for each in loggers if str(getattr(each, "class_path", "")).endswith("WandbLogger")]
+    if not wandb or not wandb_installed():
+        return
+    init_args = wandb[0].get("init_args") or {}
+    save_dir = init_args.get("save_dir") or init_args.get("dir")  # WandbLogger's default: "."
+    message = default_to_offline(save_dir)
+    if message and int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr)
 
 
 def wandb_installed() -> bool:
@@ -356,9 +371,6 @@ def main(args: list[str] | None = None) -> None:
 
         export.main(argv[1:])
         return
-    message = default_to_offline() if wandb_installed() else None
-    if message and int(os.environ.get("RANK", "0")) == 0:
-        print(message, file=sys.stderr)
     LLMCLI(args=args)
 
 

@@ -4,8 +4,8 @@ W&B can be configured in several places: ``WANDB_MODE`` / ``WANDB_API_KEY`` in t
 ``wandb login`` (an API key in ``~/.netrc``, or the file ``NETRC`` names, for the W&B host),
 ``wandb offline`` / ``wandb disabled`` (a ``mode`` in W&B's settings files). The CLI never overrides
 any of them. Only on a machine with none of them, where ``wandb.init`` would stop to ask for a key
-(or fail without a terminal), does it set ``WANDB_MODE=offline`` and say so: runs are then written
-under ``./wandb`` and can be uploaded later with ``wandb sync``.
+(or fail without a terminal), and only when the run has a ``WandbLogger``, does it set ``WANDB_MODE=offline`` and
+say so: runs are then written under the logger's ``save_dir`` and can be uploaded later with ``wandb sync``.
 """
 
 from __future__ import annotations
@@ -41,14 +41,19 @@ def wandb_configuration() -> str | None:
     return None
 
 
-def default_to_offline() -> str | None:
-    """Set ``WANDB_MODE=offline`` if W&B is not configured at all; return the message said, else None."""
+def default_to_offline(save_dir: str | None = None) -> str | None:
+    """Set ``WANDB_MODE=offline`` if W&B is not configured at all; return the message to say, else None.
+
+    ``save_dir``: the WandbLogger's, where the offline run is written (``<save_dir>/wandb``).
+    """
     if wandb_configuration() is not None:
         return None
     os.environ["WANDB_MODE"] = "offline"
+    where = str(Path(save_dir or ".") / "wandb")
     return (
         "W&B is not configured here (no WANDB_API_KEY, no `wandb login`, no WANDB_MODE): logging offline "
-        "to ./wandb. Run `wandb login` (or set WANDB_MODE) to choose otherwise; `wandb sync` uploads offline runs."
+        f"to {where}. Run `wandb login` (or set WANDB_MODE) to choose otherwise; `wandb sync {where}/offline-run-*` "
+        "uploads offline runs."
     )
 
 

@@ -62,3 +62,38 @@ def test_wandb_offline_command_is_respected(bare, tmp_path):
     assert result.returncode == 0, result.stderr
     assert wandb_configuration() == "W&B settings (mode = offline)"
     assert default_to_offline() is None
+
+
+def test_the_notice_names_the_folder_the_run_goes_to(bare):
+    message = default_to_offline("runs")
+    assert "logging offline to runs/wandb" in message and "wandb sync runs/wandb/offline-run-*" in message
+
+
+def _cli(args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_llm.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "HOME": str(cwd)},
+    )
+
+
+@requires_wandb
+def test_the_notice_is_said_only_for_runs_that_log_to_wandb(bare, tmp_path):
+    notice = "W&B is not configured here"
+    assert notice not in _cli(["fit", "--help"], tmp_path).stderr
+    fit = ["fit", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.enable_checkpointing", "false"]
+    fit += ["--data.num_tokens", "4000", "--data.seq_len", "16", "--model.init_args.config", "tiny"]
+    csv = _cli(
+        [*fit, "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "csv"], tmp_path
+    )
+    assert csv.returncode == 0, csv.stderr[-2000:]
+    assert notice not in csv.stderr
+    wandb = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger.save_dir", "runs"]
+    offline = _cli([*fit, *wandb], tmp_path)
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    assert f"{notice}" in offline.stderr and "logging offline to runs/wandb" in offline.stderr
+    assert list((tmp_path / "runs" / "wandb").glob("offline-run-*"))  # where the notice says
