@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -135,16 +136,31 @@ def _read_partition(file_handle, key: str, param: torch.Tensor, transform: Calla
     return file_handle.get_slice(key)[first:last].reshape(-1)[low - first * row : high - first * row]
 
 
-def _copy_into(param: torch.Tensor, file_handle, key: str, transform: Callable | None) -> None:
+def _copy_into(param: torch.Tensor, file_handle, key: str, transform: Callable | None, file: Path) -> None:
     if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO 3: write the partition DeepSpeed builds its engine from
         part = _read_partition(file_handle, key, param, transform)
         if part is not None:
+            _check_finite(part, key, file)
             param.ds_tensor.narrow(0, 0, part.numel()).copy_(part.to(param.ds_tensor.dtype))
         return
     local = param.to_local() if isinstance(param, DTensor) else param
     part = _read(file_handle, key, param, transform)
     if local.numel():
+        _check_finite(part, key, file)
         local.copy_(part.to(local.dtype))
+
+
+def _check_finite(part: torch.Tensor, key: str, file: Path) -> None:
+    if part.is_floating_point() and not torch.isfinite(part).all():
+        bad = int((~torch.isfinite(part)).sum())
+        raise ValueError(
+            f"{file}: tensor {key!r} holds {bad} non-finite values (NaN or inf) in the part this rank loads; training "
+            "from it would give NaN losses. Load a checkpoint that is intact (re-download or re-export it)."
+        )
+
+
+# safetensors dtype names that are not floating point: loading them into float weights would cast, not load.
+_NOT_FLOAT = ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64")
 
 
 @torch.no_grad()
@@ -177,7 +193,7 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
         torch.distributed.all_gather_object(every, expected)
         expected = set().union(*every)
     unexpected = sorted(set(files) - expected)
-    shapes = []
+    shapes, dtypes = [], []
     by_file: dict[Path, list[str]] = {}
     for name in params:
         if name in mapping and mapping[name] in files:
@@ -185,17 +201,34 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                saved = tuple(f.get_slice(mapping[name]).get_shape())
+                tensor = f.get_slice(mapping[name])
+                saved = tuple(tensor.get_shape())
                 if saved != _shape(params[name]):
                     shapes.append(f"{mapping[name]}: checkpoint {saved}, model {_shape(params[name])}")
+                if tensor.get_dtype() in _NOT_FLOAT and params[name].is_floating_point():
+                    dtypes.append(f"{mapping[name]} ({tensor.get_dtype()}) in {file.name}")
     if missing or unexpected or shapes:
         raise ValueError(
             f"{hf_dir} does not fit the model (names compared after removing the prefix {prefix!r}): missing "
             f"{missing[:10]}, unexpected {unexpected[:10]}, mis-shaped {shapes[:10]}. Load a checkpoint of the same "
             "architecture and config (vocab size, layers, widths)."
         )
+    if dtypes:
+        raise ValueError(
+            f"{hf_dir} holds integer or boolean tensors where the model has floating-point weights: {dtypes[:10]}. "
+            "They would be cast, not loaded; the checkpoint is not a set of weights for this model."
+        )
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                _copy_into(params[name], f, mapping[name], transforms.get(name))
+                _copy_into(params[name], f, mapping[name], transforms.get(name), file)
+    rank_zero_info(
+        f"load_pretrained: {len(params)} tensors ({sum(_numel(params[n]) for n in params) / 1e6:.1f}M parameters) "
+        f"from {hf_dir} ({len(set(files.values()))} file(s)" + (f", names under {prefix!r}" if prefix else "") + ")"
+    )
     return sorted(params)
+
+
+def _numel(param: torch.Tensor) -> int:
+    shape = _shape(param)
+    return int(torch.Size(shape).numel())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.testing import run_distributed
@@ -75,3 +76,50 @@ def test_mismatched_checkpoint_is_refused(saved):
         match=r"mis-shaped \[.*'model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)'",
     ):
         load_pretrained(transformers.LlamaForCausalLM(config), saved["llama"])
+
+
+def _copy_with(saved_dir: str, tmp_path, key: str, make) -> str:
+    """The saved checkpoint with tensor ``key`` replaced by ``make(tensor)``, in a new directory."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "edited"
+    shutil.copytree(saved_dir, out)
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors[key] = make(tensors[key])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return str(out)
+
+
+def test_integer_tensors_into_float_weights_are_refused_naming_the_tensor_and_file(saved, tmp_path):
+    import transformers
+
+    key = "model.layers.0.mlp.up_proj.weight"
+    edited = _copy_with(saved["llama"], tmp_path, key, lambda t: t.to(torch.int32))
+    with pytest.raises(
+        ValueError, match=rf"integer or boolean tensors .*{re.escape(key)} \(I32\) in model.safetensors"
+    ):
+        load_pretrained(transformers.LlamaForCausalLM(hf_config("llama")), edited)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_and_file(saved, tmp_path):
+    import transformers
+
+    key = "model.norm.weight"
+    edited = _copy_with(saved["llama"], tmp_path, key, lambda t: t.index_fill(0, torch.tensor([1, 3]), float("nan")))
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{re.escape(key)}' holds 2 non-finite values"):
+        load_pretrained(transformers.LlamaForCausalLM(hf_config("llama")), edited)
+
+
+def test_load_pretrained_says_what_it_loaded(saved, caplog):
+    import logging
+
+    import transformers
+
+    model = transformers.LlamaForCausalLM(hf_config("llama"))
+    with caplog.at_level(logging.INFO):
+        names = load_pretrained(model, saved["llama"])
+    count = sum(p.numel() for p in model.parameters())
+    assert f"load_pretrained: {len(names)} tensors ({count / 1e6:.1f}M parameters) from {saved['llama']}" in caplog.text
