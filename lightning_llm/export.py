@@ -6,7 +6,9 @@ Example::
     lightning-llm export checkpoints/step=1000.ckpt export/full.pt --format torch
     lightning-llm export last.ckpt export/hf --format hf --hf_config path/to/the/pretrained/model
 
-Prints only the path it wrote.
+Prints only the path it wrote. The checkpoint's recorded checksums are checked first (``--no-verify`` skips it), an
+existing output is replaced only with ``--overwrite``, and the output appears whole or not at all: it is written
+beside its place and renamed into it, so a failed export leaves no partial directory and a re-export no stale file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -43,6 +47,15 @@ def parser() -> argparse.ArgumentParser:
         "do not record it (saved by another strategy); --format hf only",
     )
     parser.add_argument("--max_shard_size", default="5GB", help="split model.safetensors above this size (--format hf)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output (written beside it, swapped in whole)"
+    )
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="export without checking the checksums recorded when the checkpoint was saved",
+    )
     return parser
 
 
@@ -72,11 +85,51 @@ def main(args: list[str]) -> Path:
     if options.format == "torch" and options.hf_config is not None:
         cli.error("--hf_config applies to --format hf only; a torch export keeps the checkpoint's own names.")
     try:
-        written = _export(options)
-    except (ValueError, FileNotFoundError) as err:  # the message names the value and the fix; no traceback
+        if options.verify:
+            _verify(options.checkpoint)
+        written = _export_whole(options)
+    except (ValueError, FileNotFoundError, OSError) as err:  # the message names the value and the fix; no traceback
         cli.exit(1, f"{cli.prog}: error: {err}\n")
     print(written)
     return written
+
+
+def _verify(checkpoint: str) -> None:
+    """The checkpoint's files against the checksums its commit marker recorded (unmarked checkpoints pass)."""
+    from lightning_llm.checkpointing.checksums import verify_committed
+
+    try:
+        verify_committed(checkpoint)
+    except RuntimeError as err:
+        raise ValueError(f"{err} Export another checkpoint, or pass --no-verify to export it as it is.") from None
+
+
+def _export_whole(options: argparse.Namespace) -> Path:
+    """Export into a sibling of the output, then rename it into place (replacing the old one only with --overwrite)."""
+    output = Path(options.output)
+    if "://" in str(options.output):  # a URL: no rename there, written in place
+        return _export(options)
+    if output.exists() and not options.overwrite:
+        raise ValueError(f"{output} exists; pass --overwrite to replace it, or choose another output path.")
+    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    try:
+        _export(argparse.Namespace(**{**vars(options), "output": str(partial)}))
+        if output.exists():
+            output.rename(old)
+        try:
+            partial.rename(output)
+        except OSError:
+            if old.exists():  # put the previous output back rather than lose it
+                old.rename(output)
+            raise
+    finally:
+        for leftover in (partial, old):
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            elif leftover.exists():
+                leftover.unlink()
+    return output
 
 
 def _export(options: argparse.Namespace) -> Path:
