@@ -91,3 +91,59 @@ def test_fit_then_test_validate_and_a_new_trainer_reuse_the_layout(layout):
     assert calls["validate"] == pytest.approx(validate, rel=1e-5), (calls, validate)
     assert calls["other_layout"] is not None and "already parallelized" in calls["other_layout"], calls
     assert torch.isfinite(torch.tensor(test))
+
+
+PREDICT_TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(5))
+
+
+def _predict_loader():
+    return torch.utils.data.DataLoader(PREDICT_TOKENS, batch_size=2)
+
+
+def _more_calls(layouts: list[str]) -> dict:
+    """validate -> fit, fit twice and predict on one model, each against the same layout's plain fit."""
+    import torch.distributed as dist
+
+    results = {}
+    for layout in layouts:
+        strategy = lambda: LLMParallelStrategy(**LAYOUTS[layout])  # noqa: E731
+        fresh = make_model("reference")
+        _trainer(strategy()).fit(fresh, data(PER_RANK))
+        validated = make_model("reference")
+        trainer = _trainer(strategy())
+        trainer.validate(validated, data(PER_RANK), verbose=False)
+        trainer.fit(validated, data(PER_RANK))
+        twice = make_model("reference")
+        _trainer(strategy()).fit(twice, data(PER_RANK))
+        _trainer(strategy()).fit(twice, data(PER_RANK))  # two more steps from where the first fit ended
+        predicted = _trainer(strategy()).predict(fresh, _predict_loader())
+        results[layout] = {
+            "fresh": full_state(fresh),
+            "validate_then_fit": full_state(validated),
+            "fit_twice": full_state(twice),
+            "predicted": torch.cat([p.detach().full_tensor() if hasattr(p, "full_tensor") else p for p in predicted]),
+        }
+    return results if dist.get_rank() == 0 else None
+
+
+def _fit_twice_in_one_process(state: dict) -> dict:
+    """The oracle of fit twice: the first fit's weights loaded into a fresh model, which a new Trainer fits again."""
+    module = make_model("reference")
+    module.load_state_dict(state)
+    _trainer(devices=1).fit(module, data(PER_RANK))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["tp2"])
+def test_validate_then_fit_fit_twice_and_predict_on_one_model(layout):
+    # tp2: both ranks see the same batches, so one process is the oracle for every call.
+    results = run_distributed(_more_calls, 2, [layout], timeout=540)[0][layout]
+    for name, tensor in results["fresh"].items():
+        assert torch.allclose(results["validate_then_fit"][name], tensor, rtol=1e-5, atol=1e-6), name
+    for name, tensor in _fit_twice_in_one_process(results["fresh"]).items():
+        assert torch.allclose(results["fit_twice"][name], tensor.float(), rtol=1e-5, atol=1e-6), name
+    module = make_model("reference")
+    module.load_state_dict(results["fresh"])
+    with torch.no_grad():
+        expected = torch.cat([module(batch) for batch in _predict_loader()])
+    torch.testing.assert_close(results["predicted"], expected, rtol=1e-5, atol=1e-5)
