@@ -11,6 +11,7 @@ for callbacks and the CLI (:mod:`.parallel_contract`); every Lightning hook and 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,6 +35,7 @@ from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_micro_batch
 from lightning_llm.parallel.float8 import precompute_fp8_scales
+from lightning_llm.parallel.init.meta_writes import MetaWrites
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies import applied_layouts, parallel_setup, pipeline_routing
 from lightning_llm.strategies import parallel_contract as contract
@@ -225,9 +227,21 @@ class LLMParallelStrategy(ModelParallelStrategy):
         Nothing is allocated until :meth:`setup` has split and sharded the model; each rank then
         allocates its own shards and runs the model's own init on them (see
         :mod:`lightning_llm.parallel.init.materialize`). ``trainer.init_module(empty_init=False)`` keeps eager init.
+        Values the block copies into the meta tensors (``load_state_dict`` in ``configure_model``) are kept and
+        written into each rank's shards after setup, as Lightning's eager build would keep them.
         """
-        with super().tensor_init_context(empty_init=True if empty_init is None else empty_init):
-            yield
+        empty = True if empty_init is None else empty_init
+        with super().tensor_init_context(empty_init=empty):
+            if not empty:
+                yield
+                return
+            # Values copied into the meta tensors (a configure_model loading known weights) are written back
+            # after setup materializes the shards (lightning_llm.parallel.init.meta_writes).
+            writes = self.run_state.meta_writes = self.run_state.meta_writes or MetaWrites()
+            with writes, warnings.catch_warnings():
+                # torch's "copying ... to a meta parameter is a no-op" is not true here: the values are kept.
+                warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*to a meta parameter")
+                yield
 
     @property
     @override

@@ -15,6 +15,7 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
+from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_back
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
 from lightning_llm.parallel.pipeline.microbatches import bubble_warning, default_microbatches
@@ -71,6 +72,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
         state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
     init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
+    loaded = state.meta_writes.by_name(module) if on_meta and state.meta_writes is not None else {}
     state.report = parallelize(
         module,
         state.parallel_dims,
@@ -93,6 +95,9 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
     if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
         state.agreed_seed = agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed
         materialize(module, device, init_fills)
+        if loaded:  # what configure_model loaded into the meta tensors, each rank its slice
+            written = write_back(module, loaded, regrouped_modules(module, state.report.tp_plan))
+            rank_zero_info(f"LLMParallelStrategy: kept {len(written)} tensors configure_model loaded")
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
 

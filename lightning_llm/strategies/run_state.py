@@ -31,6 +31,7 @@ class RunState:
     ac_policies: list[str] = field(default_factory=list)  # "none" / "full" / "op" per block
     model_shape: ModelShape | None = None  # read before the model is sharded and cut into stages
     agreed_seed: int | None = None  # rank 0's seed, when setup found the ranks' generators differing
+    meta_writes: Any = None  # values configure_model copied into meta tensors (parallel.init.meta_writes)
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:
