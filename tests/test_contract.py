@@ -80,8 +80,8 @@ def _under_ddp(world_size: int, tmp: str) -> dict:
     return {
         "layout": contract_of(trainer).layout,
         "norm": metrics["grad_norm/total"].item(),
-        "samples_per_sec": metrics["throughput/samples_per_sec"].item(),
-        "tokens_per_sec": metrics["throughput/tokens_per_sec"].item(),
+        "samples_per_sec": metrics["train/samples_per_sec"].item(),
+        "tokens_per_sec": metrics["train/items_per_sec"].item(),
         "tokens_seen": monitors[2].tokens_seen,
     }
 

@@ -16,7 +16,7 @@ class GradNormMonitor(L.Callback):
     """Logs the total gradient norm before clipping, whether the step was clipped, and optional finer norms.
 
     Logged once per optimizer step (so after all accumulated micro-batches), every
-    ``log_every_n_steps`` steps: ``grad_norm/total``, ``grad_norm/clipped`` (1.0 when the norm exceeds
+    ``log_every_n_steps`` steps: ``grad_norm/total``, ``grad_norm/was_clipped`` (1.0 when the norm exceeds
     the Trainer's ``gradient_clip_val``), with ``per_block=True`` ``grad_norm/block_{i}`` for each
     transformer block and with ``per_param_group=True`` ``grad_norm/group_{i}`` for each parameter group
     of the optimizer. Every norm is global: over data-parallel replicas, FSDP and tensor-parallel
@@ -99,7 +99,7 @@ class GradNormMonitor(L.Callback):
         self._log_one(pl_module, "total", norm)
         clip = trainer.gradient_clip_val
         if clip is not None and clip > 0 and trainer.gradient_clip_algorithm in (None, "norm"):
-            self._log_one(pl_module, "clipped", (norm > clip).float())
+            self._log_one(pl_module, "was_clipped", (norm > clip).float())
 
     @staticmethod
     def _log_one(pl_module, name: str, value: torch.Tensor) -> None:

@@ -29,11 +29,11 @@ class MFUMonitor(L.Callback):
     spans the steps between two logging steps and the device is synchronised only on logging steps,
     so the steps in between run without any added host-device synchronisation.
 
-    Logged, under the names Lightning's ``ThroughputMonitor`` gives the same quantities:
-    ``throughput/samples_per_sec`` and ``throughput/flops_per_sec`` (whole job), ``throughput/device/flops_per_sec``
-    (model FLOP/s of one device) and ``throughput/device/mfu``; ours besides: ``throughput/tokens_per_sec`` (whole
-    job; ThroughputMonitor's ``items_per_sec`` counts whatever its ``length_fn`` returns) and, when activation
-    checkpointing recomputes, ``throughput/device/hfu`` (hardware FLOPs including recomputation). MFU needs a peak: the
+    Logged under the names Lightning's ``ThroughputMonitor`` gives the same quantities: ``train/samples_per_sec``,
+    ``train/items_per_sec`` (tokens: ThroughputMonitor's items are what its ``length_fn`` counts) and
+    ``train/flops_per_sec`` (whole job), ``train/device/flops_per_sec`` (model FLOP/s of one device) and
+    ``train/device/mfu``; and, when activation checkpointing recomputes, ``train/device/hfu`` (hardware FLOPs
+    including recomputation). The progress bar shows tokens/s and MFU as ``tok/s`` and ``mfu``. MFU needs a peak: the
     table in :data:`~lightning_llm.planning.flops.PEAK_FLOPS`, Lightning's for other cards, or ``peak_flops``.
 
     Arguments:
@@ -122,21 +122,22 @@ class MFUMonitor(L.Callback):
         dp, world = self._dp, trainer.world_size
         tokens_per_sec = self._tokens * dp / elapsed
         metrics = {
-            "throughput/tokens_per_sec": tokens_per_sec,
-            "throughput/samples_per_sec": self._samples * dp / elapsed,
+            "train/items_per_sec": tokens_per_sec,
+            "train/samples_per_sec": self._samples * dp / elapsed,
         }
         flops_per_token = self.flops_per_token or self._shape.flops_per_token(self._seq_len)
         model_flops = tokens_per_sec * flops_per_token / world
-        metrics["throughput/flops_per_sec"] = model_flops * world
-        metrics["throughput/device/flops_per_sec"] = model_flops
+        metrics["train/flops_per_sec"] = model_flops * world
+        metrics["train/device/flops_per_sec"] = model_flops
         if self.peak_flops:
-            metrics["throughput/device/mfu"] = model_flops / self.peak_flops
+            metrics["train/device/mfu"] = model_flops / self.peak_flops
             if self._shape is not None and any(p == "full" for p in self._policies):
                 recompute = self._shape.recompute_flops_per_token(self._seq_len, self._policies)
-                metrics["throughput/device/hfu"] = (
-                    tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
-                )
+                metrics["train/device/hfu"] = tokens_per_sec * (flops_per_token + recompute) / world / self.peak_flops
         for name, value in metrics.items():
-            shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/device/mfu")
-            pl_module.log(name, value, prog_bar=shown, on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        shown = {"tok/s": "train/items_per_sec", "mfu": "train/device/mfu"} if self.prog_bar else {}
+        for short, name in shown.items():  # short names: the bar has no room for the loggers' keys
+            if name in metrics:
+                pl_module.log(short, metrics[name], prog_bar=True, logger=False, on_step=True, on_epoch=False)
         self._reset_window(now)

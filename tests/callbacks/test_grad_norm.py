@@ -101,11 +101,11 @@ def test_norm_equals_single_process_under_every_layout():
 
 def test_clipped_flag_and_arguments():
     norms = _first_norms(arch="reference", clip=1e-3)
-    assert norms["grad_norm/clipped"] == 1.0
+    assert norms["grad_norm/was_clipped"] == 1.0
     # The reference recipe's two groups (matrices with weight decay, vectors without) make up the total.
     groups = norms["grad_norm/group_0"] ** 2 + norms["grad_norm/group_1"] ** 2
     assert groups == pytest.approx(norms["grad_norm/total"] ** 2, rel=1e-5) and norms["grad_norm/group_1"] > 0
-    assert _first_norms(arch="reference", clip=1e3)["grad_norm/clipped"] == 0.0
+    assert _first_norms(arch="reference", clip=1e3)["grad_norm/was_clipped"] == 0.0
     with pytest.raises(ValueError, match="norm_type=0"):
         GradNormMonitor(norm_type=0)
 

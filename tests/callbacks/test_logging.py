@@ -11,13 +11,13 @@ from lightning_llm.models import CausalLM
 from tests._optional import requires_wandb
 
 EXPECTED = {
-    "throughput/tokens_per_sec",
-    "throughput/samples_per_sec",
-    "throughput/device/flops_per_sec",
-    "throughput/flops_per_sec",
-    "throughput/device/mfu",
+    "train/items_per_sec",
+    "train/samples_per_sec",
+    "train/device/flops_per_sec",
+    "train/flops_per_sec",
+    "train/device/mfu",
     "grad_norm/total",
-    "grad_norm/clipped",
+    "grad_norm/was_clipped",
     "grad_norm/block_0",
     "loss_guard/nonfinite",
     "loss_guard/spikes",
@@ -71,7 +71,7 @@ def test_metrics_reach_every_logger(tmp_path, monkeypatch):
 
     logged = {key for _, row in capture.rows for key in row}
     assert logged >= EXPECTED, sorted(EXPECTED - logged)
-    assert all(0 < row["throughput/device/mfu"] < 1 for _, row in capture.rows if "throughput/device/mfu" in row)
+    assert all(0 < row["train/device/mfu"] < 1 for _, row in capture.rows if "train/device/mfu" in row)
     assert [step for step, row in capture.rows if "grad_norm/total" in row] == list(range(6)), "once per step"
 
     with open(f"{csv_logger.log_dir}/metrics.csv") as f:

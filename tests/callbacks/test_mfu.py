@@ -55,7 +55,7 @@ def _trainer(callback, strategy="auto", devices=1, steps=4):
 
 def _fit_with_clock(strategy, devices, steps, **monitor):
     trainer = _trainer(MFUMonitor(**{"log_every_n_steps": 2, "peak_flops": 1e12, **monitor}), strategy, devices, steps)
-    metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     model = trainer.lightning_module
     return metrics, ModelShape.of(model).flops_per_token(SEQ) if devices == 1 else None
 
@@ -66,12 +66,12 @@ def test_mfu_and_tflops_match_hand_computed_values():
     n = Llama(LlamaConfig.from_name("tiny")).num_parameters(exclude_embeddings=True)
     flops_per_token = 6 * n + 12 * 2 * 64 * SEQ
     tokens_per_sec = 2 * BATCH * SEQ / 1.0  # 2 steps per one-second window
-    assert metrics["throughput/tokens_per_sec"] == pytest.approx(tokens_per_sec)
-    assert metrics["throughput/samples_per_sec"] == pytest.approx(2 * BATCH)
-    assert metrics["throughput/device/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)
-    assert metrics["throughput/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)  # one device
-    assert metrics["throughput/device/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
-    assert "throughput/device/hfu" not in metrics
+    assert metrics["train/items_per_sec"] == pytest.approx(tokens_per_sec)
+    assert metrics["train/samples_per_sec"] == pytest.approx(2 * BATCH)
+    assert metrics["train/device/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)
+    assert metrics["train/flops_per_sec"] == pytest.approx(tokens_per_sec * flops_per_token)  # one device
+    assert metrics["train/device/mfu"] == pytest.approx(tokens_per_sec * flops_per_token / 1e12)
+    assert "train/device/hfu" not in metrics
 
 
 def test_peak_comes_from_the_device_lookup(monkeypatch):
@@ -81,7 +81,7 @@ def test_peak_comes_from_the_device_lookup(monkeypatch):
     monkeypatch.setattr(mfu, "device_peak_flops", lambda device, precision: asked.append((device, precision)) or 4e12)
     metrics, _ = _fit(peak_flops=None)
     assert asked == [(torch.device("cpu"), "32-true")]
-    assert metrics["throughput/device/mfu"] == pytest.approx(metrics["throughput/device/flops_per_sec"] / 4e12)
+    assert metrics["train/device/mfu"] == pytest.approx(metrics["train/device/flops_per_sec"] / 4e12)
 
 
 def test_progress_bar_shows_tokens_per_sec_and_mfu_only_when_asked():
@@ -94,8 +94,15 @@ def test_progress_bar_shows_tokens_per_sec_and_mfu_only_when_asked():
             trainer = _trainer(MFUMonitor(log_every_n_steps=2, peak_flops=1e12, prog_bar=prog_bar))
         finally:
             mfu.time = real_time
-        shown[prog_bar] = {k for k in trainer.progress_bar_metrics if k.startswith("throughput/")}
-    assert shown == {True: {"throughput/tokens_per_sec", "throughput/device/mfu"}, False: set()}
+        shown[prog_bar] = set(trainer.progress_bar_metrics) & {
+            "tok/s",
+            "mfu",
+            "train/items_per_sec",
+            "train/device/mfu",
+        }
+        logged = set(trainer.callback_metrics)
+    assert shown == {True: {"tok/s", "mfu"}, False: set()}  # short names, only when asked
+    assert {"train/items_per_sec", "train/device/mfu"} <= logged
 
 
 def _layout_metrics(world_size):
@@ -110,17 +117,13 @@ def _layout_metrics(world_size):
 @pytest.mark.distributed
 def test_tokens_count_once_per_data_parallel_replica():
     dp2, tp2, full_ac = run_distributed(_layout_metrics, 2, 2, timeout=240)[0]
-    assert dp2["throughput/tokens_per_sec"] == pytest.approx(2 * 2 * BATCH * SEQ)  # two replicas
-    assert tp2["throughput/tokens_per_sec"] == pytest.approx(2 * BATCH * SEQ)  # one replica on two ranks
+    assert dp2["train/items_per_sec"] == pytest.approx(2 * 2 * BATCH * SEQ)  # two replicas
+    assert tp2["train/items_per_sec"] == pytest.approx(2 * BATCH * SEQ)  # one replica on two ranks
     # Per device: the same model FLOPs spread over twice the devices for tp2 as for one replica.
-    assert tp2["throughput/device/flops_per_sec"] == pytest.approx(dp2["throughput/device/flops_per_sec"] / 2)
-    assert tp2["throughput/flops_per_sec"] == pytest.approx(dp2["throughput/flops_per_sec"] / 2)
+    assert tp2["train/device/flops_per_sec"] == pytest.approx(dp2["train/device/flops_per_sec"] / 2)
+    assert tp2["train/flops_per_sec"] == pytest.approx(dp2["train/flops_per_sec"] / 2)
     # Full recomputation adds one forward of each block: hardware FLOPs exceed model FLOPs.
-    assert (
-        full_ac["throughput/device/hfu"]
-        > full_ac["throughput/device/mfu"]
-        == pytest.approx(dp2["throughput/device/mfu"])
-    )
+    assert full_ac["train/device/hfu"] > full_ac["train/device/mfu"] == pytest.approx(dp2["train/device/mfu"])
 
 
 def test_batch_tokens_and_argument_checks():

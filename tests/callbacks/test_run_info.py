@@ -15,7 +15,7 @@ from lightning_llm.testing import run_distributed
 from tests._optional import requires_wandb
 from tests.callbacks.test_logging import Capture
 
-OURS = ("throughput/", "grad_norm/", "memory/", "loss_guard/")
+OURS = ("train/", "grad_norm/", "memory/", "loss_guard/")
 
 
 class Hyperparameters(Capture):

@@ -157,4 +157,4 @@ def test_mfu_monitor_agrees_with_the_benchmark_arithmetic():
     )
     tokens = 8 * 8 * 64  # 8 steps x batch 8 x 64 trained tokens per sample
     benchmark_mfu = tokens / (window.end - window.start) * ModelShape.of(module).flops_per_token(64) / peak
-    assert trainer.callback_metrics["throughput/device/mfu"].item() == pytest.approx(benchmark_mfu, rel=0.05)
+    assert trainer.callback_metrics["train/device/mfu"].item() == pytest.approx(benchmark_mfu, rel=0.05)
