@@ -264,6 +264,8 @@ def plan(args: list[str]) -> str:
     )
     try:
         _check_layout(module, settings["world_size"], settings["tp"], settings["pp"], settings["cp"])
+        if native:  # the layout checks fit runs at setup, on the same options
+            _check_strategy_layout(strategy, module, settings["world_size"])
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     params = sum(p.numel() for p in module.parameters())
@@ -327,6 +329,22 @@ def _check_plan_options(options) -> None:
         raise ValueError(f"--margin={options.margin!r} must be below 1 (the fraction of device memory kept free).")
     if parse_size(options.device_memory) <= 0:
         raise ValueError(f"--device_memory={options.device_memory!r} must be a positive size such as 80GB.")
+
+
+def _check_strategy_layout(strategy, module, world_size: int) -> None:
+    """What LLMParallelStrategy's setup checks before parallelizing: the mesh's degrees and the pipeline stages."""
+    from lightning_llm.modeling.blocks import find_blocks
+    from lightning_llm.strategies.parallel_setup import parallel_dims
+
+    parallel_dims(strategy.options, world_size)  # data_parallel_size, replicate groups, ... against the world
+    pp = strategy.pipeline_parallel_size
+    stages = pp * strategy.options.pipeline.spec().stages_per_rank() if pp > 1 else 1
+    blocks = len(find_blocks(module, strategy.blocks)[1])
+    if stages > blocks:
+        raise ValueError(
+            f"{stages} pipeline stages need at least as many transformer blocks, but the model has {blocks}; "
+            "lower pipeline_parallel_size or virtual_stages."
+        )
 
 
 def _check_layout(module, world_size: int, tp: int, pp: int, cp: int = 1) -> None:

@@ -225,6 +225,34 @@ PLAN_CASES = {
         2,
     ),
     "nothing fits": (lambda d: ["--config", _config(d), "--devices", "2", "--device_memory", "1MB"], "1MB", 1),
+    # Refused by fit at setup, so by plan too (one set of checks).
+    "pp 2 x 4 virtual stages on 2 blocks": (
+        lambda d: [
+            "--config",
+            _config(
+                d,
+                tensor_parallel_size=1,
+                sequence_parallel=False,
+                pipeline_parallel_size=2,
+                pipeline_schedule="Interleaved1F1B",
+                virtual_stages=4,
+            ),
+            "--devices",
+            "2",
+        ],
+        "8 pipeline stages need at least as many transformer blocks, but the model has 2",
+        2,
+    ),
+    "replicate 3 on 8 devices": (
+        lambda d: [
+            "--config",
+            _config(d, tensor_parallel_size=1, sequence_parallel=False, data_parallel_replicate_size=3),
+            "--devices",
+            "8",
+        ],
+        "data_parallel_replicate_size=3 does not divide the data-parallel size 8",
+        2,
+    ),
 }
 
 
