@@ -12,16 +12,20 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
-from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
+from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC
 from lightning_llm.parallel.float8 import validate_fp8
 from lightning_llm.parallel.parallelize import PipelineSpec
 from lightning_llm.parallel.pipeline.split import SCHEDULES
 from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
-from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size, check_timeout
+from lightning_llm.strategies.option_checks import (
+    check_context_parallel,
+    check_expert_parallel,
+    check_layout,
+    check_patterns,
+    warn_unused,
+)
+from lightning_llm.validation import check_bool, check_choice, check_int, check_timeout
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
 TRAINING_TIMEOUT = timedelta(minutes=10)
@@ -132,7 +136,7 @@ def build_options(
 ) -> StrategyOptions:
     """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
     tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
-    _check_layout(
+    check_layout(
         tp,
         pp,
         data_parallel_size,
@@ -143,7 +147,7 @@ def build_options(
         virtual_stages,
         device_memory,
     )
-    _check_context_parallel(
+    check_context_parallel(
         context_parallel_size,
         context_parallel_method,
         sequence_parallel=sequence_parallel,
@@ -162,7 +166,7 @@ def build_options(
         check_bool(name, value)  # "no", 2 or "max-autotune" would otherwise all mean True
     check_patterns("fp8_exclude", fp8_exclude, example="['*.down_proj']")
     check_choice("pipeline_schedule", pipeline_schedule, sorted(SCHEDULES))  # at pp=1 too: a typo is a typo
-    _warn_unused(
+    warn_unused(
         pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, activation_checkpointing_options
     )
     check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
@@ -174,9 +178,7 @@ def build_options(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
             f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
-    _check_expert_parallel(
-        expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size, context_parallel_size
-    )
+    check_expert_parallel(expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size, context_parallel_size)
     if expert_parallel_size > 1 and activation_checkpointing in ("selective", "auto"):
         # The experts' own FSDP2 unit inside a checkpointed block runs FSDP's root pre-forward (a profiler op) only
         # in the recompute, which selective checkpointing, replaying ops by count, refuses (torch 2.13).
@@ -221,114 +223,6 @@ def build_options(
         process_group_backend=process_group_backend,
         timeout=timeout,
     )
-
-
-def check_patterns(name: str, patterns, *, example: str) -> list[str]:
-    """A list of module-name patterns (a bare string would be read character by character), or ``[]`` for None."""
-    if patterns is None:
-        return []
-    if (
-        isinstance(patterns, str)
-        or not isinstance(patterns, (list, tuple))
-        or not all(isinstance(p, str) for p in patterns)
-    ):
-        raise ValueError(
-            f"{name}={patterns!r} must be a list of module-name patterns (fnmatch, as in named_modules()), "
-            f"e.g. {example}."
-        )
-    return list(patterns)
-
-
-def _warn_unused(pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, ac_options) -> None:
-    """Options that the chosen mode ignores, said once instead of dropped silently."""
-    ignored = [
-        f"{name}={value!r}"
-        for name, value in (
-            ("num_microbatches", num_microbatches),
-            ("virtual_stages", virtual_stages),
-            ("pipeline_split", pipeline_split),
-        )
-        if value is not None
-    ]
-    if pp == 1 and ignored:
-        rank_zero_warn(f"{', '.join(ignored)} ignored: pipeline_parallel_size=1 runs no pipeline.")
-    if isinstance(ac_options, ACOptions):  # the CLI parses a config's options into the dataclass
-        defaults = ACOptions()
-        given = {k: v for k, v in vars(ac_options).items() if v != getattr(defaults, k)}
-    else:
-        given = dict(ac_options or {})
-    if activation_checkpointing in ("none", "full") and given:
-        rank_zero_warn(
-            f"activation_checkpointing_options={given!r} ignored: activation_checkpointing="
-            f"{activation_checkpointing!r} takes none of them (they apply to 'selective' and 'auto')."
-        )
-
-
-def _check_layout(
-    tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches, virtual_stages, device_memory
-):
-    """Refuse an impossible layout (sizes, ZeRO stage, sequence parallelism, micro-batches)."""
-    if tp != "auto":  # "auto": Lightning's ModelParallelStrategy meaning, the devices of a node (resolved at setup)
-        check_int("tensor_parallel_size", tp, minimum=1, hint="or 'auto' for every device of a node")
-    check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")
-    if dp != "auto":
-        check_int("data_parallel_size", dp, minimum=1, hint="or 'auto' for world size / (tp * pp)")
-    check_int("data_parallel_replicate_size", replicate, minimum=1)
-    check_bool("sequence_parallel", sequence_parallel)
-    check_int("num_microbatches", num_microbatches, minimum=1, optional=True)
-    check_int("virtual_stages", virtual_stages, minimum=1, optional=True)
-    check_memory_size("device_memory", device_memory)
-    check_choice("zero_stage", zero_stage, (*FSDP2_ZERO_STAGES, "auto"))
-    if zero_stage == 0 and replicate > 1:
-        raise ValueError(
-            "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."
-        )
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
-
-
-def _check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
-    """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
-    check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
-    check_expert_parallel_plan(plan)
-    if ep > 1 and cp != 1:
-        raise ValueError(
-            f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported yet: the experts' groups "
-            "are carved from the data-parallel ranks, which context parallelism also divides. Use one of the two."
-        )
-    if ep > 1 and (tp > 1 or pp > 1):
-        raise ValueError(
-            f"expert_parallel_size={ep} with tensor_parallel_size={tp} and pipeline_parallel_size={pp} is not "
-            "supported yet: expert parallelism composes with data parallelism (ZeRO 0-3) only. Use "
-            "tensor_parallel_size=1 and pipeline_parallel_size=1, or expert_parallel_size=1."
-        )
-    if ep > 1 and dp != "auto" and dp % ep:
-        raise ValueError(
-            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the expert-parallel groups are "
-            f"carved out of the data-parallel ranks. Use an expert_parallel_size that divides {dp}."
-        )
-
-
-def _check_context_parallel(
-    cp, method, *, sequence_parallel, pp, zero_stage, activation_checkpointing, compile_blocks
-) -> None:
-    """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
-    check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
-    check_choice("context_parallel_method", method, ("ring", "ulysses"))
-    if cp == 1:
-        return
-    combined = {
-        "sequence_parallel": sequence_parallel or None,
-        "pipeline_parallel_size": pp if pp > 1 else None,
-        "zero_stage": zero_stage if zero_stage == "auto" else None,
-        "compile_blocks": compile_blocks or None,
-    }
-    for name, value in combined.items():
-        if value is not None:
-            raise ValueError(
-                f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
-                "composes with data parallelism (ZeRO 0-3), activation checkpointing and tensor parallelism without SP today. Drop one of the two."
-            )
 
 
 def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:
