@@ -269,10 +269,15 @@ def plan(args: list[str]) -> str:
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     params = sum(p.numel() for p in module.parameters())
+    dp = settings["world_size"] // (settings["tp"] * settings["pp"] * settings["cp"])
+    sequences = settings["micro_batch_size"] * dp * cli.trainer.accumulate_grad_batches
     header = (
         f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
         f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
-        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}"
+        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}\n"
+        f"global batch: {sequences} sequences, {sequences * settings['seq_len']:,} tokens per optimizer step "
+        f"(micro-batch {settings['micro_batch_size']} x dp {dp} x accumulate_grad_batches "
+        f"{cli.trainer.accumulate_grad_batches})"
     )
     try:
         decision = choose_zero_stage(module, **settings)

@@ -229,3 +229,17 @@ def test_the_footprint_counts_a_moe_models_experts():
     footprint = model_footprint(module, micro_batch_size=1, seq_len=16)
     experts = sum(p.numel() for n, p in module.named_parameters() if ".experts." in n)
     assert experts > 0 and footprint.expert_params == experts
+
+
+def test_plan_prints_the_global_batch(tmp_path, capsys):
+    import yaml
+
+    from lightning_llm.cli import main
+
+    config = yaml.safe_load((ROOT / "configs" / "llama7b.yaml").read_text())
+    config["trainer"]["accumulate_grad_batches"] = 4
+    path = tmp_path / "llama7b_accumulate4.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["plan", "--config", str(path), "--devices", "8", "--device_memory", "80GB"])
+    # micro-batch 1 x dp 8 x accumulate 4 = 32 sequences of 4096 tokens
+    assert "global batch: 32 sequences, 131,072 tokens per optimizer step" in capsys.readouterr().out
