@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -108,6 +109,13 @@ def apply_fp8(
             config = replace(config, emulate=True)
     keep = fp8_filter(blocks_name, exclude)
     names = [name for name, m in module.named_modules() if keep(m, name)]
+    unmatched = [p for p in exclude if not any(fnmatch.fnmatchcase(n, p) for n, _ in module.named_modules())]
+    if unmatched:  # a pattern that excludes nothing is most likely a typo: the layers it meant run in fp8
+        warnings.warn(
+            f"fp8_exclude patterns {unmatched} match no module (names look like "
+            f"{[n for n, _ in module.named_modules() if n][:4]}); the layers they were meant to keep out run in fp8.",
+            stacklevel=2,
+        )
     if not names:
         raise ValueError(
             f"fp8 found no Linear layer to convert under {blocks_name!r} (in/out features must be multiples of "

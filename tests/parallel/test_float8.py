@@ -198,3 +198,10 @@ def test_lightning_refuses_an_fp8_precision_string():
 
     with pytest.raises(ValueError, match="fp8-mixed"):
         L.Trainer(accelerator="cpu", precision="fp8-mixed", logger=False)
+
+
+def test_an_exclude_pattern_that_matches_nothing_is_warned_about():
+    model = make_model("reference")
+    with pytest.warns(UserWarning, match=r"fp8_exclude patterns \['\*\.down_prj'\] match no module"):
+        apply_fp8(model, blocks_name="model.layers", exclude=["*.down_prj", "*.feed_forward.down_proj"])
+    assert "model.layers.0.feed_forward.down_proj" not in _converted(model)  # the pattern that matches still applies
