@@ -79,7 +79,7 @@ def verify_committed(checkpoint: Location) -> None:
     """
     from lightning_llm.checkpointing import files
 
-    meta = files.read_marker(checkpoint)
+    meta = files.read_marker(checkpoint, strict=True)  # a damaged marker is refused, not taken for none
     if meta is None:
         return
     files.verify(checkpoint, world_size=meta.get("layout", {}).get("world_size"))

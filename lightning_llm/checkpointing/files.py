@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 import zipfile
 
 from lightning_llm._compat.torch_distributed import load_whole_checkpoint
@@ -44,10 +45,22 @@ def write_json_atomically(path: Location, data: dict) -> None:
     cfs.write_json(path, data)
 
 
-def read_marker(checkpoint: Location) -> dict | None:
+def read_marker(checkpoint: Location, *, strict: bool = False) -> dict | None:
+    """The commit marker of ``checkpoint``, or ``None`` where it has none.
+
+    A marker that exists but does not parse (truncated, corrupted) is ``None`` too, unless ``strict``: then a
+    ``RuntimeError`` names it, so a checkpoint whose marker was damaged is not taken for one that never had one.
+    """
+    path = marker_path(checkpoint)
     try:
-        return json.loads(cfs.read_text(marker_path(checkpoint)))
-    except (OSError, ValueError):
+        text = cfs.read_text(path)
+    except OSError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        if strict:
+            raise RuntimeError(f"its commit marker {path} is not valid JSON ({err}): truncated or corrupted.") from None
         return None
 
 
@@ -63,7 +76,11 @@ def complete_checkpoints(directory: Location) -> list[str]:
         if not marker.endswith(MARKER_SUFFIX) or marker.startswith((TMP_PREFIX, DELETING_PREFIX)):
             continue
         checkpoint = cfs.join(directory, marker[: -len(MARKER_SUFFIX)])
-        meta = read_marker(checkpoint)
+        try:
+            meta = read_marker(checkpoint, strict=True)
+        except RuntimeError as err:  # skipped, and said: an older checkpoint is what "last" will resume
+            warnings.warn(f"Checkpoint {checkpoint} is skipped: {err}", stacklevel=2)
+            continue
         if meta is not None and cfs.name(checkpoint) in names:
             found.append((meta.get("wall_time", 0), meta.get("step", -1), checkpoint))
     return [path for _, _, path in sorted(found)]

@@ -71,3 +71,13 @@ def test_a_failed_export_leaves_the_previous_output_and_no_debris(committed, tmp
     assert code == 1 and "failed halfway" in err
     assert [p.name for p in out.iterdir()] == ["model.safetensors.index.json"]  # the previous output, untouched
     assert sorted(p.name for p in tmp_path.iterdir() if "hf" in p.name) == ["hf"]  # no partial directory left
+
+
+def test_a_truncated_commit_marker_is_said_and_refused_not_taken_for_none(committed):
+    from lightning_llm.checkpointing import checksums
+
+    marker = Path(files.marker_path(str(committed)))
+    marker.write_text(marker.read_text()[:20])  # a write cut short
+    with pytest.warns(UserWarning, match=r"is skipped: its commit marker .* is not valid JSON"):
+        assert files.complete_checkpoints(committed.parent) == []
+    assert "is not valid JSON" in checksums.refusal(str(committed))
