@@ -100,6 +100,9 @@ def prepare(
     eos_id = _eos_id(tok, tokenizer_path, eos_token)
     dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
     names = ("train", "val") if val_fraction > 0 else ("train",)
+    for stale in {"train", "val"} - set(names):  # an earlier run's split: its documents may now be in train
+        _remove([_TokenWriter(out / f"{stale}.bin", dtype)])
+        sidecar_path(out / f"{stale}.bin").unlink(missing_ok=True)
     writers = {name: _TokenWriter(out / f"{name}.bin", dtype) for name in names}
     runs = _encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers)
     _write(runs, writers, progress)

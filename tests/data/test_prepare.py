@@ -380,3 +380,11 @@ def test_document_id_batches_resume_mid_epoch_exactly(tmp_path):
     for step, (got, want) in enumerate(zip(pieces, straight)):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step} read another batch"
         assert got[2] == want[2], f"step {step}: loss {got[2]} != {want[2]}"
+
+
+def test_a_rerun_without_a_validation_split_removes_the_earlier_one(tmp_path):
+    docs = [_text(tmp_path, "corpus.jsonl", "".join(f'{{"text": "document number {i}"}}\n' for i in range(40)))]
+    prepare(docs, tmp_path / "out", vocab_size=270, val_fraction=0.25)
+    assert (tmp_path / "out" / "val.bin").exists()
+    prepare(docs, tmp_path / "out", vocab_size=270, val_fraction=0.0)  # every document now in train.bin
+    assert not any((tmp_path / "out" / f"val.{suffix}").exists() for suffix in ("bin", "idx", "json"))
