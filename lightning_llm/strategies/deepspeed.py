@@ -337,6 +337,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        refuse_matrix_optimizers(optimizer)
         if not isinstance(self.accelerator, CPUAccelerator):
             return deepspeed_setup_model_and_optimizer(self, model, optimizer, lr_scheduler)
         engine, deepspeed_optimizer, _, _ = self._cpu_initialize(
@@ -385,4 +386,19 @@ def _require_deepspeed_cpu_accelerator() -> None:
         raise RuntimeError(
             f"Trainer(accelerator='cpu') with LLMDeepSpeedStrategy needs DeepSpeed's CPU accelerator, but DeepSpeed "
             f"selected {name!r}. Set the environment variable DS_ACCELERATOR=cpu before Python starts."
+        )
+
+
+def refuse_matrix_optimizers(optimizer) -> None:
+    """Refuse, before the first step, an optimizer that needs whole matrices: DeepSpeed hands it flat partitions.
+
+    ``torch.optim.Muon`` orthogonalizes each 2-D gradient; under DeepSpeed it gets flattened ZeRO partitions and fails
+    inside its step ("Param gradient must be a 2D matrix").
+    """
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and isinstance(optimizer, muon):
+        raise ValueError(
+            "torch.optim.Muon cannot run under LLMDeepSpeedStrategy: DeepSpeed hands the optimizer flat ZeRO "
+            "partitions, and Muon orthogonalizes whole 2-D matrices. Use LLMParallelStrategy (FSDP2, tensor and "
+            "pipeline parallelism, where Muon matches one process), or AdamW under DeepSpeed."
         )
