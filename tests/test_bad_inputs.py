@@ -335,3 +335,7 @@ def test_there_are_at_least_60_cases():
 def test_options_the_mode_ignores_are_warned_about(kwargs, named):
     with pytest.warns(UserWarning, match=named.replace("[", r"\[").replace("]", r"\]")):
         LLMParallelStrategy(**kwargs)
+
+
+def test_a_path_object_is_a_valid_checkpoint_dirpath(tmp_path):
+    assert CheckpointRotation(dirpath=tmp_path / "ckpts").dirpath.endswith("ckpts")

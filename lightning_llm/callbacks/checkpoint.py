@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Literal
 
@@ -115,7 +116,7 @@ class CheckpointRotation(ModelCheckpoint):
         validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
         check_bool("async_save", async_save)
         check_bool("require_monitor", require_monitor)
-        if dirpath is not None and (not isinstance(dirpath, str) or not dirpath.strip()):
+        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):
             raise ValueError(
                 f"dirpath={dirpath!r} names no directory; give a path or URL, or leave it None for "
                 "<default_root_dir>/checkpoints."
