@@ -165,7 +165,8 @@ def build_options(
     ):
         check_bool(name, value)  # "no", 2 or "max-autotune" would otherwise all mean True
     check_patterns("fp8_exclude", fp8_exclude, example="['*.down_proj']")
-    check_choice("pipeline_schedule", pipeline_schedule, sorted(SCHEDULES))  # at pp=1 too: a typo is a typo
+    if pipeline_schedule not in SCHEDULES:  # at pp=1 too: a typo is a typo (validate_schedule's words)
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
     warn_unused(
         pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, activation_checkpointing_options
     )
