@@ -1,11 +1,28 @@
 """The MFU benchmark runs on CPU at tiny size through the same code path it uses on GPUs."""
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+# Set in this process by any earlier in-process run that joined a process group (Lightning writes MASTER_PORT into
+# os.environ): a child inheriting it would try to listen on a port this process's store still holds (EADDRINUSE).
+_DISTRIBUTED_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+def _fresh_env() -> dict[str, str]:
+    """This process's environment without the torch.distributed variables: each benchmark starts its own group."""
+    return {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARIABLES}
 
 
 def test_mfu_benchmark_cpu_smoke():
@@ -36,6 +53,7 @@ def test_mfu_benchmark_cpu_smoke():
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=_fresh_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -70,6 +88,7 @@ def test_checkpoint_stall_quick_reports_the_spread_of_per_round_ratios():
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=_fresh_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"async/sync median ([\d.]+) \(min ([\d.]+), max ([\d.]+), 2 rounds\)", result.stdout)
@@ -85,6 +104,7 @@ def test_strategy_overhead_quick_alternates_both_strategies():
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=_fresh_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(
@@ -99,6 +119,7 @@ def test_activation_checkpointing_quick_reports_every_mode_against_none():
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=_fresh_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
