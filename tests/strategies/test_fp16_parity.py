@@ -99,3 +99,25 @@ def test_fp16_with_a_loss_scaler_matches_the_same_arithmetic_under_every_layout(
         assert_parity(
             (losses, params), (want_losses, want_params), f"fp16 {label}", rtol=PARAM_RTOL, loss_rtol=LOSS_RTOL
         )
+
+
+def _pp2_tp2(world_size):
+    layout = {
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "pipeline_schedule": "1F1B",
+        "num_microbatches": 4,
+    }
+    return _run(LLMParallelStrategy(**layout), devices=world_size, dp=1)
+
+
+def test_fp16_with_a_loss_scaler_under_pp2_x_tp2_matches_one_process_with_clipping():
+    # 4 ranks: two pipeline stages, each split over two tensor-parallel ranks; the found-inf flag and the global norm
+    # must agree over both mesh dimensions. The oracle is one process accumulating the 4 micro-batches.
+    _, want_params, want_scales = _run(accumulate=4)  # one process logs a loss per micro-batch: parameters compared
+    assert want_scales[0] < INIT_SCALE, "the forced overflow did not happen: the test would prove nothing"
+    per_rank = run_distributed(_pp2_tp2, 4, 4, timeout=560)
+    losses, params, scales = per_rank[0]
+    assert scales == want_scales, f"pp2 x tp2: loss scale per step {scales} vs one process {want_scales}"
+    assert all(rank[2] == scales for rank in per_rank), "the ranks' loss scales differ (a step skipped on some only)"
+    assert_parity((losses, params), (losses, want_params), "fp16 pp2 x tp2", rtol=PARAM_RTOL, loss_rtol=LOSS_RTOL)
