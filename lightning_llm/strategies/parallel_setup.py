@@ -73,6 +73,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
     init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
     loaded = state.meta_writes.by_name(module) if on_meta and state.meta_writes is not None else {}
+    state.meta_writes = None  # the recorded copies are host tensors as large as what was loaded: not kept past setup
     state.report = parallelize(
         module,
         state.parallel_dims,
