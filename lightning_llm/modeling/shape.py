@@ -2,7 +2,7 @@
 
 Model FLOPs per token follow the PaLM / Chinchilla accounting torchtitan uses:
 ``6 * N + 12 * L * H * d_head * T`` for forward plus backward, with N the parameters doing
-matmuls (input embedding tables excluded, a tied output head included), L attention blocks, H * d_head the
+matmuls (input embedding tables excluded, a tied output head included, a mixture of experts' active ones only), L attention blocks, H * d_head the
 attention width and T the sequence length (summed per block: a hybrid's Mamba blocks add no ``T`` term). Hardware FLOPs add what activation checkpointing
 recomputes. :func:`counted_flops_per_token` is the independent check: torch's FLOP counter on a
 fake-tensor forward (nothing allocated).
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.experts import inactive_expert_parameters
 from lightning_llm.modeling.fake import fake_parameters
 
 
@@ -27,8 +28,9 @@ def _tied_to_linear(module: nn.Module, embedding: nn.Embedding) -> bool:
 
 
 def matmul_parameters(module: nn.Module) -> int:
-    """Parameters that take part in matmuls: all but input embedding tables (a tied output head counts)."""
-    total = sum(p.numel() for p in module.parameters())
+    """Parameters a token's matmuls use: all but input embedding tables (a tied output head counts) and, in a
+    mixture of experts, the routed experts it is not sent to (only ``top_k`` of ``num_experts`` are active)."""
+    total = sum(p.numel() for p in module.parameters()) - inactive_expert_parameters(module)
     for m in module.modules():
         if isinstance(m, nn.Embedding) and not _tied_to_linear(module, m):
             total -= m.weight.numel()
@@ -79,7 +81,10 @@ class ModelShape:
         _, block_list = find_blocks(module, blocks)
         return cls(
             matmul_parameters=matmul_parameters(module),
-            block_matmul_parameters=[sum(p.numel() for p in b.parameters() if p.dim() >= 2) for b in block_list],
+            block_matmul_parameters=[
+                sum(p.numel() for p in b.parameters() if p.dim() >= 2) - inactive_expert_parameters(b)
+                for b in block_list
+            ],
             block_attention_widths=attention_widths(module, list(block_list)),
         )
 

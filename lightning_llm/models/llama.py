@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.data.packing import document_causal_mask
+from lightning_llm.models.moe import MoEFeedForward
 
 
 @dataclass
@@ -44,6 +45,15 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Mixture of experts (lightning_llm.models.moe): with n_experts > 0 every block from n_dense_layers on routes each
+    # token to top_k of n_experts SwiGLU experts of width moe_hidden_dim (default ffn_hidden_dim), plus
+    # n_shared_experts always-on ones; moe_aux_loss_coef > 0 adds the load-balancing loss to the training loss.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_hidden_dim: int | None = None
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -61,6 +71,10 @@ class LlamaConfig:
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}.")
+        if self.moe_hidden_dim is None:
+            self.moe_hidden_dim = self.ffn_hidden_dim
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}.")
 
     @property
     def head_dim(self) -> int:
@@ -98,6 +112,48 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
     # Llama-2-7B shapes.
     "7B": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden_dim=11008, max_seq_len=4096),
+    # Mixtures of experts: every block but the first routes to 2 of 8 experts beside one shared expert.
+    "tiny-moe": LlamaConfig(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=256,
+        n_experts=4,
+        moe_hidden_dim=64,
+        n_shared_experts=1,
+    ),
+    "small-moe": LlamaConfig(
+        vocab_size=256,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        max_seq_len=512,
+        n_experts=8,
+        moe_hidden_dim=256,
+        n_shared_experts=1,
+        n_dense_layers=1,
+        moe_aux_loss_coef=0.01,
+    ),
+    # DeepSeek-V3's MoE shapes (666B parameters, 33B active per token) with grouped-query attention in place of
+    # its multi-head latent attention: 3 dense blocks, then 256 routed experts (top 8) and one shared per block.
+    "671B-moe": LlamaConfig(
+        vocab_size=129280,
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_hidden_dim=18432,
+        max_seq_len=4096,
+        n_experts=256,
+        top_k=8,
+        moe_hidden_dim=2048,
+        n_shared_experts=1,
+        n_dense_layers=3,
+        moe_aux_loss_coef=1e-4,
+    ),
     # Llama-3-70B shapes.
     "70B": LlamaConfig(
         vocab_size=128256,
@@ -163,25 +219,37 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def feed_forward(config: LlamaConfig, layer: int) -> nn.Module:
+    """Block ``layer``'s MLP: dense SwiGLU, or mixture of experts from ``n_dense_layers`` on when ``n_experts``."""
+    if not config.n_experts or layer < config.n_dense_layers:
+        return FeedForward(config.dim, config.ffn_hidden_dim)
+    shared = (
+        FeedForward(config.dim, config.n_shared_experts * config.moe_hidden_dim) if config.n_shared_experts else None
+    )
+    return MoEFeedForward(
+        config.dim, config.moe_hidden_dim, config.n_experts, config.top_k, config.moe_aux_loss_coef, shared
+    )
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = feed_forward(config, layer)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -205,7 +273,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -221,7 +289,7 @@ class Llama(nn.Module):
         for name, param in self.named_parameters():
             if param.dim() < 2:
                 nn.init.ones_(param)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(param, std=std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(param, std=std)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from lightning_llm.models.llama import Llama, LlamaConfig
+from lightning_llm.models.moe import MoEFeedForward
 
 
 class CausalLM(L.LightningModule):
@@ -81,6 +82,11 @@ class CausalLM(L.LightningModule):
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_ppl", loss.detach().exp())
+        aux = [m.aux_loss for m in self.model.modules() if isinstance(m, MoEFeedForward) and m.aux_loss is not None]
+        if aux:  # mixture-of-experts load balancing (moe_aux_loss_coef > 0)
+            aux_loss = torch.stack(aux).sum()
+            self.log("train_moe_aux_loss", aux_loss.detach())
+            loss = loss + aux_loss
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:

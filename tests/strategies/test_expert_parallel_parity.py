@@ -1,7 +1,7 @@
-"""Expert parallelism against one process: three Hugging Face MoE architectures under EP x ZeRO layouts.
+"""Expert parallelism against one process: three Hugging Face MoE architectures and the reference MoE under EP x ZeRO.
 
 Each model (Mixtral; Qwen3-MoE; DeepSeek-V3 with a dense first block, shared experts and multi-head latent
-attention) trains for the zoo's steps in fp32 on gloo ranks and must match the same model trained by one process:
+attention; this package's Llama with MoE blocks) trains for the zoo's steps in fp32 on gloo ranks and must match the same model trained by one process:
 per-step loss and every parameter within 1e-5 relative, parameters identical on every rank holding them, each rank
 holding its share of the expert parameters (1 / ep whole experts, further sharded over the data-parallel ranks
 outside the EP group under ZeRO 1-3), and the trained routers sending every token to the same experts as the single
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.distributed]
 
 pytest.importorskip("transformers")
 
-MODELS = ["mixtral", "qwen3_moe", "deepseek_v3"]
+MODELS = ["mixtral", "qwen3_moe", "deepseek_v3", "reference_moe"]
 # layout -> (world size, strategy arguments, the share of expert parameters each rank holds)
 LAYOUTS = {
     "ep2_zero0": (2, {"expert_parallel_size": 2, "zero_stage": 0}, 1 / 2),

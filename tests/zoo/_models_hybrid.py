@@ -6,6 +6,8 @@
   (``first_k_dense_replace``), with multi-head latent attention.
 * ``user_sequential``: a user's model whose blocks (attention and a causal convolution mixer) sit in an
   ``nn.Sequential`` the forward calls.
+* ``reference_moe``: this package's own :class:`~lightning_llm.models.Llama` with mixture-of-experts blocks after
+  a dense first one (4 experts, top 2, one shared expert).
 
 :func:`register` adds them to :data:`tests.zoo._models.BUILDERS`, so the zoo harness
 (``ZooLM(name)``, ``train``, ``train_zoo``) trains them like any zoo model.
@@ -114,6 +116,17 @@ HYBRID = {
 HYBRID_MODELS = list(HYBRID)
 
 
+def _reference_moe() -> nn.Module:
+    from lightning_llm.models import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, n_experts=4, top_k=2,
+        moe_hidden_dim=16, n_shared_experts=1, n_dense_layers=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Llama(config)
+
+
 def register() -> None:
-    """Make the hybrid models buildable by name through the zoo harness (``ZooLM(name)``)."""
-    BUILDERS.update(HYBRID)
+    """Make the hybrid models and the reference MoE buildable by name through the zoo harness (``ZooLM(name)``)."""
+    BUILDERS.update(HYBRID, reference_moe=_reference_moe)

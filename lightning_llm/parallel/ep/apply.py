@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style, replicate_with_fsdp
+from lightning_llm.modeling.experts import expert_count
 from lightning_llm.parallel.ep.mesh import ExpertMeshes
 from lightning_llm.parallel.ep.style import ExpertParallel, routed_arguments
-from lightning_llm.parallel.tp.experts import expert_count
 
 log = logging.getLogger(__name__)
 

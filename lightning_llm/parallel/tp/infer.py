@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, distinct_blocks
+from lightning_llm.modeling.experts import expert_count
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
-from lightning_llm.parallel.tp.experts import expert_count
 from lightning_llm.parallel.tp.fused import projection_dims
 
 # Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).

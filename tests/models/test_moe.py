@@ -1,0 +1,97 @@
+"""The reference model's mixture of experts against hand computations and torch's FLOP counter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_llm.modeling.experts import inactive_expert_parameters
+from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.models import CausalLM, Llama, LlamaConfig
+from lightning_llm.models.moe import Experts, MoEFeedForward
+
+
+def _swiglu(x, gate_up, down):
+    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down.T
+
+
+def test_experts_sum_each_tokens_routes_weighted_as_a_loop_over_tokens_would():
+    torch.manual_seed(0)
+    experts = Experts(num_experts=4, dim=8, hidden_dim=6)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, ids, weights = torch.randn(5, 8), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    expected = torch.stack(
+        [
+            sum(weights[t, j] * _swiglu(x[t], experts.gate_up_proj[ids[t, j]], experts.down_proj[ids[t, j]]) for j in range(2))
+            for t in range(5)
+        ]
+    )  # fmt: skip
+    torch.testing.assert_close(experts(x, ids, weights), expected)
+    # An id past the module's experts (tensor parallelism's off-rank sentinel) contributes nothing.
+    sentinel = ids.clone()
+    sentinel[:, 1] = 4
+    only_first = torch.stack(
+        [weights[t, 0] * _swiglu(x[t], experts.gate_up_proj[ids[t, 0]], experts.down_proj[ids[t, 0]]) for t in range(5)]
+    )
+    torch.testing.assert_close(experts(x, sentinel, weights), only_first)
+
+
+def test_router_takes_the_softmax_top_k_renormalized_and_the_aux_loss_is_switch_transformers():
+    torch.manual_seed(0)
+    moe = MoEFeedForward(dim=8, hidden_dim=6, num_experts=4, top_k=2, aux_loss_coef=0.5)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 3, 8)
+    _, ids, weights = moe.router(x.flatten(0, 1))
+    softmax = (x.flatten(0, 1) @ moe.router.weight.T).softmax(-1)
+    assert torch.equal(ids.sort(-1).values, softmax.topk(2).indices.sort(-1).values)
+    torch.testing.assert_close(weights, softmax.gather(-1, ids) / softmax.gather(-1, ids).sum(-1, keepdim=True))
+    moe(x)
+    fraction = torch.tensor([(ids == e).sum().item() / ids.numel() for e in range(4)])
+    torch.testing.assert_close(moe.aux_loss, 0.5 * 4 * (fraction * softmax.mean(0)).sum())
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad.abs().sum() > 0  # the balancing loss trains the router
+
+
+def test_causal_lm_adds_the_aux_loss_of_every_moe_block_to_its_training_loss():
+    config = LlamaConfig.from_name("tiny-moe", n_layers=3, moe_aux_loss_coef=0.1)
+    module = CausalLM(config)
+    module.configure_model()
+    batch = torch.randint(0, 256, (2, 17))
+    loss = module.training_step(batch, 0)
+    aux = [m.aux_loss for m in module.model.modules() if isinstance(m, MoEFeedForward)]
+    assert len(aux) == 3 and all(a > 0 for a in aux)
+    torch.testing.assert_close(loss, module._loss(batch) + sum(aux))
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "small-moe"])
+def test_flops_per_token_count_active_experts_as_torchs_flop_counter_does(preset):
+    model = Llama(LlamaConfig.from_name(preset))
+    tokens = torch.randint(0, 256, (2, 64))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens)
+    counted = 3 * counter.get_total_flops() / tokens.numel()
+    # Norm weights are parameters without matmuls: the accounting's only difference, under 0.5%.
+    assert ModelShape.of(model).flops_per_token(64) == pytest.approx(counted, rel=5e-3)
+
+
+def test_deepseek_v3_sized_preset_builds_on_meta_with_its_active_parameters():
+    config = LlamaConfig.from_name("671B-moe")
+    with torch.device("meta"):
+        model = Llama(config)
+    d, e, k, h = config.dim, config.n_experts, config.top_k, config.moe_hidden_dim
+    expert = 3 * d * h
+    attention = 2 * d * d + 2 * d * config.n_kv_heads * config.head_dim
+    moe_blocks, dense_blocks = config.n_layers - config.n_dense_layers, config.n_dense_layers
+    by_hand = (
+        2 * config.vocab_size * d
+        + config.n_layers * (attention + 2 * d)
+        + dense_blocks * 3 * d * config.ffn_hidden_dim
+        + moe_blocks * ((e + 1) * expert + e * d)
+        + d
+    )
+    assert sum(p.numel() for p in model.parameters()) == by_hand
+    assert inactive_expert_parameters(model) == moe_blocks * (e - k) * expert
