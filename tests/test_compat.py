@@ -35,7 +35,6 @@ KNOWN_PRIVATE_ATTRIBUTES = {
     "_init_config_if_needed",
     "_init_deepspeed_distributed",
     "_initialize_deepspeed_inference",
-    "_is_expert_parallel",
     "_is_hf_initialized",
     "_local_tensor",
     "_modules",

@@ -1,4 +1,4 @@
-"""Private Hugging Face transformers attributes: init marks, tensor-parallel plans and the expert-parallel flag.
+"""Private Hugging Face transformers attributes: init marks, tensor-parallel plans, the attention implementation.
 
 transformers is optional: nothing is imported here.
 """
@@ -27,12 +27,6 @@ def tp_plan(module: Any) -> Any:
     return getattr(module, "_tp_plan", None)
 
 
-def mark_expert_parallel(module: Any) -> None:
-    """Set ``_is_expert_parallel`` on an experts module: Hugging Face's ``grouped_mm``/``batched_mm`` experts then
-    skip the off-rank sentinel id, as under its own expert parallelism. Checked on transformers 5.24."""
-    module._is_expert_parallel = True
-
-
 def _check():
     import inspect
 
@@ -44,21 +38,16 @@ def _check():
         raise AttributeError("transformers no longer uses _is_hf_initialized")
     if not hasattr(PreTrainedModel, "_tp_plan") and "_tp_plan" not in inspect.getsource(modeling_utils):
         raise AttributeError("transformers no longer has PreTrainedModel._tp_plan")
-    from transformers.integrations import moe
-
-    if "_is_expert_parallel" not in inspect.getsource(moe):
-        raise AttributeError("transformers' experts no longer read _is_expert_parallel")
 
 
 register(
     Private(
-        name="transformers `_is_hf_initialized`, `PreTrainedModel._tp_plan`, experts' `_is_expert_parallel`",
+        name="transformers `_is_hf_initialized`, `PreTrainedModel._tp_plan`",
         upstream="transformers",
-        accessor="transformers.clear_hf_initialized, tp_plan, mark_expert_parallel",
-        used_by=("parallel/init/entry.py", "parallel/tp/hf_styles.py", "parallel/tp/experts.py"),
-        why="re-run HF's `init_weights` on a meta-built model; read HF's own TP plan; make HF's experts skip the "
-        "off-rank sentinel id under our expert sharding. No public API for any of the three",
-        caught_by="`tests/parallel/test_experts_parallel.py`, `tests/hf/` TP-plan and init tests",
+        accessor="transformers.clear_hf_initialized, tp_plan",
+        used_by=("parallel/init/entry.py", "parallel/tp/hf_styles.py"),
+        why="re-run HF's `init_weights` on a meta-built model; read HF's own TP plan. No public API for either",
+        caught_by="`tests/hf/` TP-plan and init tests",
         checked=CHECKED,
         check=_check,
     )

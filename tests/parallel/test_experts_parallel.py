@@ -14,9 +14,11 @@ from torch import nn
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.plan import add_sequence_parallel_boundaries, resolve_plan
 from lightning_llm.testing import run_distributed
+from tests.parallel._tp_models import HF_SOURCES
 
-# (zoo model, Hugging Face experts implementation): the eager loop and batched_mm mask the off-rank routes differently.
-CASES = [("mixtral", "eager"), ("mixtral", "batched_mm"), ("qwen3_moe", "eager")]
+# (zoo model, Hugging Face experts implementation): the eager loop and batched_mm run the routes differently; the
+# reference model's experts (lightning_llm.models.moe, dense first block, a shared expert) have one implementation.
+CASES = [("mixtral", "eager"), ("mixtral", "batched_mm"), ("qwen3_moe", "eager"), ("reference_moe", "loop")]
 
 
 def _experts(model: nn.Module) -> list[nn.Module]:
@@ -29,7 +31,7 @@ def test_hf_moe_plan_splits_experts_and_drops_their_weight_entries():
     for name in ("mixtral", "qwen3_moe"):
         module = ZooLM(name)
         plan, source, _ = resolve_plan(module, blocks_name="model.model.layers", blocks=module.model.model.layers)
-        assert source == "hugging face"
+        assert source in HF_SOURCES
         assert plan["model.model.layers.*.mlp.experts"] == "experts"
         assert not any(p.endswith(("gate_up_proj", "experts.down_proj")) for p in plan), plan
         # Qwen3-MoE's HF plan also names dense-MLP layers (mlp.gate_proj); this config has none, so they are dropped.
@@ -68,11 +70,18 @@ def test_experts_that_cannot_be_split_exactly_are_refused():
 
 def _build(name: str, implementation: str) -> nn.Module:
     from tests.zoo._models import ZooLM
+    from tests.zoo._models_hybrid import register
 
+    register()
     module = ZooLM(name)
     for experts in _experts(module):  # grouped_mm, the default, has no float64 kernel on CPU
-        experts.config._experts_implementation = implementation
+        if hasattr(experts, "config"):
+            experts.config._experts_implementation = implementation
     return module
+
+
+def _logits(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
 
 
 def _fp64_ranks(cases: list[tuple[str, str]]) -> dict | None:
@@ -111,7 +120,7 @@ def _fp64_ranks(cases: list[tuple[str, str]]) -> dict | None:
             unmodified = _build(name, implementation)
             unmodified.load_state_dict(state)  # strict: the model's own names and shapes
             with torch.no_grad():
-                gap = unmodified.model(batch).logits - reference.model(batch).logits
+                gap = _logits(unmodified.model(batch)) - _logits(reference.model(batch))
             results[(name, implementation, sp)] = (
                 abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                 errors,

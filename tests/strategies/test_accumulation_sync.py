@@ -13,11 +13,11 @@ import gc
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
+from tests.parallel._collectives import counting_reduce_scatters
 from tests.strategies._parity import assert_parity, train
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,16 +57,8 @@ class FirstMicroBatchBytes(L.Callback):
 
 
 def _accumulate(world_size):
-    calls = {"reduce_scatter": 0}
-    original = dist.reduce_scatter_single
-
-    def counting(*args, **kwargs):
-        calls["reduce_scatter"] += 1
-        return original(*args, **kwargs)
-
     results = {}
-    dist.reduce_scatter_single = counting  # FSDP2 reduce-scatters gradients through it
-    try:
+    with counting_reduce_scatters() as calls:
         for mode in ("auto", "last_micro_batch"):
             calls["reduce_scatter"], probe = 0, FirstMicroBatchBytes()
             strategy = LLMParallelStrategy(zero_stage=3, accumulation_sync=mode)
@@ -80,8 +72,6 @@ def _accumulate(world_size):
                 callbacks=[probe],
             )
             results[mode] = (got, calls["reduce_scatter"], probe.bytes)
-    finally:
-        dist.reduce_scatter_single = original
     return results
 
 

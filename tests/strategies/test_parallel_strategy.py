@@ -5,7 +5,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
@@ -13,6 +12,7 @@ from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
+from tests.parallel._collectives import counting_reduce_scatters
 from tests.strategies._parity import STEPS, assert_parity, data, full_state, make_model, train
 
 
@@ -117,18 +117,9 @@ def test_bad_input_is_refused_before_the_first_step():
 
 
 def _accumulation_and_validation(world_size):
-    calls = {"reduce_scatter": 0}
-    original = dist.reduce_scatter_single
-
-    def counting(*args, **kwargs):
-        calls["reduce_scatter"] += 1
-        return original(*args, **kwargs)
-
-    # FSDP2 reduce-scatters gradients through dist.reduce_scatter_single; counting the calls shows
-    # whether accumulation micro-batches skipped it (as asked: by default they reduce-scatter, see
-    # test_accumulation_sync.py).
-    dist.reduce_scatter_single = counting
-    try:
+    # Counting FSDP2's gradient reduce-scatters shows whether accumulation micro-batches skipped them (as asked:
+    # by default they reduce-scatter, see test_accumulation_sync.py).
+    with counting_reduce_scatters() as calls:
         accumulated = train(
             "reference",
             LLMParallelStrategy(zero_stage=3, accumulation_sync="last_micro_batch"),
@@ -136,8 +127,6 @@ def _accumulation_and_validation(world_size):
             dp=world_size,
             accumulate=2,
         )
-    finally:
-        dist.reduce_scatter_single = original
 
     model = make_model("hf_llama")
     trainer = L.Trainer(

@@ -15,9 +15,10 @@ Why the pieces:
   layout. Inside the forward the experts code indexes the weights with local expert ids, which a
   DTensor cannot do, so a forward pre-hook lends the module its local shards for the duration of the
   call, the way FSDP2 lends unsharded parameters (and Hugging Face's ``_use_local_dtensor_params``).
-- Routes to experts on other ranks get the local id ``num_local_experts`` and weight 0: Hugging
-  Face's experts implementations (eager, ``grouped_mm``, ``batched_mm``) skip that id when
-  ``_is_expert_parallel`` is set.
+- Only the routes to this rank's experts reach the module, one row per route (token, expert) with the local
+  expert id, the way expert parallelism's dispatch hands them over without the all-to-all; the rows are added
+  back onto their tokens after. The module never sees an expert it does not hold, so no transformers release's
+  handling of an off-rank sentinel id is relied on.
 - The shared inputs (tokens, routing weights) get their gradient summed over the tp group: each rank
   backpropagates through its own experts only. The router before them therefore sees the full
   gradient on every rank and stays replicated without any gradient correction.
@@ -34,24 +35,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llm._compat.torch import module_parameters
-from lightning_llm._compat.transformers import mark_expert_parallel
+from lightning_llm.modeling.experts import expert_count
 
 INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
-
-
-def expert_count(module: nn.Module) -> int | None:
-    """The number of experts of an experts module (``num_experts`` with 3-D weights), else ``None``.
-
-    Every parameter must be the module's own with the experts as its first dimension: a submodule's
-    parameters (a shared norm, an identity expert) would otherwise be split by a dimension that is not experts.
-    """
-    count = getattr(module, "num_experts", None)
-    weights = list(module.parameters(recurse=False))
-    if not isinstance(count, int) or not weights or len(list(module.parameters())) != len(weights):
-        return None
-    # At least one 3-D weight: a router also holds ``num_experts`` and an (experts x dim) weight.
-    experts_first = all(p.dim() >= 2 and p.shape[0] == count for p in weights)
-    return count if experts_first and any(p.dim() >= 3 for p in weights) else None
 
 
 def check_experts(name: str, module: nn.Module, tp: int) -> None:
@@ -94,7 +80,6 @@ class ExpertsParallel(ParallelStyle):
         tp, count = device_mesh.size(), expert_count(module)
         distribute_module(module, device_mesh, partition_fn=_shard_experts)
         module.num_experts = count // tp
-        mark_expert_parallel(module)  # Hugging Face's experts skip the off-rank id only when this is set
         first = device_mesh.get_local_rank() * module.num_experts
         signature = inspect.signature(module.forward)
         module.register_forward_pre_hook(
@@ -116,11 +101,14 @@ def _enter(module, signature, args, kwargs, mesh, first):
     bound = signature.bind(*args, **kwargs)
     hidden, index, weights = (bound.arguments[n] for n in INPUTS)
     local = module.num_experts
-    off_rank = (index < first) | (index >= first + local)
-    bound.arguments["top_k_index"] = torch.where(off_rank, local, index - first)
-    # Summed before masking: the mask zeroes this rank's gradient for the routes other ranks compute.
-    bound.arguments["top_k_weights"] = _sum_grad(weights, mesh).masked_fill(off_rank, 0.0)
-    bound.arguments["hidden_states"] = _sum_grad(hidden, mesh)
+    # Only this rank's routes go in, one row each with its local expert id: the module never sees an expert it
+    # does not hold (no sentinel id, which each transformers release handles differently) and does 1/tp of the work.
+    tokens, slots = ((index >= first) & (index < first + local)).nonzero(as_tuple=True)
+    bound.arguments["top_k_index"] = (index[tokens, slots] - first)[:, None]
+    # The shared inputs' gradients, partial on each rank (its own routes), are summed over the tp group.
+    bound.arguments["top_k_weights"] = _sum_grad(weights, mesh)[tokens, slots][:, None]
+    bound.arguments["hidden_states"] = _sum_grad(hidden, mesh)[tokens]
+    module._routes = (tokens, hidden.shape[0])
     module._lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     for name, param in module._lent.items():
         module_parameters(module)[name] = param.to_local()  # lent for this call; the hook below puts the DTensor back
@@ -133,7 +121,11 @@ def _exit(module, output, mesh):
     module._lent = {}
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"'experts' expects the experts module to return one tensor, got {type(output).__name__}.")
-    return _sum(output, mesh)
+    tokens, count = module._routes
+    module._routes = None
+    # Each route's row back onto its token (a token's routes to this rank's experts add up), then summed over tp.
+    per_token = output.new_zeros(count, *output.shape[1:]).index_add(0, tokens, output)
+    return _sum(per_token, mesh)
 
 
 def _sum_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

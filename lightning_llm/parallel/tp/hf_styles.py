@@ -1,6 +1,6 @@
 """Hugging Face ``_tp_plan`` style strings and what each becomes here (or why it is refused).
 
-transformers 5.23 registers these styles in ``transformers.distributed.tensor_parallel``
+transformers 5.17 to 5.24 register these styles in ``transformers.distributed.tensor_parallel``
 (``ALL_PARALLEL_STYLES``) and ``transformers.distributed.expert_parallel``. Every one of them is
 listed below: either translated to one of our styles (the result of HF's ``ParallelStyle``), or
 refused before training with the entry and a plan that works instead.
@@ -46,6 +46,9 @@ HF_REFUSED = {
     "grouped_gemm": "expert parallelism (experts distributed over ranks)",
     "ep_dispatch_experts": "expert parallelism (token dispatch to experts on other ranks)",
     "ep_router": "expert parallelism (router feeding a token dispatch)",
+    # transformers 5.17's DeepGEMM FP8xFP4 "Mega MoE" kernels (SM100+), with their own weight layout.
+    "megamoe_experts": "experts run by DeepGEMM's FP8xFP4 Mega MoE kernel, in its own weight layout",
+    "megamoe_router": "the router feeding DeepGEMM's Mega MoE experts",
 }
 
 
