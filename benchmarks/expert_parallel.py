@@ -1,7 +1,8 @@
 """Expert parallelism against tensor parallelism and ZeRO-3 alone on the same MoE model: step time and memory.
 
 The reference model with mixture-of-experts blocks (``--preset``, default "small-moe": 8 experts, top 2, one shared)
-trains under each layout on the same CPU ranks, in a shuffled order per round. Per round: each layout's median step
+trains under each layout on the same CPU ranks, in a shuffled order per round, on the same global batch (8 sequences
+a step: 4 per data-parallel rank under ep2 and ZeRO-3, 8 for tp2's one replica). Per round: each layout's median step
 time (warm-up steps dropped) and the ratio of the others' to ep2's; reported as median (min, max) over the rounds.
 Memory is what each rank holds after training, measured from the tensors themselves: the local shards of the
 parameters, the gradients and the optimizer state (bytes; the largest rank's), which is what the layouts trade.
@@ -30,6 +31,7 @@ LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
     "zero3": {"zero_stage": 3},
 }
+GLOBAL_BATCH = 8  # sequences per step in every layout: 4 per data-parallel rank, 8 for tp2's single replica
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,8 @@ def _fit(layout: str, preset: str, steps: int, seq_len: int, results: dict) -> f
         limit_val_batches=0,
     )
     module = CausalLM(preset, warmup_steps=1)
-    trainer.fit(module, LLMDataModule(num_tokens=100_000, seq_len=seq_len, batch_size=4))
+    data_parallel = 1 if "tensor_parallel_size" in LAYOUTS[layout] else 2
+    trainer.fit(module, LLMDataModule(num_tokens=100_000, seq_len=seq_len, batch_size=GLOBAL_BATCH // data_parallel))
     held = torch.tensor(held_bytes(module, trainer.optimizers[0]))
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     results[layout] = int(held)
@@ -85,7 +88,8 @@ def main() -> None:
         args.preset, args.steps, args.rounds, args.seq_len = "tiny-moe", 6, 2, 64
     times, held = run_distributed(rounds, 2, args.preset, args.steps, args.seq_len, args.rounds, timeout=3600)[0]
     print(
-        f"2 CPU ranks, preset={args.preset}, batch 4 x {args.seq_len} per rank, {args.steps} steps, {args.rounds} rounds"
+        f"2 CPU ranks, preset={args.preset}, global batch {GLOBAL_BATCH} x {args.seq_len} per step, {args.steps} steps, "
+        f"{args.rounds} rounds"
     )
     for layout in LAYOUTS:
         print(

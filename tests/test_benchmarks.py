@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 # Set in this process by any earlier in-process run that joined a process group (Lightning writes MASTER_PORT into
 # os.environ): a child inheriting it would try to listen on a port this process's store still holds (EADDRINUSE).
@@ -131,3 +133,28 @@ def test_activation_checkpointing_quick_reports_every_mode_against_none():
     assert "none" in modes and "full" in modes, result.stdout
     assert float(modes["none"][2]) == 1.0 and float(modes["none"][3]) == 1.0  # none against itself
     assert float(modes["full"][1]) < float(modes["none"][1])  # full checkpointing keeps fewer activations
+
+
+def test_expert_parallel_quick_compares_layouts_on_time_and_held_bytes():
+    from lightning_llm.models import Llama, LlamaConfig
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/expert_parallel.py", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=_fresh_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for layout in ("tp2", "zero3"):
+        assert re.search(
+            rf"step time {layout} / ep2: median [\d.]+ \(min [\d.]+, max [\d.]+, 2 rounds\)", result.stdout
+        )
+    held = {k: float(v) for k, v in re.findall(r"^(\w+): .*held per rank ([\d.]+) MiB", result.stdout, re.MULTILINE)}
+    # Oracle: fp32 parameters, gradients and AdamW's two moments, split evenly over the 2 ranks (ep2 and ZeRO 3 shard
+    # or split everything; tp2 splits all but the norms and routers, a few percent of tiny-moe).
+    states = 4 * 4 * sum(p.numel() for p in Llama(LlamaConfig.from_name("tiny-moe")).parameters()) / 2**20
+    assert held["ep2"] == pytest.approx(states / 2, rel=0.02), held
+    assert held["zero3"] == pytest.approx(states / 2, rel=0.02), held
+    assert states / 2 <= held["tp2"] <= 0.6 * states, held
