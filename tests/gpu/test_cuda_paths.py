@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_llm.callbacks import MFUMonitor
+from lightning_llm.callbacks import MFUMonitor, MoEMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
@@ -158,3 +158,34 @@ def test_mfu_monitor_agrees_with_the_benchmark_arithmetic():
     tokens = 8 * 8 * 64  # 8 steps x batch 8 x 64 trained tokens per sample
     benchmark_mfu = tokens / (window.end - window.start) * ModelShape.of(module).flops_per_token(64) / peak
     assert trainer.callback_metrics["train/device/mfu"].item() == pytest.approx(benchmark_mfu, rel=0.05)
+
+
+class _RecordedMoE(MoEMonitor):
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=1)
+        self.history = []
+
+    def metrics(self, trainer):
+        self.history.append(super().metrics(trainer))
+        return self.history[-1]
+
+
+MOE = {"n_experts": 4, "moe_hidden_dim": 64, "n_shared_experts": 1, "n_dense_layers": 1}
+
+
+def _moe_runs():
+    # The reference mixture of experts (stacked experts, top-2 router, a shared expert) on CUDA under the strategy.
+    monitor = _RecordedMoE()
+    ours = _fit(_model(layers=3, **MOE), LLMParallelStrategy(), precision="bf16-mixed", callbacks=[monitor])
+    return ours[1:], monitor.history
+
+
+def test_reference_moe_on_cuda_matches_plain_lightning_and_is_monitored():
+    ((ours, history),) = run_distributed(_moe_runs, 1, timeout=500)
+    _, ref_losses, ref_params = _fit(_model(layers=3, **MOE), precision="bf16-mixed")
+    losses, params = ours
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).norm() <= 1e-2 * ref.norm(), name
+    # Every step logged; top 2 of 4 experts: the busiest takes between the mean and every token (load 1 to 2).
+    assert len(history) == STEPS and all(1 <= h["moe/max_load"] <= 2 for h in history), history
