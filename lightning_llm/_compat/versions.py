@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 
@@ -25,13 +23,3 @@ def require_torch(version: str, feature: str, why: str) -> None:
             f"Upgrade torch, or choose another option."
         )
 
-
-def warn_below_torch(version: str, feature: str, why: str) -> None:
-    """Warn once that ``feature`` is known to misbehave on a torch older than ``version`` (not refused: it is right
-    for most models), naming what was seen and the way out."""
-    if not torch_at_least(version):
-        warnings.warn(
-            f"{feature} on torch {torch.__version__}: {why}. Use torch >= {version}, or check your model's parity "
-            "with one process (docs/gpu_image.md).",
-            stacklevel=3,
-        )

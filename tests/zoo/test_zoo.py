@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_llm._compat.versions import torch_at_least
 from lightning_llm.modeling.activations import activation_bytes
 from lightning_llm.strategies.zero_auto import model_footprint
 from lightning_llm.testing import run_distributed
@@ -94,12 +93,6 @@ def _routes(name: str, params: dict) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("layout, name", CELLS)
 def test_zoo_cell_matches_single_process(layout, name, request):
-    if (layout, name) == ("pp2", "gpt2") and not torch_at_least("2.13"):
-        # Known, unexplained, and warned about at setup (lightning_llm/parallel/pipeline/split.py): strict, so a
-        # fix (or a torch that no longer needs one) shows up as a passing cell to un-mark.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="GPT-2 under pp2 differs from one process on torch 2.11")
-        )
     result = _run(layout, request.session)[name]
     if isinstance(result, str):
         _table[(name, layout)] = "x"

@@ -119,12 +119,24 @@ class BlockOutputs:
         )
 
 
+def _is_cache(value: Any) -> bool:
+    return value is not None and hasattr(value, "get_seq_length")  # Hugging Face's Cache interface
+
+
 def probe(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """``block``'s output on these arguments, leaving no trace: no gradient, random state restored, caches copied."""
+    """``block``'s output on these arguments, leaving no trace: no gradient, random state restored, caches copied.
+
+    A KV cache may come by keyword or by position (GPT-2's blocks take ``past_key_values`` second): the probe's
+    keys and values, appended to the real cache, would make the real call attend over them too (same output,
+    half its key/value gradient lost).
+    """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     cache_names = (*CACHE_ARGUMENTS, *CACHE_OBJECT_ARGUMENTS)
-    kwargs = {k: copy.deepcopy(v) if k in cache_names and v is not None else v for k, v in kwargs.items()}
+    args = tuple(copy.deepcopy(a) if _is_cache(a) else a for a in args)
+    kwargs = {
+        k: copy.deepcopy(v) if (k in cache_names and v is not None) or _is_cache(v) else v for k, v in kwargs.items()
+    }
     devices = [] if device.type == "cpu" else [device]
     with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=device.type):
         return block(*args, **kwargs)

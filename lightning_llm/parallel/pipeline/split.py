@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_llm._compat.versions import require_torch, warn_below_torch
+from lightning_llm._compat.versions import require_torch
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -39,13 +39,6 @@ def validate_schedule(schedule: str, virtual_stages: int | None) -> int:
     """Check the schedule name; return the number of stages per rank it runs."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
-    warn_below_torch(
-        "2.13",
-        "Pipeline parallelism",
-        "of the 14 architectures of the model zoo, one (Hugging Face GPT-2) trains with gradients that differ from "
-        "one process's under pp2 there (per-step loss 2.3e-4 relative after 3 steps; the cause is not found yet), "
-        "the others match within 1e-5",
-    )
     if schedule in SINGLE_STAGE_SCHEDULES:
         if virtual_stages not in (None, 1):
             raise ValueError(
