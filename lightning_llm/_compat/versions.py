@@ -22,4 +22,3 @@ def require_torch(version: str, feature: str, why: str) -> None:
             f"{feature} needs torch >= {version}; this is torch {torch.__version__} ({why}). "
             f"Upgrade torch, or choose another option."
         )
-
