@@ -19,10 +19,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
-from torch.distributed.tensor import DTensor
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
+from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
 
@@ -34,15 +34,11 @@ LAYOUTS = {
 GLOBAL_BATCH = 8  # sequences per step in every layout: 4 per data-parallel rank, 8 for tp2's single replica
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def held_bytes(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds in parameters, gradients and optimizer state (local shards only)."""
-    tensors = [_local(p) for p in module.parameters()]
-    tensors += [_local(p.grad) for p in module.parameters() if p.grad is not None]
-    tensors += [_local(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    tensors = [local_tensor(p) for p in module.parameters()]
+    tensors += [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
+    tensors += [local_tensor(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
