@@ -51,6 +51,29 @@ register(
 )
 
 
+def materialize_distributed_module(module, device) -> None:
+    """Lightning's ``_materialize_distributed_module``: ``to_empty`` then every submodule's ``reset_parameters``,
+    what ``ModelParallelStrategy`` does to a meta model its ``configure_model`` parallelized by hand; used for that
+    same case, so a swap initializes such a model as Lightning does. Checked on lightning 2.6.6."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+register(
+    Private(
+        name="lightning.fabric.utilities.init._materialize_distributed_module",
+        upstream="lightning",
+        accessor="lightning.materialize_distributed_module",
+        used_by=("strategies/parallel.py",),
+        why="a configure_model that parallelized a meta model by hand is materialized as ModelParallelStrategy does",
+        caught_by="`tests/lightning_compat/test_model_parallel_integration.py` (Lightning's own tests, empty_init=True)",
+        checked=CHECKED,
+        check=lambda: resolve("lightning.fabric.utilities.init:_materialize_distributed_module"),
+    )
+)
+
+
 def destroy_dist_connection() -> None:
     """Lightning's ``_destroy_dist_connection``: the process-group teardown Lightning registers at exit (for NCCL
     only); registered for gloo too. Checked on lightning 2.6.6."""

@@ -39,7 +39,7 @@ class WholeModelContract:
         return []
 
     @property
-    def blocks_name(self) -> str | None:
+    def blocks_name(self) -> str | list[str] | None:
         return None
 
     @property

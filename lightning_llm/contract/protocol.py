@@ -64,7 +64,8 @@ class StrategyContract(Protocol):
         layout: the parallel layout (valid from ``setup`` on).
         model_shape: the whole model's shape for FLOP accounting, read before sharding (``None`` if unknown).
         activation_checkpointing_policies: one of "none" / "full" / "op" per transformer block.
-        blocks_name: the dotted name of the transformer-block list, if the strategy found or was given one.
+        blocks_name: the dotted name of the transformer-block list, if the strategy found or was given one; the
+            blocks' dotted names when they share no container (``find_blocks`` takes either).
         tensor_parallel_coverage: per block class, the share of each part this rank holds under tensor
             parallelism (empty without it).
         pipeline_group: the process group of this rank's pipeline peers (``None`` without pipeline parallelism).
@@ -86,7 +87,7 @@ class StrategyContract(Protocol):
     def activation_checkpointing_policies(self) -> list[str]: ...
 
     @property
-    def blocks_name(self) -> str | None: ...
+    def blocks_name(self) -> str | list[str] | None: ...
 
     @property
     def tensor_parallel_coverage(self) -> list[str]: ...

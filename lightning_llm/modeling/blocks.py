@@ -6,51 +6,108 @@ Qwen3-Next), MoE models mix dense and sparse blocks (DeepSeek-V3's first layers)
 layer's own list of experts sits inside a block, so it always holds fewer parameters than the list of
 blocks around it. Two containers are supported: ``nn.ModuleList`` (a forward loops over it) and
 ``nn.Sequential`` (the forward calls it); a ``nn.ModuleDict`` of blocks is refused with the way out.
+
+A model without such a container (a small MLP, Lightning's test models) is never refused: its units are the
+children of its outermost module with more than one child holding parameters (:class:`BlockSet`), or that one
+leaf module. ``blocks=`` may also list the blocks' names, or pick them with a callable. Data parallelism (ZeRO 0-3),
+activation checkpointing and compile work on such a set; splitting layers across ranks (tensor, pipeline, context
+parallelism, fp8 by block) needs a container and says so.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
 BlockStack = nn.ModuleList | nn.Sequential
 """The containers a model may hold its blocks in."""
 
+BlocksOverride = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
+"""What ``blocks=`` takes: a container's dotted name, the blocks' dotted names, or ``(name, module) -> bool``."""
+
+
+class BlockSet(nn.ModuleList):
+    """Blocks that share no container: a list of the modules (not registered in the model) and their dotted names.
+
+    Example::
+
+        units = BlockSet(["model.w1", "model.w2"], [model.model.w1, model.model.w2])
+        units.names   # ["model.w1", "model.w2"]
+    """
+
+    def __init__(self, names: list[str], modules: list[nn.Module]) -> None:
+        super().__init__(modules)
+        self.names = list(names)
+
+
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def find_blocks(module: nn.Module, override: str | None = None) -> tuple[str, BlockStack]:
+def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str, BlockStack]:
     """The dotted name and the container (``nn.ModuleList`` or ``nn.Sequential``) of transformer blocks in ``module``.
 
     Without ``override`` it is the container of layers holding the most parameters, then the most
     children, then the outermost (``model.layers`` in Llama and Jamba, ``transformer.h`` in GPT-2); its
     blocks may be of different classes. A container with an ``nn.Embedding`` child holds a whole model,
     not its blocks, and ``module`` itself is never the blocks. ``override`` is a dotted submodule name
-    (as in ``named_modules()``) for models where that guess is wrong.
+    (as in ``named_modules()``) for models where that guess is wrong; a list of dotted names or a callable
+    ``(name, module) -> bool`` picks blocks that share no container. Blocks without a container (given so, or
+    a model with no container at all) come back as a :class:`BlockSet` named ``""``.
 
     Arguments:
         module: the model, or the LightningModule holding it.
-        override: the dotted name of the blocks' ModuleList or Sequential; ``None`` to search.
+        override: see :data:`BlocksOverride`; ``None`` to search.
 
     Example::
 
         name, blocks = find_blocks(Llama(LlamaConfig.from_name("tiny")))   # ("layers", ModuleList(...))
         name, blocks = find_blocks(model, "decoder.stack")                 # a list the search would miss
+        name, blocks = find_blocks(model, ["encoder", "decoder"])          # ("", BlockSet: two units)
+        name, blocks = find_blocks(model, lambda n, m: isinstance(m, MyBlock))
     """
-    if override is not None:
+    if isinstance(override, str):
         return override, _named_stack(module, override)
+    if override is not None:
+        return "", _chosen_set(module, override)
     candidates = [
         (name, m, name.count(".")) for name, m in module.named_modules() if name and _holds_layers(m) and len(m)
     ]
     if not candidates:
-        raise ValueError(
-            f"No nn.ModuleList or nn.Sequential of blocks found in {type(module).__name__}; pass "
-            f"blocks='dotted.name' naming the container of transformer blocks (module names look like "
-            f"{_sample_names(module)})."
-        )
+        return "", default_units(module)
     name, blocks, _ = max(candidates, key=lambda c: (_numel(c[1]), -c[2], len(c[1])))
     if isinstance(blocks, nn.ModuleDict):
         raise ValueError(_dict_message(name, blocks))
     return name, blocks
+
+
+def default_units(module: nn.Module) -> BlockSet:
+    """The units of a model without a block container: below the wrappers that hold one child with parameters
+    (the LightningModule around ``self.model``), the children with parameters; a single leaf layer is its own unit.
+
+    Example::
+
+        default_units(boring_model).names    # ["layer"]
+        default_units(template_model).names  # ["model.w1", "model.w2", "model.w3"]
+    """
+    direct = [name for name, _ in module.named_parameters(recurse=False)]
+    if direct:  # the LightningModule cannot be an FSDP unit: Lightning calls training_step, not forward
+        raise ValueError(
+            f"{type(module).__name__} holds parameters {direct[:4]} itself and no block container, so there is no "
+            "submodule to shard them with; hold them in a submodule (self.model = ...), or pass blocks= naming "
+            "the container of blocks."
+        )
+    root, prefix = module, ""
+    while True:
+        held = [(n, c) for n, c in root.named_children() if _numel(c)]
+        own = any(True for _ in root.parameters(recurse=False))
+        if len(held) != 1 or own:
+            break
+        name, child = held[0]
+        if not any(True for _ in child.children()):
+            return BlockSet([prefix + name], [child])
+        root, prefix = child, f"{prefix}{name}."
+    return BlockSet([prefix + n for n, _ in held], [c for _, c in held])
 
 
 def block_names(blocks_name: str, blocks: BlockStack) -> list[str]:
@@ -60,6 +117,8 @@ def block_names(blocks_name: str, blocks: BlockStack) -> list[str]:
 
         block_names("model.layers", model.model.layers)   # ["model.layers.0", "model.layers.1", ...]
     """
+    if isinstance(blocks, BlockSet):
+        return list(blocks.names)
     return [f"{blocks_name}.{key}" for key, _ in blocks.named_children()]
 
 
@@ -87,6 +146,30 @@ def distinct_blocks(blocks_name: str, blocks: BlockStack) -> list[tuple[str, nn.
         if not getattr(block, "is_pipeline_placeholder", False):
             first.setdefault(block_kind(block), (name, block))
     return list(first.values())
+
+
+def _chosen_set(module: nn.Module, override: Sequence[str] | Callable[[str, nn.Module], bool]) -> BlockSet:
+    named = dict(module.named_modules())
+    if callable(override):
+        picked = [n for n, m in named.items() if n and override(n, m)]
+        names = [n for n in picked if not any(n.startswith(p + ".") for p in picked)]  # outermost only
+        if not names:
+            raise ValueError(
+                f"blocks={override!r} chose no module of {type(module).__name__}; it is called as fn(name, module) "
+                f"for every submodule (names look like {_sample_names(module)})."
+            )
+    else:
+        names = list(override)
+        missing = [n for n in names if n not in named or not n]
+        if missing or not names:
+            raise ValueError(
+                f"blocks={names!r}: {missing or 'the list is empty'} name no submodule of {type(module).__name__}; "
+                f"module names look like {_sample_names(module)}."
+            )
+        nested = [n for n in names if any(n.startswith(p + ".") for p in names)]
+        if nested:
+            raise ValueError(f"blocks={names!r} lists {nested}, which lie inside other listed blocks; list each once.")
+    return BlockSet(names, [named[n] for n in names])
 
 
 def _holds_layers(container: nn.Module) -> bool:

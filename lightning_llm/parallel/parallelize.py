@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import BlockStack, block_names, distinct_blocks, find_blocks
+from lightning_llm.modeling.blocks import BlockSet, BlockStack, block_names, distinct_blocks, find_blocks
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
@@ -58,14 +58,19 @@ class ParallelizeReport:
     fp8_layers: list[str] = field(default_factory=list)
     expert_parallel_modules: int = 0
     context_parallel: str = ""
+    block_names: list[str] = field(default_factory=list)  # blocks without a container (BlockSet): their names
 
 
-def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
+def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack | None = None) -> list[nn.Module]:
     """The modules to make FSDP/replicate roots: the top-level child holding the blocks, plus any other child with parameters.
 
     The LightningModule itself cannot be the root: Lightning calls ``training_step``, not
     ``forward``, so FSDP2's root forward hook (which gathers embeddings and head) would never run.
+    Blocks without a container (:class:`BlockSet`): the top-level children with parameters that are not blocks.
     """
+    if isinstance(blocks, BlockSet):
+        units = {id(b) for b in blocks}
+        return [c for _, c in module.named_children() if id(c) not in units and any(True for _ in c.parameters())]
     top = blocks_name.split(".")[0]
     roots = [module.get_submodule(top)] if top != blocks_name else []
     for name, child in module.named_children():
@@ -74,6 +79,26 @@ def data_parallel_roots(module: nn.Module, blocks_name: str) -> list[nn.Module]:
     if not roots:  # the blocks are a direct child of the LightningModule
         roots = [module]
     return roots
+
+
+def check_block_set(blocks: BlockSet, dims: ParallelDims, fp8: str | None) -> None:
+    """Refuse what needs the blocks in one container (cut, split or hooked by position) before anything changes."""
+    asked = [
+        f"{what}={size}"
+        for what, size in (
+            ("tensor_parallel_size", dims.tp),
+            ("pipeline_parallel_size", dims.pp),
+            ("context_parallel_size", dims.cp),
+        )
+        if size > 1
+    ] + ([f"fp8={fp8!r}"] if fp8 is not None else [])
+    if asked:
+        raise ValueError(
+            f"{', '.join(asked)} needs the model's transformer blocks in one nn.ModuleList or nn.Sequential, but "
+            f"the blocks here share no container ({blocks.names[:4]}). Hold the blocks in an nn.ModuleList and "
+            "pass blocks='dotted.name' if the search misses it, or parallelize in configure_model by hand on "
+            "self.device_mesh['tensor_parallel'] (the strategy then keeps that layout)."
+        )
 
 
 def plan_tensor_parallel(
@@ -174,6 +199,9 @@ def parallelize(
     """
     blocks_name, block_list = find_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
+    if isinstance(block_list, BlockSet):
+        check_block_set(block_list, dims, fp8)
+        report.block_names = list(block_list.names)
     if dims.cp > 1:  # refused before anything is changed
         check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
@@ -242,7 +270,7 @@ def parallelize(
                 cpu_offload=cpu_offload,
             )
         apply_data_parallel(
-            roots if roots is not None else data_parallel_roots(module, blocks_name),
+            roots if roots is not None else data_parallel_roots(module, blocks_name, block_list),
             owned_blocks,
             dp_mesh=dp_mesh,
             zero_stage=zero_stage,

@@ -82,6 +82,7 @@ def adopt_user_layout(module: nn.Module, options: StrategyOptions, state: RunSta
             "whose layers are already split. Either remove the parallelize_module/fully_shard calls from "
             "configure_model and let the strategy plan every layout, or keep them and pass pipeline_parallel_size=1."
         )
+    _check_data_parallel_covered(module, state)
     rank_zero_info(
         "LLMParallelStrategy: configure_model already parallelized the model (DTensor parameters); the strategy "
         "applies no sharding of its own (as Lightning's ModelParallelStrategy) and uses the layout as it is."
@@ -89,6 +90,31 @@ def adopt_user_layout(module: nn.Module, options: StrategyOptions, state: RunSta
     state.report = ParallelizeReport(blocks_name="", num_blocks=0, zero_stage=0)
     state.zero_stage, state.cpu_offload = 0, False
     return True
+
+
+def _check_data_parallel_covered(module: nn.Module, state: RunState) -> None:
+    """With more than one data-parallel replica, every parameter must be sharded or replicated over them (a DTensor
+    on a mesh holding this rank's data-parallel peers): nothing else would reduce its gradient, and the replicas,
+    each reading different batches, would silently drift apart."""
+    dims = state.parallel_dims
+    if dims.dp == 1:
+        return
+    peers = set(dims.mesh["data_parallel"].mesh.flatten().tolist())
+    uncovered = [
+        name
+        for name, p in module.named_parameters()
+        if not isinstance(p, DTensor) or not peers <= set(p.device_mesh.mesh.flatten().tolist())
+    ]
+    if uncovered:
+        raise ValueError(
+            f"configure_model parallelized the model by hand, but {len(uncovered)} parameters ({uncovered[:3]}) are "
+            f"not sharded over the {dims.dp} data-parallel ranks (data_parallel_size={dims.dp}, "
+            f"tensor_parallel_size={dims.tp}), so nothing would reduce their gradients and the replicas would drift "
+            "apart. LLMParallelStrategy's default puts every device on the data-parallel axis, where Lightning's "
+            "ModelParallelStrategy puts every device on the tensor-parallel axis: pass tensor_parallel_size='auto' "
+            "for Lightning's layout, or also call fully_shard(..., mesh=self.device_mesh['data_parallel']) in "
+            "configure_model."
+        )
 
 
 def _describe(layout: tuple) -> str:

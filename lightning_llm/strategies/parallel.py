@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -77,7 +78,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         tensor_parallel_replicate: module-name patterns kept whole on every rank on purpose (e.g. ``["*.router"]``),
             exempt from that refusal and shown as replicated in the coverage report.
         blocks: dotted name of the ``nn.ModuleList`` or ``nn.Sequential`` of transformer blocks, if discovery
-            (the container of layers holding most parameters, classes mixed or not) picks the wrong one.
+            (the container of layers holding most parameters, classes mixed or not) picks the wrong one; or the
+            blocks' dotted names as a list, or a callable ``(name, module) -> bool`` choosing them, for blocks that
+            share no container (ZeRO 0-3, activation checkpointing and compile only). A model with no container
+            at all is sharded by its top-level units (see ``lightning_llm.modeling.blocks.default_units``).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
         compile_blocks: ``torch.compile`` each block.
         fp8: train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``):
@@ -142,7 +146,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         sequence_parallel: bool = False,
         tensor_parallel_plan: dict[str, str] | None = None,
         tensor_parallel_replicate: list[str] | None = None,
-        blocks: str | None = None,
+        blocks: str | list[str] | Callable[[str, torch.nn.Module], bool] | None = None,
         cpu_offload: bool = False,
         compile_blocks: bool = False,
         fp8: bool | Literal["tensorwise", "rowwise"] = False,
@@ -254,7 +258,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         module, state = self.lightning_module, self.run_state
         # A second Trainer call finds the layout the first applied; a configure_model may have applied its own.
         reused = applied_layouts.reuse(module, self.options, state, self.world_size)
-        if not reused and not applied_layouts.adopt_user_layout(module, self.options, state):
+        if not reused and applied_layouts.adopt_user_layout(module, self.options, state):
+            compat.materialize_distributed_module(module, self.root_device)  # a meta model, as Lightning does
+        elif not reused:
             parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
         if not reused:
             applied_layouts.record(module, self.options, state, self.world_size)
@@ -405,8 +411,10 @@ class LLMParallelStrategy(ModelParallelStrategy):
         return list(self.run_state.ac_policies)
 
     @property
-    def blocks_name(self) -> str | None:
-        return self.report.blocks_name if self.report is not None else self.blocks
+    def blocks_name(self) -> str | list[str] | None:
+        if self.report is None:
+            return self.blocks
+        return self.report.blocks_name or self.report.block_names or None
 
     @property
     def tensor_parallel_coverage(self) -> list[str]:

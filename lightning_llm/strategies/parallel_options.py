@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning_llm.modeling.blocks import BlocksOverride
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC
 from lightning_llm.parallel.float8 import validate_fp8
@@ -43,7 +44,7 @@ class ParallelOptions:
     sequence_parallel: bool
     tensor_parallel_plan: dict[str, str] | None
     tensor_parallel_replicate: list[str]
-    blocks: str | None
+    blocks: BlocksOverride
     cpu_offload: bool  # as asked; RunState holds the choice of "auto"
     compile_blocks: bool
     fp8: str | None
@@ -201,7 +202,7 @@ def build_options(
             sequence_parallel,
             tensor_parallel_plan,
             list(replicate_patterns),
-            blocks,
+            tuple(blocks) if isinstance(blocks, list) else blocks,
             cpu_offload,
             compile_blocks,
             recipe,

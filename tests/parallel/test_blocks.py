@@ -88,13 +88,15 @@ def test_override_names_the_list_and_bad_overrides_are_refused():
         find_blocks(model, "empty")
 
 
-def test_a_model_without_blocks_is_refused_with_its_module_names():
-    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    with pytest.raises(
-        ValueError,
-        match=r"No nn.ModuleList or nn.Sequential of blocks found in Sequential; pass blocks='dotted.name' .*\['0', '1'\]",
-    ):
-        find_blocks(model)
+def test_a_model_without_a_block_container_gets_its_units_not_a_refusal():
+    # The model itself is never its own blocks: below it, the one child with parameters is a lone layer (its unit).
+    name, units = find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert (name, units.names) == ("", ["0"])
+    # Wrappers holding one child are looked through; then each child with parameters is a unit.
+    wrapped = nn.Module()
+    wrapped.net = nn.Module()
+    wrapped.net.embed, wrapped.net.act, wrapped.net.head = nn.Embedding(4, 2), nn.ReLU(), nn.Linear(2, 4)
+    assert find_blocks(wrapped)[1].names == ["net.embed", "net.head"]
 
 
 def test_models_on_the_meta_device_are_searched_without_allocating():

@@ -202,7 +202,7 @@ def test_block_discovery_and_override():
         find_blocks(model, "layers.9")
     with pytest.raises(ValueError, match="is a Linear, not a non-empty nn.ModuleList"):
         find_blocks(model, "output")
-    with pytest.raises(ValueError, match="No nn.ModuleList"):
+    with pytest.raises(ValueError, match=r"Linear holds parameters \['weight', 'bias'\] itself and no block"):
         find_blocks(nn.Linear(2, 2))
 
 
