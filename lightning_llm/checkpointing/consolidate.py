@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_llm._compat.lightning import METADATA_FILENAME
 from lightning_llm._compat.torch_distributed import load_whole_checkpoint
 from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.optimizer_layout import lightning_layout
 from lightning_llm.checkpointing.untrusted import bytes_checked, load_torch, refusals_unwrapped, safe_planner
 
 MODEL_KEY = "state_dict"  # Lightning's key of the model's tensors; DCP stores them as "state_dict.<name>"
@@ -121,8 +123,10 @@ def consolidate_checkpoint(
 ) -> Path:
     """Write the full (unsharded) state of a checkpoint (sharded directory or ``.ckpt`` file) to ``output_file``.
 
-    The file holds Lightning's checkpoint keys (``state_dict``, ``optimizer_0``, ``global_step``,
-    ...) with plain tensors, so ``torch.load(f)["state_dict"]`` fits ``model.load_state_dict``.
+    The file holds Lightning's checkpoint keys (``state_dict``, ``optimizer_states``, ``global_step``,
+    ...) with plain tensors, so ``torch.load(f)["state_dict"]`` fits ``model.load_state_dict`` and a single-device
+    or DDP Trainer resumes from it (``ckpt_path=``), optimizer state included: each saved optimizer's name-keyed
+    state is rewritten in torch's own layout (:mod:`lightning_llm.checkpointing.optimizer_layout`).
     A directory is read whole as torch's ``dcp_to_torch_save`` does; Lightning's ``meta.pt`` entries are then
     merged in. ``dtype`` casts the model's floating-point tensors (``state_dict``); optimizer state
     is left as saved.
@@ -140,7 +144,7 @@ def consolidate_checkpoint(
         # torch's dcp_to_torch_save, with the .metadata checked and byte entries read weights-only.
         with refusals_unwrapped():
             state = load_whole_checkpoint(cfs.storage_reader(str(source)), planner_mixin=bytes_checked(source))
-        torch.save(state, partial)
+        torch.save(_optimizers_in_lightning_layout(state), partial)
         meta = source / METADATA_FILENAME
         if not meta.is_file() and dtype is None:
             os.replace(partial, output_file)
@@ -161,6 +165,15 @@ def consolidate_checkpoint(
     os.replace(output_file.with_name(output_file.name + ".tmp"), output_file)
     partial.unlink(missing_ok=True)
     return output_file
+
+
+def _optimizers_in_lightning_layout(state: dict[str, Any]) -> dict[str, Any]:
+    # The shards hold optimizer_0, optimizer_1, ... (name-keyed); Lightning's file holds the list optimizer_states.
+    keys = sorted((k for k in state if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1]))
+    if keys:
+        names = list(state.get(MODEL_KEY, {}))
+        state["optimizer_states"] = [lightning_layout(state.pop(key), names) for key in keys]
+    return state
 
 
 def main(argv: list[str] | None = None) -> None:

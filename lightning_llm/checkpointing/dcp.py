@@ -163,6 +163,9 @@ def file_shapes(path: Location, weights_only: bool | None = None) -> dict[str, t
 def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weights_only: bool | None) -> dict[str, Any]:
     """Load a sharded checkpoint into ``model`` and ``optimizers`` (whatever layout saved it); returns the rest.
 
+    ``optimizers`` is empty outside fitting (``trainer.test(ckpt_path=...)``), as Lightning restores optimizer state
+    only to fit; a weights-only checkpoint given to fit is refused with Lightning's message.
+
     The names and global shapes of the model's tensors on every rank (all pipeline stages together) are
     compared with the checkpoint's both ways first (:func:`lightning_llm.checkpointing.keys.matching_keys`);
     with ``strict=False`` only the tensors both have with equal shapes are loaded, and their optimizer state.
@@ -177,8 +180,15 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
     with refusals_unwrapped():
         dcp.load(model_state, storage_reader=cfs.storage_reader(path), planner=safe_planner(path))
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+    saved = cfs.storage_reader(path).read_metadata().state_dict_metadata
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
+        if not any(name.startswith(key + ".") for name in saved):
+            raise KeyError(
+                f"Trying to restore optimizer state but checkpoint {path} contains only the model (no {key}). This "
+                "is probably due to `ModelCheckpoint.save_weights_only` being set to `True`; fit from a checkpoint "
+                "with optimizer state, or load the weights into the model before fitting."
+            )
         full = optimizer_state(model, optimizer)
         # Flattened keys are "state.<param>.<field>" and "param_groups.<param>.<field>".
         request = {key: {k: v for k, v in full.items() if strict or k.split(".", 1)[1].rsplit(".", 1)[0] in keep}}

@@ -8,7 +8,9 @@ barrier until the timeout), and the user should read the cause (no space, permis
 
 from __future__ import annotations
 
+import builtins
 import errno
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,40 @@ _LOW_SPACE = 64 * 2**20
 
 
 class SaveFailed(RuntimeError):
-    """A save that failed on some rank, raised alike on every rank; ``cause`` says on which ranks and why."""
+    """A save that failed on some rank, raised alike on every rank; ``cause`` says on which ranks and why.
+
+    :meth:`like` gives the subclass that is also the original error's built-in type, so code written for
+    Lightning's strategies (``except IsADirectoryError``) still catches it.
+    """
 
     def __init__(self, path, cause: str) -> None:
         super().__init__(f"Saving checkpoint {path} failed: {cause}")
         self.cause = cause
+
+    @staticmethod
+    def like(kind: str | None) -> type[SaveFailed]:
+        """``SaveFailed`` that is also the built-in exception named ``kind`` (``"IsADirectoryError"``); plain
+        ``SaveFailed`` for any other name. Example: ``raise SaveFailed.like("PermissionError")(path, cause)``."""
+        base = getattr(builtins, kind, None) if kind else None
+        if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(SaveFailed, base):
+            return SaveFailed
+        return _typed(base)
+
+
+@functools.cache
+def _typed(base: type[Exception]) -> type[SaveFailed]:
+    def new(cls, path, cause: str):
+        return base.__new__(cls, f"Saving checkpoint {path} failed: {cause}")
+
+    return type(f"SaveFailed[{base.__name__}]", (SaveFailed, base), {"__new__": new, "__module__": __name__})
+
+
+def builtin_kind(err: BaseException) -> str | None:
+    """The name of the first built-in exception type in ``err``'s chain (DCP's failures included), if any."""
+    for cause in _chain(err):
+        if isinstance(cause, Exception) and type(cause).__module__ == "builtins":
+            return type(cause).__name__
+    return None
 
 
 def describe(err: BaseException, directory: Path) -> str:
@@ -76,7 +107,7 @@ def _chain(err: BaseException) -> list[BaseException]:
     return found
 
 
-def gather(error: str | None) -> list[str | None]:
+def gather(error: Any) -> list[Any]:
     """Every rank's error (``None`` where it succeeded), indexed by global rank: a collective, call it on all ranks."""
     if not (dist.is_available() and dist.is_initialized()):
         return [error]
@@ -111,9 +142,11 @@ def save_on_every_rank(save, path) -> None:
     try:
         save()
     except SAVE_ERRORS as err:
-        error = describe(err, Path(path).parent)
-    if (cause := summary(gather(error))) is not None:
-        raise SaveFailed(path, cause)
+        error = (describe(err, Path(path).parent), builtin_kind(err))
+    errors = gather(error)
+    if (cause := summary([e[0] if e else None for e in errors])) is not None:
+        kind = next(e[1] for e in errors if e)  # the first failing rank's error type, the same on every rank
+        raise SaveFailed.like(kind)(path, cause)
 
 
 class GuardedWrite(CheckpointIO):

@@ -307,7 +307,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        # Only what is elsewhere: a second Trainer call (test after fit) runs setup under torch.inference_mode, where
+        # FSDP2 cannot swap its sharded parameters again.
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if any(t.device != self.root_device for t in tensors):
+            self.model.to(self.root_device)
 
     @contextmanager
     @override
@@ -356,34 +360,63 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
         if not self.checkpoints.distributed:
-            return super().optimizer_state(optimizer)
+            return self.checkpoints.full_optimizer_state(self.model, optimizer)
         return self.checkpoints.optimizer_state(self.model, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        add_export_info(checkpoint, self.lightning_module)
+        """Lightning's ``ModelParallelStrategy`` rules: ``storage_options`` refused (TypeError), a sharded save over
+        a file replaces it; a failed write raises the same error on every rank, also an instance of the
+        original built-in type (``IsADirectoryError`` for a full-file save onto a directory)."""
+        if storage_options is not None and not isinstance(storage_options, AsyncSave):
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because "
+                f"`{type(self).__name__}` writes through torch.distributed.checkpoint, not a CheckpointIO (as "
+                "Lightning's ModelParallelStrategy); give fsspec options through the URL or the environment."
+            )
+        if self.lightning_module is not None:
+            add_export_info(checkpoint, self.lightning_module)
         # A failed write raises the same SaveFailed on every rank, so no rank is left waiting in a collective.
         save_on_every_rank(lambda: self._write_checkpoint(checkpoint, filepath, storage_options), filepath)
 
     def _write_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None) -> None:
         path = self.broadcast(str(filepath))  # a local path or an fsspec URL, the same on every rank
+        if self.checkpoints.distributed:  # a sharded save over a file replaces it, as Lightning's does
+            if self.global_rank == 0 and cfs.isfile(path):
+                cfs.remove_tree(path)
+            self.barrier()
         if not self.checkpoints.save(checkpoint, path, self.global_rank, storage_options):
             storage_options = None if isinstance(storage_options, AsyncSave) else storage_options
             super().save_checkpoint(checkpoint, cfs.local_path(path), storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load into this layout, whatever layout saved it; strict unless ``strict_loading=False``; verified first."""
+        """Load into this layout, whatever layout saved it; strict unless ``strict_loading=False``; verified first.
+
+        Also inside ``torch.inference_mode()`` (``trainer.test(ckpt_path=...)`` there): FSDP2's state-dict hooks
+        cannot run on inference tensors, so the load runs outside it."""
+        with torch.inference_mode(False):
+            return self._load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint(self, checkpoint_path, weights_only: bool | None) -> dict[str, Any]:
         self.checkpoints.wait()
         # A local path or an fsspec URL; a marker stands for its checkpoint where Lightning could not pick a directory
         # by time for ckpt_path="last" (lightning_llm.checkpointing.commit.last_candidate).
         path = checkpoint_of(self.broadcast(str(checkpoint_path)))
         refuse_unverified(self, path)
-        strict = self.lightning_module.strict_loading
-        if cfs.isfile(path):
-            self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
-            return super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
-        return self.checkpoints.load(self.model, self.optimizers, path, strict, weights_only)
+        trainer, strict = self.lightning_module._trainer, self.lightning_module.strict_loading
+        # Optimizer state only to fit, as Lightning's connector restores it: a test after fit still holds them.
+        optimizers = self.optimizers if trainer is None or trainer.state.fn == TrainerFn.FITTING else []
+        if not cfs.isfile(path):
+            return self.checkpoints.load(self.model, optimizers, path, strict, weights_only)
+        self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
+        held, self.optimizers = self.optimizers, []  # Lightning's loader reads the model; the optimizers: below
+        try:
+            checkpoint = super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
+        finally:
+            self.optimizers = held
+        self.checkpoints.load_file_optimizers(self.model, optimizers, checkpoint, strict)
+        return checkpoint
 
     def wait_for_checkpoint(self) -> None:
         """Block until the last asynchronous checkpoint is fully written on this rank."""

@@ -17,9 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+from lightning_llm._compat.lightning import unwrap_optimizer
 from lightning_llm.checkpointing import dcp as dcp_checkpoint
 from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe
 from lightning_llm.checkpointing.keys import matching_keys
+from lightning_llm.checkpointing.optimizer_layout import from_named_groups, named_by_position
 from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
 from lightning_llm.strategies.parallel_contract import AsyncSave
 
@@ -41,6 +45,28 @@ class ShardedCheckpoints:
     def optimizer_state(self, model, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
         return dcp_checkpoint.optimizer_state(model, optimizer)
+
+    def full_optimizer_state(self, model, optimizer) -> dict[str, Any]:
+        """The whole state on rank 0 (``{}`` elsewhere) in torch's layout, numbered as ``optimizer.state_dict()``
+        numbers it (group by group), so a DDP or single-device run resumes it whatever its groups."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(model, unwrap_optimizer(optimizer), options=options)
+        return from_named_groups(state) if state else {}
+
+    def load_file_optimizers(self, model, optimizers: list, checkpoint: dict[str, Any], strict: bool) -> None:
+        """Load each optimizer's state from a full checkpoint (``checkpoint["optimizer_states"]``, torch's layout
+        or name-keyed), reading positions in the optimizer's own group order (:func:`named_by_position`)."""
+        if optimizers and "optimizer_states" not in checkpoint:
+            raise KeyError(
+                "Trying to restore optimizer state but the checkpoint contains only the model. This is probably due "
+                "to `ModelCheckpoint.save_weights_only` being set to `True`."
+            )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            optimizer = unwrap_optimizer(optimizer)
+            if state.get("state") and isinstance(next(iter(state["state"])), int):
+                state = named_by_position(model, optimizer, state)
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
     def save(self, checkpoint: dict[str, Any], path: str, rank: int, storage_options: Any | None) -> bool:
         """Write ``checkpoint`` as DCP shards at ``path`` (in the background when ``storage_options`` is an
