@@ -172,7 +172,8 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
     """
     if not cfs.isfile(cfs.join(path, ".metadata")):
         raise ValueError(
-            f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside). "
+            f"The path {str(path)!r} does not point to a valid checkpoint: it is neither a checkpoint file nor a "
+            "sharded checkpoint directory (no .metadata inside). "
             "Pass a checkpoint saved by LLMParallelStrategy, or load other weights into the model before fitting."
         )
     keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))

@@ -101,6 +101,28 @@ def check_block_set(blocks: BlockSet, dims: ParallelDims, fp8: str | None) -> No
         )
 
 
+def refuse_ties_across_units(module: nn.Module, blocks: BlockSet) -> None:
+    """Refuse a tensor held by two of the FSDP units (blocks and roots) of a model without a block container:
+    each unit would shard it on its own. A container's ties (embedding and head) sit in one root instead."""
+    roots = {id(r) for r in data_parallel_roots(module, "", blocks)}
+    units = list(zip(blocks.names, blocks)) + [(n, c) for n, c in module.named_children() if id(c) in roots]
+    inside_block = tuple(f"{name}." for name in blocks.names)  # a root holds what its blocks do not
+    owners: dict[int, dict[str, str]] = {}
+    for name, unit in units:
+        for param_name, param in unit.named_parameters(remove_duplicate=False):
+            full = f"{name}.{param_name}"
+            if name not in blocks.names and full.startswith(inside_block):
+                continue
+            owners.setdefault(id(param), {}).setdefault(name, full)
+    shared = [sorted(held.values()) for held in owners.values() if len(held) > 1]
+    if shared:
+        raise ValueError(
+            f"Parameters {shared[0]} are one tensor held by two of the units {[n for n, _ in units][:6]}, which "
+            "data parallelism shards separately. Pass blocks= listing units that keep each tied pair inside one "
+            "unit (e.g. their common parent), or untie the weights."
+        )
+
+
 def plan_tensor_parallel(
     module: nn.Module,
     *,
@@ -201,6 +223,8 @@ def parallelize(
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
     if isinstance(block_list, BlockSet):
         check_block_set(block_list, dims, fp8)
+        if dims.dp * dims.cp > 1:
+            refuse_ties_across_units(module, block_list)
         report.block_names = list(block_list.names)
     if dims.cp > 1:  # refused before anything is changed
         check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))

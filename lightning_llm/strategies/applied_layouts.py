@@ -65,6 +65,19 @@ def reuse(module: nn.Module, options: StrategyOptions, state: RunState, world_si
     return True
 
 
+def refuse_fsdp1(module: nn.Module) -> None:
+    """Refuse modules wrapped with FSDP1's ``FullyShardedDataParallel``, as Lightning's ``ModelParallelStrategy``
+    does: the strategy shards with FSDP2 (``fully_shard``), which cannot take over FSDP1's flat parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(
+            "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`. LLMParallelStrategy "
+            "(like Lightning's ModelParallelStrategy) only supports the new FSDP2 APIs in PyTorch >= 2.4: remove the "
+            "FSDP1 wrapping from configure_model, or use fully_shard (or let the strategy shard the model)."
+        )
+
+
 def adopt_user_layout(module: nn.Module, options: StrategyOptions, state: RunState) -> bool:
     """Whether the user's ``configure_model`` already parallelized ``module`` (DTensor parameters, as Lightning's
     ``ModelParallelStrategy`` expects of it); then the strategy applies nothing more and records an empty report.

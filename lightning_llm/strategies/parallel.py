@@ -256,6 +256,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         module, state = self.lightning_module, self.run_state
+        applied_layouts.refuse_fsdp1(module)
         # A second Trainer call finds the layout the first applied; a configure_model may have applied its own.
         reused = applied_layouts.reuse(module, self.options, state, self.world_size)
         if not reused and applied_layouts.adopt_user_layout(module, self.options, state):

@@ -167,3 +167,21 @@ def test_models_without_a_block_container_train_as_one_process_under_every_zero_
         assert_parity((losses, state), _fit(cls()), label, rtol=1e-5, loss_rtol=1e-5)
     assert refusal is not None and "tensor_parallel_size=2 needs the model's transformer blocks" in refusal
     assert isinstance(find_blocks(MLPModule())[1], BlockSet)
+
+
+def test_weights_tied_across_units_are_refused_before_sharding():
+    from lightning_llm.parallel.parallelize import refuse_ties_across_units
+
+    model = nn.Module()
+    model.embed, model.body, model.head = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False)
+    model.head.weight = model.embed.weight
+    _, units = find_blocks(model)
+    assert units.names == ["embed", "body", "head"]
+    tied = r"\['embed.weight', 'head.weight'\] are one tensor held by two of the units"
+    with pytest.raises(ValueError, match=tied):
+        refuse_ties_across_units(model, units)
+    with pytest.raises(ValueError, match=tied):  # the two roots left beside the one block
+        refuse_ties_across_units(model, find_blocks(model, ["body"])[1])
+    wrapped = nn.Module()
+    wrapped.net = model
+    refuse_ties_across_units(wrapped, find_blocks(wrapped, ["net.body"])[1])  # one root, "net", holds both
