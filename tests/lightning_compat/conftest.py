@@ -35,6 +35,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 DEVICES = {"test_model_parallel_single_file_checkpoint_with_compile": 1}
 
 
+# One-process tests that set up a process group: each runs alone in a fresh rank, as Lightning's standalone runner
+# does, so a group an earlier test left in this process cannot change what it sees.
+ISOLATED = {"test_model_parallel.py::test_set_timeout"}
+
 # Where LLMParallelStrategy differs from ModelParallelStrategy by design (docs/strategy.md, "Lightning's own tests"): the error each test
 # must stop at. Any other failure fails the test, and so does a pass (the difference and its docs are then stale).
 DIFFERENCES = {
@@ -59,12 +63,6 @@ DIFFERENCES = {
         "object has no attribute 'tp'",
         "configure_model is optional (the strategy plans and applies the layout itself, also to a model built in "
         "__init__), so setup goes on to parallelize, which the test's mocks (no setup_environment) cannot",
-    ),
-    "test_model_parallel.py::test_set_timeout": (
-        "environment variable RANK expected, but not set",
-        "the test mocks Lightning's private _setup_device_mesh; LLMParallelStrategy builds its own 5-D mesh in "
-        "setup_environment, which then needs a real process group (its timeout reaches the collectives: "
-        "tests/callbacks/test_watchdog.py)",
     ),
     "test_model_parallel.py::test_meta_device_materialization": (
         "object has no attribute 'cp'",
@@ -95,14 +93,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("lightning_ranks")
     name = pyfuncitem.originalname
     key = f"{pyfuncitem.path.name}::{name}"
-    if marker is None and key not in DIFFERENCES:
+    if marker is None and key not in DIFFERENCES and key not in ISOLATED:
         return None  # a one-process test that holds as Lightning wrote it: pytest runs it
     kwargs = {arg: pyfuncitem.funcargs[arg] for arg in pyfuncitem._fixtureinfo.argnames}
     try:
-        if marker is None:
+        if marker is None and key not in ISOLATED:
             pyfuncitem.obj(**kwargs)
         else:
-            ranks = DEVICES.get(name, marker.args[0])
+            ranks = DEVICES.get(name, marker.args[0] if marker else 1)
             run_distributed(call_test, ranks, pyfuncitem.module.__name__, name, kwargs, timeout=240)
     except (Exception, pytest.fail.Exception) as error:
         seen = f"{error} {error.__context__} {error.__cause__}"  # pytest.warns reports its block's error as context
