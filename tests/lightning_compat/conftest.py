@@ -16,8 +16,6 @@ import pytest
 from lightning_llm.testing import run_distributed
 from tests.lightning_compat.runif import call_test
 
-pytestmark = pytest.mark.distributed
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "lightning_ranks(n): run the test function on n CPU ranks")

@@ -58,6 +58,25 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {k: v for part in gathered for k, v in part.items()}
 
 
+def fit_recorded(module, dataloader, *, strategy="auto", devices: int = 1, ckpt_path=None, **limits):
+    """Fit ``module`` on the CPU without logger, checkpoints or progress bar (``limits``: ``max_steps=``,
+    ``max_epochs=``); the trainer and (each step's loss of the global batch, every parameter unsharded)."""
+    losses = GlobalLoss()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+        **limits,
+    )
+    trainer.fit(module, dataloader, ckpt_path=ckpt_path)
+    return trainer, (losses.losses, full_state(module))
+
+
 def data(per_rank_batch: int) -> LLMDataModule:
     return LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=per_rank_batch, seed=3)
 

@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_llm.modeling.blocks import BlockSet, find_blocks
 from lightning_llm.testing import run_distributed
-from tests.strategies._parity import GlobalLoss, assert_parity, full_state
+from tests.strategies._parity import assert_parity, fit_recorded
 
 STEPS, BATCH = 4, 8
 
@@ -101,20 +101,7 @@ def _data(single: bool) -> torch.utils.data.DataLoader:
 
 
 def _fit(module, strategy="auto", devices=1):
-    losses = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[losses],
-    )
-    trainer.fit(module, _data(single=devices == 1))
-    return losses.losses, full_state(module)
+    return fit_recorded(module, _data(single=devices == 1), strategy=strategy, devices=devices, max_steps=STEPS)[1]
 
 
 def _units(module) -> list[str]:

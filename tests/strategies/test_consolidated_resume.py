@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 from lightning_llm.testing import run_distributed
-from tests.strategies._parity import GlobalLoss, assert_parity, full_state
+from tests.strategies._parity import assert_parity, fit_recorded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 STEPS, BATCH = 3, 4
@@ -57,20 +57,8 @@ def _data(dp: int, single: bool) -> torch.utils.data.DataLoader:
 
 
 def _fit(module, dp: int, epochs: int, strategy="auto", devices=1, ckpt_path=None):
-    losses = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[losses],
-    )
-    trainer.fit(module, _data(dp, single=devices == 1), ckpt_path=ckpt_path)
-    return trainer, (losses.losses, full_state(module))
+    data = _data(dp, single=devices == 1)
+    return fit_recorded(module, data, strategy=strategy, devices=devices, ckpt_path=ckpt_path, max_epochs=epochs)
 
 
 def _runs(tmp_path):
