@@ -16,7 +16,7 @@ import time
 
 import lightning as L
 import torch
-from _timing import alternate, median_after_warmup, ratios, spread
+from _timing import alternate, median_after_warmup, quiet_cpu_trainer, ratios, spread
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
@@ -45,18 +45,12 @@ class OptimizerStepTimer(L.Callback):
 def _fit(mode: str, world_size: int, preset: str, steps: int, accumulate: int) -> float:
     torch.manual_seed(0)
     timer = OptimizerStepTimer(accumulate)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=LLMParallelStrategy(zero_stage=3, accumulation_sync=mode),
+    trainer = quiet_cpu_trainer(
+        LLMParallelStrategy(zero_stage=3, accumulation_sync=mode),
+        world_size,
         max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[timer],
-        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(CausalLM(preset), LLMDataModule(num_tokens=200_000, seq_len=128, batch_size=2))
     return median_after_warmup(timer.times, 2)

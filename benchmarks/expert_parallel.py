@@ -18,7 +18,7 @@ import argparse
 import lightning as L
 import torch
 import torch.distributed as dist
-from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
+from _timing import StepTimer, alternate, median_after_warmup, quiet_cpu_trainer, ratios, spread
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
@@ -45,18 +45,7 @@ def held_bytes(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> i
 def _fit(layout: str, preset: str, steps: int, seq_len: int, results: dict) -> float:
     torch.manual_seed(0)
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=LLMParallelStrategy(**LAYOUTS[layout]),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-        limit_val_batches=0,
-    )
+    trainer = quiet_cpu_trainer(LLMParallelStrategy(**LAYOUTS[layout]), 2, max_steps=steps, callbacks=[timer])
     module = CausalLM(preset, warmup_steps=1)
     data_parallel = 1 if "tensor_parallel_size" in LAYOUTS[layout] else 2
     trainer.fit(module, LLMDataModule(num_tokens=100_000, seq_len=seq_len, batch_size=GLOBAL_BATCH // data_parallel))

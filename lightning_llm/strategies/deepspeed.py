@@ -392,13 +392,17 @@ def _require_deepspeed_cpu_accelerator() -> None:
 def refuse_matrix_optimizers(optimizer) -> None:
     """Refuse, before the first step, an optimizer that needs whole matrices: DeepSpeed hands it flat partitions.
 
-    ``torch.optim.Muon`` orthogonalizes each 2-D gradient; under DeepSpeed it gets flattened ZeRO partitions and fails
-    inside its step ("Param gradient must be a 2D matrix").
+    ``torch.optim.Muon`` and :class:`~lightning_llm.optim.ShardedMuon` orthogonalize each 2-D gradient; under
+    DeepSpeed they get flattened ZeRO partitions and fail inside their step ("Param gradient must be a 2D matrix").
     """
-    muon = getattr(torch.optim, "Muon", None)
-    if muon is not None and isinstance(optimizer, muon):
+    from lightning_llm.optim import ShardedMuon
+
+    muons = tuple(cls for cls in (getattr(torch.optim, "Muon", None), ShardedMuon) if cls is not None)
+    if isinstance(optimizer, muons):
+        package = "torch.optim" if type(optimizer).__module__.startswith("torch.") else "lightning_llm.optim"
         raise ValueError(
-            "torch.optim.Muon cannot run under LLMDeepSpeedStrategy: DeepSpeed hands the optimizer flat ZeRO "
-            "partitions, and Muon orthogonalizes whole 2-D matrices. Use LLMParallelStrategy (FSDP2, tensor and "
-            "pipeline parallelism, where Muon matches one process), or AdamW under DeepSpeed."
+            f"{package}.{type(optimizer).__name__} cannot run under LLMDeepSpeedStrategy: "
+            "DeepSpeed hands the optimizer flat ZeRO partitions, and Muon orthogonalizes whole 2-D matrices. Use "
+            "LLMParallelStrategy with lightning_llm.optim.ShardedMuon (FSDP2, tensor and pipeline parallelism, "
+            "where it matches one process), or AdamW under DeepSpeed."
         )
