@@ -92,3 +92,10 @@ def test_plan_counts_one_state_for_muon_matrices_and_two_for_the_adamw_group():
     measured = optimizer_states(module)
     assert measured.names == ("ShardedMuon",)
     assert measured.states == pytest.approx((hidden + 2 * (total - hidden)) / total, rel=1e-12)
+    # And a real step's state tensors hold that many elements.
+    optimizer = module.configure_optimizers()
+    module.log = lambda *args, **kwargs: None
+    module.training_step(torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0)), 0).backward()
+    optimizer.step()
+    held = sum(t.numel() for state in optimizer.state.values() for t in state.values() if t.dim() > 0)
+    assert held == hidden + 2 * (total - hidden)
