@@ -140,6 +140,30 @@ register(
 )
 
 
+def steps_with_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` unscales gradients itself when a GradScaler steps it (torch's fused optimizers).
+
+    ``Optimizer._step_supports_amp_scaling``, as Lightning's own ``_optimizer_handles_unscaling`` reads it.
+    Checked on torch 2.13.0.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+register(
+    Private(
+        name="torch.optim.Optimizer._step_supports_amp_scaling",
+        upstream="torch",
+        accessor="torch.steps_with_amp_scaling",
+        used_by=("strategies/precision.py",),
+        why="a fused optimizer unscales inside its step unless the GradScaler already did; knowing which lets fp16 "
+        "unscale before clipping for fused optimizers too (Lightning refuses clipping with them); no public flag",
+        caught_by="`tests/strategies/test_fp16_parity.py`",
+        checked=CHECKED,
+        check=lambda: torch.optim.AdamW([nn.Parameter(torch.ones(1))], fused=True)._step_supports_amp_scaling,
+    )
+)
+
+
 def flash_attention_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

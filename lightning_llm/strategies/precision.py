@@ -12,11 +12,14 @@ for the matching class below, which differs only in ``clip_grad_by_norm``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llm._compat.torch import steps_with_amp_scaling
 from lightning_llm.parallel.grad_scaler import DistributedGradScaler
 
 ClipFn = Callable[[Optimizer, float], None]
@@ -37,7 +40,38 @@ class GlobalNormPrecision(GlobalNormClipping, Precision):
 
 
 class GlobalNormMixedPrecision(GlobalNormClipping, MixedPrecision):
-    """``precision="bf16-mixed"`` / ``"16-mixed"``."""
+    """``precision="bf16-mixed"`` / ``"16-mixed"``.
+
+    With fp16's loss scaler, a fused optimizer's gradients are unscaled right after backward like any other's, so
+    monitors see true gradients and clipping works (Lightning leaves them scaled for the fused step to unscale, and
+    refuses clipping). The scaler then tells the fused step they are unscaled already (torch's ``GradScaler.step``).
+    """
+
+    _unscaled: int | None = None  # id() of the fused optimizer unscaled in the step under way
+
+    @override
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None or not steps_with_amp_scaling(optimizer):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+        def closure_then_unscale() -> Any:
+            result = closure()
+            if result is not None or not model.automatic_optimization:  # None: backward skipped, nothing to unscale
+                self.scaler.unscale_(optimizer)
+                self._unscaled = id(optimizer)
+            return result
+
+        try:
+            return super().optimizer_step(optimizer, model=model, closure=closure_then_unscale, **kwargs)
+        finally:
+            self._unscaled = None
+
+    @override
+    def clip_gradients(self, optimizer: Optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        algorithm = gradient_clip_algorithm or GradClipAlgorithmType.NORM
+        if self._unscaled == id(optimizer):  # a fused optimizer's gradients, unscaled above: clip them as any
+            return Precision.clip_gradients(self, optimizer, clip_val, algorithm)
+        return super().clip_gradients(optimizer, clip_val, algorithm)  # Lightning's refusal where still scaled
 
 
 class GlobalNormHalfPrecision(GlobalNormClipping, HalfPrecision):

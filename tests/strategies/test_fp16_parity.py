@@ -16,9 +16,11 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.models.module import warmup_cosine
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
-from tests.strategies._parity import assert_parity, train
+from tests.strategies._parity import STEPS, assert_parity, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -60,11 +62,12 @@ def _fp16():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
 
 
-def _run(strategy=None, devices=1, dp=1, accumulate=1):
+def _run(strategy=None, devices=1, dp=1, accumulate=1, model=None):
     history = ScaleHistory()
     losses, params = train(
         "reference",
         strategy,
+        model=model,
         devices=devices,
         dp=dp,
         layers=4,
@@ -121,3 +124,45 @@ def test_fp16_with_a_loss_scaler_under_pp2_x_tp2_matches_one_process_with_clippi
     assert scales == want_scales, f"pp2 x tp2: loss scale per step {scales} vs one process {want_scales}"
     assert all(rank[2] == scales for rank in per_rank), "the ranks' loss scales differ (a step skipped on some only)"
     assert_parity((losses, params), (losses, want_params), "fp16 pp2 x tp2", rtol=PARAM_RTOL, loss_rtol=LOSS_RTOL)
+
+
+class _AdamWChoice(CausalLM):
+    """The reference model (as ``train`` builds it) with its AdamW fused or not."""
+
+    def __init__(self, fused: bool) -> None:
+        torch.manual_seed(0)
+        super().__init__(LlamaConfig.from_name("tiny", n_layers=4), warmup_steps=2, max_steps=STEPS)
+        self.fused = fused
+        self.configure_model()
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in config["optimizer"].param_groups]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=self.hparams.betas, fused=self.fused)
+        schedule = warmup_cosine(self.hparams.warmup_steps, STEPS, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _fused_layouts(world_size):
+    return {
+        label: _run(LLMParallelStrategy(**layout), devices=world_size, dp=dp, model=_AdamWChoice(fused=True))
+        for label, layout, dp in (("zero3", {"zero_stage": 3}, 2), ("tp2", {"tensor_parallel_size": 2}, 1))
+    }
+
+
+def test_fused_adamw_with_clipping_under_fp16_matches_the_unfused_oracles():
+    # Lightning refuses clipping with a fused optimizer under fp16 (it leaves the gradients scaled for the fused
+    # step); the strategy unscales them after backward like any other's. Oracles: one process and Lightning's DDP,
+    # each with the unfused AdamW Lightning supports there.
+    oracles = {"tp2": _run(model=_AdamWChoice(fused=False))}
+    per_rank = run_distributed(_fused_layouts, 2, 2, timeout=560)
+    oracles["zero3"] = run_distributed(_ddp_unfused, 2, 2, timeout=560)[0]
+    for label, (losses, params, scales) in per_rank[0].items():
+        assert scales == oracles[label][2], f"fused {label}: loss scale per step {scales} vs {oracles[label][2]}"
+        assert per_rank[1][label][2] == scales, f"fused {label}: the ranks' loss scales differ"
+        assert_parity((losses, params), oracles[label][:2], f"fp16 fused {label}", rtol=PARAM_RTOL, loss_rtol=LOSS_RTOL)
+
+
+def _ddp_unfused(world_size):
+    return _run("ddp", devices=world_size, dp=world_size, model=_AdamWChoice(fused=False))
