@@ -18,6 +18,12 @@ OPTIMIZERS = {  # name: (factory, class name, state per parameter)
     "SGD": (lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9), "SGD", 1.0),
     "Adam-amsgrad": (lambda params: torch.optim.Adam(params, lr=1e-3, amsgrad=True), "Adam", 3.0),
     "SGD-no-momentum": (lambda params: torch.optim.SGD(params, lr=1e-2), "SGD", 0.0),
+    # Held out of the planner's own tables: each documents its state (moments, sums, running averages).
+    "NAdam": (lambda params: torch.optim.NAdam(params, lr=1e-3), "NAdam", 2.0),
+    "RAdam": (lambda params: torch.optim.RAdam(params, lr=1e-3), "RAdam", 2.0),
+    "Adagrad": (lambda params: torch.optim.Adagrad(params, lr=1e-2), "Adagrad", 1.0),
+    "RMSprop-momentum": (lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9), "RMSprop", 2.0),
+    "Adamax": (lambda params: torch.optim.Adamax(params, lr=1e-3), "Adamax", 2.0),
 }
 
 
