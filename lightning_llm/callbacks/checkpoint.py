@@ -177,6 +177,12 @@ class CheckpointRotation(ModelCheckpoint):
         trainer.strategy.barrier("CheckpointRotation.setup")
 
     @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # The strategy's checkpoint_io is the user's again once the fit that needed checked loads is over.
+        if isinstance(trainer.strategy.checkpoint_io, VerifiedLoad):
+            trainer.strategy.checkpoint_io = trainer.strategy.checkpoint_io.inner
+
+    @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.

@@ -89,6 +89,15 @@ def test_exact_resume_single_process_and_resumed_checkpoint_kept(tmp_path):
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), **EXACT)
 
 
+def test_the_strategys_checkpoint_io_is_its_own_again_after_fit(tmp_path):
+    # A resume from a single-file checkpoint is verified through a stand-in CheckpointIO, for that fit only.
+    rotation = CheckpointRotation(dirpath=tmp_path, every_n_train_steps=2)
+    trainer = L.Trainer(max_steps=2, callbacks=[rotation], logger=False, enable_progress_bar=False)
+    original = trainer.strategy.checkpoint_io
+    trainer.fit(noisy_model(), data(2))
+    assert trainer.strategy.checkpoint_io is original
+
+
 def _ddp_resume(root):
     results = {"straight": _straight(root, "ddp", 2, 2)}
     for mode in ("sync", "async"):
