@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import lightning as L
-from lightning.pytorch.strategies import Strategy
 
 
 class StepTimer(L.Callback):
@@ -64,25 +63,3 @@ def median_after_warmup(times: Sequence[float], warmup: int) -> float:
     if len(times) <= warmup:
         raise ValueError(f"{len(times)} steps timed but {warmup} are warm-up; run more steps.")
     return statistics.median(times[warmup:])
-
-
-def quiet_cpu_trainer(strategy: Strategy | str, devices: int, max_steps: int, callbacks: list, **kwargs) -> L.Trainer:
-    """A CPU Trainer that only trains: no logger, checkpoints, progress bar, model summary or validation.
-
-    Example::
-
-        trainer = quiet_cpu_trainer(LLMParallelStrategy(zero_stage=3), 2, max_steps=8, callbacks=[StepTimer()])
-    """
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        limit_val_batches=0,
-        **kwargs,
-    )

@@ -16,12 +16,12 @@ import time
 
 import lightning as L
 import torch
-from _timing import alternate, median_after_warmup, quiet_cpu_trainer, ratios, spread
+from _timing import alternate, median_after_warmup, ratios, spread
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 MODES = ("every_micro_batch", "last_micro_batch")
 
@@ -45,9 +45,10 @@ class OptimizerStepTimer(L.Callback):
 def _fit(mode: str, world_size: int, preset: str, steps: int, accumulate: int) -> float:
     torch.manual_seed(0)
     timer = OptimizerStepTimer(accumulate)
-    trainer = quiet_cpu_trainer(
-        LLMParallelStrategy(zero_stage=3, accumulation_sync=mode),
-        world_size,
+    trainer = cpu_trainer(
+        strategy=LLMParallelStrategy(zero_stage=3, accumulation_sync=mode),
+        devices=world_size,
+        limit_val_batches=0,
         max_steps=steps,
         callbacks=[timer],
         accumulate_grad_batches=accumulate,

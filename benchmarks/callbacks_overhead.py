@@ -22,6 +22,7 @@ from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
+from lightning_llm.testing import cpu_trainer
 
 HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_before_optimizer_step")
 
@@ -50,14 +51,9 @@ def run(preset: str, steps: int, monitored: bool, spent: list[float]) -> float:
         callbacks += [
             timed(c, spent) for c in (MFUMonitor(peak_flops=1e12), GradNormMonitor(), LossSpikeGuard(action="skip"))
         ]
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=steps,
-        logger=False,
         log_every_n_steps=10,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         limit_val_batches=0,
         gradient_clip_val=1.0,

@@ -18,13 +18,13 @@ import argparse
 import lightning as L
 import torch
 import torch.distributed as dist
-from _timing import StepTimer, alternate, median_after_warmup, quiet_cpu_trainer, ratios, spread
+from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 LAYOUTS = {
     "ep2": {"expert_parallel_size": 2, "zero_stage": 3},
@@ -45,7 +45,13 @@ def held_bytes(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> i
 def _fit(layout: str, preset: str, steps: int, seq_len: int, results: dict) -> float:
     torch.manual_seed(0)
     timer = StepTimer()
-    trainer = quiet_cpu_trainer(LLMParallelStrategy(**LAYOUTS[layout]), 2, max_steps=steps, callbacks=[timer])
+    trainer = cpu_trainer(
+        strategy=LLMParallelStrategy(**LAYOUTS[layout]),
+        devices=2,
+        limit_val_batches=0,
+        max_steps=steps,
+        callbacks=[timer],
+    )
     module = CausalLM(preset, warmup_steps=1)
     data_parallel = 1 if "tensor_parallel_size" in LAYOUTS[layout] else 2
     trainer.fit(module, LLMDataModule(num_tokens=100_000, seq_len=seq_len, batch_size=GLOBAL_BATCH // data_parallel))

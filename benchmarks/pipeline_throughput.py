@@ -29,7 +29,6 @@ import os
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-import lightning as L
 import torch
 from _pipeline_breakdown import StageBreakdown, format_breakdown
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
@@ -37,7 +36,7 @@ from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 WARMUP = 3
 
@@ -65,15 +64,10 @@ def fit(
     )
     timer = StepTimer()
     parts = StageBreakdown(WARMUP) if breakdown else None
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[timer, *([parts] if parts else [])],
         limit_val_batches=0,
         accumulate_grad_batches=accumulate,

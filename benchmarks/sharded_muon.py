@@ -17,13 +17,13 @@ import time
 
 import lightning as L
 import torch
-from _timing import alternate, median_after_warmup, quiet_cpu_trainer, ratios, spread
+from _timing import alternate, median_after_warmup, ratios, spread
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.optim import ShardedMuon, muon_param_groups
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 SIDES = ("sharded", "torch")
 LAYOUTS = {"zero3": {"zero_stage": 3}, "tp2": {"tensor_parallel_size": 2}}
@@ -61,7 +61,13 @@ class OptimizerStepTimer(L.Callback):
 def _fit(side: str, layout: str, world_size: int, preset: str, steps: int) -> float:
     torch.manual_seed(0)
     timer = OptimizerStepTimer()
-    trainer = quiet_cpu_trainer(LLMParallelStrategy(**LAYOUTS[layout]), world_size, max_steps=steps, callbacks=[timer])
+    trainer = cpu_trainer(
+        strategy=LLMParallelStrategy(**LAYOUTS[layout]),
+        devices=world_size,
+        limit_val_batches=0,
+        max_steps=steps,
+        callbacks=[timer],
+    )
     trainer.fit(MuonOnly(preset, side), LLMDataModule(num_tokens=100_000, seq_len=64, batch_size=2))
     return median_after_warmup(timer.times, 2)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-import lightning as L
 import torch
 from _timing import StepTimer, alternate, median_after_warmup, ratios, spread
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -21,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 
 class HandParallelCausalLM(CausalLM):
@@ -45,15 +44,10 @@ def _fit(kind: str, world_size: int, preset: str, steps: int) -> float:
             ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
         )
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[timer],
         limit_val_batches=0,
     )

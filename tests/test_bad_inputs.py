@@ -27,6 +27,7 @@ from lightning_llm.cli import LLMCLI, main
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing import cpu_trainer
 
 NAN, INF = float("nan"), float("inf")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -169,13 +170,8 @@ FIT_CASES = {
 def test_fit_refuses_before_the_first_step(case, tmp_path):
     data_kwargs, _ckpt, named = FIT_CASES[case]
     steps = _CountSteps()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[steps],
         default_root_dir=tmp_path,
     )

@@ -14,7 +14,7 @@ from lightning_llm.checkpointing.files import complete_checkpoints, read_marker
 from lightning_llm.contract import ParallelLayout, contract_of, implements_contract
 from lightning_llm.contract.lightning import LightningContract
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import HAS_DEEPSPEED, requires_deepspeed
 from tests.strategies._parity import data, make_model
 
@@ -126,14 +126,9 @@ class SpyIO(TorchCheckpointIO):
 
 def test_single_device_checkpoints_through_its_checkpoint_io_and_to_urls(tmp_path):
     spy = SpyIO()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         plugins=[spy],
         limit_val_batches=0,
     )
@@ -206,15 +201,10 @@ class _ReduceAtStart(L.Callback):
 
 def _reduce_under_ddp(world_size: int) -> dict:
     probe = _ReduceAtStart()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy="ddp",
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[probe],
         limit_val_batches=0,
     )

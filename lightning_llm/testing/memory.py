@@ -14,6 +14,7 @@ from lightning_llm.data import LLMDataModule
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import CausalLM
 from lightning_llm.parallel.dtensor import local_tensor
+from lightning_llm.testing.trainer import cpu_trainer
 
 
 def _local_bytes(tensors) -> int:
@@ -62,15 +63,10 @@ def measure_model_states(world_size: int, preset: str, zero_stage: int, seq_len:
 
     torch.manual_seed(0)
     measure_cb = _Measure()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=LLMParallelStrategy(zero_stage=zero_stage),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[measure_cb],
         limit_val_batches=0,
     )

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing.trainer import cpu_trainer
 
 
 class _RSSSampler(L.Callback):
@@ -89,17 +90,12 @@ def measure_setup_memory(
         chosen = LLMParallelStrategy(zero_stage=zero_stage)
     else:
         raise ValueError(f"strategy={strategy!r}; choose 'parallel' or 'deepspeed'.")
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=chosen,
         max_steps=0,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[sampler],
     )
     trainer.fit(module, LLMDataModule(num_tokens=2000, seq_len=16, batch_size=2, seed=0))

@@ -10,7 +10,7 @@ from lightning_llm.callbacks import GradNormMonitor
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.models import Llama, LlamaConfig
 from lightning_llm.parallel.grad_norm import total_grad_norm
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import requires_deepspeed
 from tests.strategies._parity import data, make_model
 
@@ -20,16 +20,11 @@ pytestmark = pytest.mark.distributed
 def _first_norms(strategy="auto", devices=1, dp=1, arch="hf_gpt2", clip=None):
     monitor = GradNormMonitor(per_block=True, per_param_group=True)
     model = make_model(arch, layers=4)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=1,
-        logger=False,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[monitor],
         limit_val_batches=0,
         gradient_clip_val=clip,
@@ -57,14 +52,9 @@ class _TorchNorms(L.Callback):
 
 def _torch_norms(arch):
     oracle = _TorchNorms()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[oracle],
         limit_val_batches=0,
     )

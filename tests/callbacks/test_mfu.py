@@ -1,6 +1,5 @@
 import types
 
-import lightning as L
 import pytest
 import torch
 
@@ -9,7 +8,7 @@ from lightning_llm.data import LLMDataModule
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 BATCH, SEQ = 4, 32
 
@@ -37,15 +36,10 @@ def _fit(strategy="auto", devices=1, steps=4, **monitor):
 
 def _trainer(callback, strategy="auto", devices=1, steps=4):
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
         limit_val_batches=0,
     )

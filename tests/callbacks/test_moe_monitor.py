@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_llm.callbacks import MoEMonitor
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 STEPS, EVERY, BATCH = 4, 2, 8
 CONFIG = LlamaConfig.from_name("tiny-moe", vocab_size=64, n_layers=3, n_dense_layers=1, moe_aux_loss_coef=0.01)
@@ -42,16 +42,11 @@ def _fit(strategy="auto", devices=1, per_rank=BATCH, callbacks=(), config=CONFIG
     module = CausalLM(config, learning_rate=1e-3, warmup_steps=1)
     module.configure_model()  # built here, so every layout starts from these weights (the strategy keeps them)
     monitor = _Recorded()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=STEPS,
         log_every_n_steps=EVERY,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[monitor, *callbacks],
     )
     tokens = torch.randint(0, 64, (BATCH * STEPS, 33), generator=torch.Generator().manual_seed(1))

@@ -10,7 +10,7 @@ import torch
 from lightning_llm.callbacks import LossSpikeError, LossSpikeGuard
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 
 
 class Faulty(CausalLM):
@@ -40,15 +40,10 @@ class Faulty(CausalLM):
 
 
 def _fit(guard, model, devices=1, steps=8, strategy="auto"):
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[guard],
         limit_val_batches=0,
         gradient_clip_val=1.0,
@@ -249,14 +244,9 @@ def test_skip_under_fp16_grad_scaler():
     model = _Fp16Scaled(bad_step=6, factor=50.0)  # a finite spike: the scaler itself would not skip
     guard = LossSpikeGuard(action="skip", warmup_steps=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[guard],
         limit_val_batches=0,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler)],

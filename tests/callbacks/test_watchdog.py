@@ -13,7 +13,7 @@ from lightning_llm.callbacks import RankUnresponsiveError, RankWatchdog
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from lightning_llm.testing.distributed import DistributedTestError
 
 TIMEOUT, SLEEP = 3.0, 16.0
@@ -36,15 +36,10 @@ class _Hang(L.Callback):
 def _run_with_a_hung_rank(report: str):
     L.seed_everything(0)  # the model is initialized on each rank's shards from the same generator state
     hang = _Hang()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=LLMParallelStrategy(zero_stage=0, timeout=TIMEOUT),
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[hang, RankWatchdog(timeout=TIMEOUT)],
         limit_val_batches=0,
     )

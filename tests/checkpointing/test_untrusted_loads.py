@@ -11,7 +11,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llm.cli import main as cli_main
 from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.testing import cpu_trainer
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).parents[2]
@@ -80,15 +80,10 @@ def test_resume_from_a_ckpt_file_under_the_strategy_refuses_the_payload(tmp_path
 
     evil = tmp_path / "evil.ckpt"
     torch.save({"state_dict": _model().state_dict(), "loops": Payload(marker)}, evil)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         strategy=LLMParallelStrategy(),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     tokens = DataLoader(torch.randint(0, 256, (4, 17)), batch_size=2)
     with pytest.raises(ValueError, match="evil.ckpt.*not a tensor or a plain value"):
@@ -139,15 +134,10 @@ def test_resume_from_a_sharded_directory_refuses_a_crafted_dcp_metadata(tmp_path
 
     checkpoint = _sharded(tmp_path / "step=1.ckpt")
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         strategy=LLMParallelStrategy(),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     tokens = DataLoader(torch.randint(0, 256, (4, 17)), batch_size=2)
     with pytest.raises(ValueError, match=r"\.metadata is not DCP checkpoint metadata"):

@@ -13,6 +13,7 @@ from lightning_llm.cli import main
 from lightning_llm.data import LLMDataModule, document_causal_mask, read_offsets, read_token_info, token_dtype_for
 from lightning_llm.data.prepare import prepare, train_bpe
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
+from lightning_llm.testing import cpu_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,13 +231,8 @@ def test_a_short_fit_on_prepared_data_lowers_the_loss(tmp_path):
         LlamaConfig.from_name("tiny", vocab_size=data.vocab_size), learning_rate=3e-3, warmup_steps=5, max_steps=40
     )
     losses = _Losses()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=40,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses],
         limit_val_batches=2,
         num_sanity_val_steps=0,

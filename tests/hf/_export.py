@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.testing import cpu_trainer
 from tests.hf._pretrained import PretrainedLM
 from tests.strategies._parity import full_state
 
@@ -58,15 +59,10 @@ def _train_and_save(arch: str, layout: str, single_file: bool, root: Path) -> di
     module = make_module(arch)
     strategy = LLMParallelStrategy(save_distributed_checkpoint=not single_file, **LAYOUTS[layout])
     dp = 1 if layout in ("tp2", "pp2") else 2
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=strategy,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 
 from lightning_llm.data import LLMDataModule
+from lightning_llm.testing import cpu_trainer
 from lightning_llm.testing.models import _NextTokenModule
 from tests.strategies._parity import GlobalLoss
 
@@ -75,15 +75,10 @@ def finetune(
     else:
         strategy = (strategy_cls or LLMParallelStrategy)(load_pretrained=path, **strategy_kwargs)
         module = PretrainedLM(arch, **config_overrides)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[losses],

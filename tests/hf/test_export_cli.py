@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 from lightning_llm.cli import main
 from lightning_llm.data import LLMDataModule
 from lightning_llm.hf import export_hf
+from lightning_llm.testing import cpu_trainer
 from tests.hf._export import TOKENS, logits_of
 from tests.hf._pretrained import PretrainedLM
 
@@ -27,14 +27,9 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("plain")
     torch.manual_seed(0)
     module = PretrainedLM("llama")
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
     )
     trainer.fit(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3))

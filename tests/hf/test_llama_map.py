@@ -6,7 +6,6 @@ The rotary permutation is decided by the numbers: without it the exported model'
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from lightning_llm.data import LLMDataModule
 from lightning_llm.hf import export_hf, llama_map, load_pretrained
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.models.llama import Llama
+from lightning_llm.testing import cpu_trainer
 
 pytestmark = pytest.mark.timeout(120)
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -56,14 +56,9 @@ def test_reference_checkpoint_exports_to_hf(tmp_path, tie):
 
     torch.manual_seed(0)
     module = CausalLM(_config(tie), learning_rate=1e-2, warmup_steps=1, max_steps=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
     )
     trainer.fit(module, LLMDataModule(num_tokens=5_000, seq_len=24, batch_size=2, seed=3))

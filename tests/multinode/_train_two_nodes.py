@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from lightning_llm.contract import contract_of
 from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing import cpu_trainer
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, data, full_state, make_model
 
 
@@ -18,17 +19,12 @@ class Layout(L.Callback):
 
 def main(out: str) -> None:
     model, losses, layout = make_model("reference"), GlobalLoss(), Layout()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         num_nodes=2,
         devices=2,
         strategy=LLMParallelStrategy(tensor_parallel_size=2),
         max_steps=STEPS,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses, layout],
         num_sanity_val_steps=0,
         limit_val_batches=0,

@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import lightning_llm.parallel.init.materialize as materialize_module
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing import cpu_trainer
 from lightning_llm.testing.models import HFCausalLM
 
 SEED = 1234
@@ -76,17 +77,12 @@ def init_under_layouts(cases: list[tuple[str, dict]], devices: int) -> list[dict
     for arch, kwargs in cases:
         torch.manual_seed(SEED)
         module, capture = build(arch), Capture()
-        trainer = L.Trainer(
-            accelerator="cpu",
+        trainer = cpu_trainer(
             devices=devices,
             strategy=LLMParallelStrategy(**kwargs),
             max_steps=0,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[capture],
         )
         trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))

@@ -6,7 +6,6 @@ import os
 import random
 from types import SimpleNamespace
 
-import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ import lightning_llm.strategies.parallel_setup as parallel_setup
 from lightning_llm.parallel.devices import min_over_ranks
 from lightning_llm.parallel.init.materialize import check_same_rng_state
 from lightning_llm.strategies.zero_auto import planning_inputs
+from lightning_llm.testing import cpu_trainer
 from tests.parallel._init_layouts import CONFIG, Capture, gathered_parameters
 
 
@@ -71,17 +71,12 @@ def unseeded_fit() -> dict:
     seeding_lines, setup_lines = _capture_info(seeding), _capture_info(parallel_setup)
     module, capture = CausalLM(CONFIG), Capture()
     strategy = LLMParallelStrategy(zero_stage=0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=strategy,
         max_steps=2,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[capture],
     )
     trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.testing import cpu_trainer
 from lightning_llm.testing.models import _NextTokenModule
 from tests.strategies._parity import GlobalLoss, data, full_state
 
@@ -76,16 +76,11 @@ def train_tiny(arch: str, strategy=None, devices: int = 1, steps: int = 10, clip
     torch.manual_seed(0)
     model = TinyHF(arch)
     recorder = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy or "auto",
         max_steps=steps,
         gradient_clip_val=clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
         num_sanity_val_steps=0,
         limit_val_batches=0,

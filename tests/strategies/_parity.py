@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM, LlamaConfig
+from lightning_llm.testing import cpu_trainer
 from lightning_llm.testing.models import HFCausalLM, UserLM
 
 STEPS = 10
@@ -62,14 +63,9 @@ def fit_recorded(module, dataloader, *, strategy="auto", devices: int = 1, ckpt_
     """Fit ``module`` on the CPU without logger, checkpoints or progress bar (``limits``: ``max_steps=``,
     ``max_epochs=``); the trainer and (each step's loss of the global batch, every parameter unsharded)."""
     losses = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses],
         **limits,
     )

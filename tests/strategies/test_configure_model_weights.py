@@ -14,7 +14,7 @@ import torch
 
 from lightning_llm.models import CausalLM, Llama, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.strategies._parity import data, full_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,15 +46,10 @@ class StateAtFitStart(L.Callback):
 def _state_before_training(layout: dict, devices: int) -> dict:
     torch.manual_seed(0)
     probe = StateAtFitStart()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=LLMParallelStrategy(**layout),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[probe],
         limit_val_batches=0,
     )

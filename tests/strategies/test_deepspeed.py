@@ -22,7 +22,7 @@ import lightning_llm.strategies.zero_auto as zero_planner
 from lightning_llm.strategies.deepspeed import LLMDeepSpeedStrategy
 from lightning_llm.strategies.deepspeed_config import default_config, merge_config
 from lightning_llm.strategies.zero_auto import choose_zero_stage
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import requires_deepspeed
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
 
@@ -119,16 +119,11 @@ def fit(strategy=None, devices: int = 1, steps: int = STEPS, callbacks=(), resum
     """Train the reference tiny Llama until ``steps``; return (global losses per step, full parameters)."""
     model = make_model("reference")
     losses = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy or "auto",
         max_steps=steps,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses, *callbacks],
         num_sanity_val_steps=0,
         limit_val_batches=0,

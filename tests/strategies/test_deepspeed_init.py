@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import requires_deepspeed
 from tests.parallel._init_layouts import CONFIG, SEED, TIED, build
 from tests.parallel.test_materialize import single_process_hf, single_process_reference
@@ -135,17 +135,12 @@ def _build_under_zero3(module, config) -> _Capture:
     from lightning_llm.strategies import LLMDeepSpeedStrategy
 
     capture = _Capture()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=LLMDeepSpeedStrategy(zero_stage=3, config=config),
         max_steps=0,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[capture],
     )
     trainer.fit(module, LLMDataModule(num_tokens=4000, seq_len=16, batch_size=4, seed=0))

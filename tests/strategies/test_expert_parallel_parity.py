@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_llm.parallel.ep.apply import find_experts
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.parallel._collectives import Collectives
 from tests.strategies._parity import assert_parity
 from tests.zoo._harness import GLOBAL_BATCH, SEQ_LEN, tokens, train
@@ -96,15 +96,10 @@ class _ForwardCollectives(L.Callback):
 
 def _forward_collectives(name: str) -> list[tuple[str, int]]:
     recorder = _ForwardCollectives()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=LLMParallelStrategy(expert_parallel_size=2, zero_stage=0),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
     )
     trainer.fit(ZooLM(name), DataLoader(tokens(), batch_size=GLOBAL_BATCH // 2))

@@ -11,7 +11,7 @@ from torch import nn
 from lightning_llm.checkpointing.consolidate import consolidate_checkpoint
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.parallel._collectives import counting_reduce_scatters
 from tests.strategies._parity import STEPS, assert_parity, data, full_state, make_model, train
 
@@ -67,15 +67,10 @@ class _NoLinear(L.LightningModule):
 
 def _fit_expecting_error(make_module, strategy_kwargs, world_size):
     module = make_module()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=world_size,
         strategy=LLMParallelStrategy(**strategy_kwargs),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     try:
         trainer.fit(module, data(2))

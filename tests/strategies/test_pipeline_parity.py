@@ -10,7 +10,7 @@ import pytest
 
 from lightning_llm._compat.versions import torch_at_least
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.strategies._parity import STEPS, assert_parity, data, make_model, train, train_layouts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -150,15 +150,10 @@ def _bad_pipeline(world_size):
     for kwargs, layers, batch in cases:
         model = make_model("reference", layers)
         model.steps_run = 0
-        trainer = L.Trainer(
-            accelerator="cpu",
+        trainer = cpu_trainer(
             devices=world_size,
             strategy=LLMParallelStrategy(**kwargs),
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
         )

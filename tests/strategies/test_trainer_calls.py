@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_llm.strategies import LLMParallelStrategy
-from lightning_llm.testing import run_distributed
+from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.strategies._parity import data, full_state, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -27,17 +27,12 @@ BATCHES, PER_RANK = 2, 4
 
 
 def _trainer(strategy=None, devices: int = 2) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
+    return cpu_trainer(
         devices=devices,
         strategy=strategy or "auto",
         max_steps=2,
         limit_val_batches=BATCHES,
         limit_test_batches=BATCHES,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
 

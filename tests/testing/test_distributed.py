@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_llm.testing import DistributedTestError, run_distributed
+from lightning_llm.testing import DistributedTestError, cpu_trainer, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -84,15 +84,10 @@ def _fit(devices: int, batch_size: int):
         else None
     )
     loader = DataLoader(_data(), batch_size=batch_size, sampler=sampler)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, loader)
     return model.losses, model.layer.weight.detach().clone()

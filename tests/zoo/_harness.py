@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import traceback
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_llm.testing import cpu_trainer
 from tests.strategies._parity import GlobalLoss
 from tests.zoo._models import VOCAB, ZooLM
 
@@ -86,15 +86,10 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1, gradient_clip
     """
     model = ZooLM(name)
     losses = GlobalLoss()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=devices,
         strategy=strategy or "auto",
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses],
         gradient_clip_val=gradient_clip_val,
     )
