@@ -1,0 +1,195 @@
+"""``lightning-llm plan``: the memory table and ZeRO decision for a config, without training or allocating.
+
+Example::
+
+    lightning-llm plan --config configs/llama7b.yaml --devices 8 --device_memory 80GB
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+
+import yaml
+
+from lightning_llm.cli.app import LLMCLI
+from lightning_llm.validation import check_float, check_int
+
+
+def plan(args: list[str]) -> str:
+    """``lightning-llm plan``: the memory table and ZeRO decision for a config, without training or allocating.
+
+    The model is built on the meta device, so 7B and 70B configs plan in seconds on a laptop. The
+    strategy's tensor/pipeline sizes and checkpointing mode are read from the config; ``--devices``,
+    ``--num_nodes`` and ``--device_memory`` override the machine.
+    """
+    import argparse
+
+    import torch
+
+    from lightning_llm.planning.zero import MemoryPlanError, parse_size
+    from lightning_llm.strategies.zero_auto import choose_zero_stage
+
+    parser = argparse.ArgumentParser(prog="lightning-llm plan", description=plan.__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a lightning-llm / LightningCLI YAML config")
+    parser.add_argument("--devices", type=int, help="devices per node (default: the config's trainer.devices)")
+    parser.add_argument("--num_nodes", type=int, help="nodes (default: the config's trainer.num_nodes)")
+    parser.add_argument("--device_memory", default="80GB", help="memory per device, e.g. 80GB, 141GB, 24GiB")
+    parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
+    parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
+    options = parser.parse_args(args)
+    try:
+        _check_plan_options(options)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    config = yaml.safe_load(Path(options.config).read_text()) or {}
+    trainer_config = config.get("trainer") or {}
+    with torch.device("meta"), _quiet():
+        cli = LLMCLI(args=_planning_config(config), run=False, save_config_callback=None)
+        module = cli.model
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    strategy = cli.trainer.strategy
+    native = isinstance(strategy, LLMParallelStrategy)
+    devices = options.devices or trainer_config.get("devices")
+    devices = devices if isinstance(devices, int) else 1
+    nodes = options.num_nodes or trainer_config.get("num_nodes") or 1
+    backend = options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native")
+    hparams = cli.datamodule.hparams
+    settings = dict(
+        device_memory=parse_size(options.device_memory),
+        world_size=devices * nodes,
+        tp=strategy.tensor_parallel_size if native else 1,
+        pp=strategy.pipeline_parallel_size if native else 1,
+        cp=strategy.context_parallel_size if native else 1,
+        ep=strategy.expert_parallel_size if native else 1,
+        expert_parallel_plan=strategy.expert_parallel_plan if native else None,
+        micro_batch_size=hparams.get("batch_size", 1),
+        seq_len=hparams.get("seq_len", 2048),
+        precision=str(cli.trainer.precision),
+        activation_checkpointing=strategy.activation_checkpointing if native else "none",
+        ac_options=strategy.ac_options if native else None,
+        backend=backend,
+        margin=options.margin,
+        whole_grads=native
+        and cli.trainer.accumulate_grad_batches > 1
+        and strategy.accumulation_sync == "last_micro_batch",
+    )
+    try:
+        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"], settings["cp"])
+        if native:  # the layout checks fit runs at setup, on the same options
+            _check_strategy_layout(strategy, module, settings["world_size"])
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    params = sum(p.numel() for p in module.parameters())
+    dp = settings["world_size"] // (settings["tp"] * settings["pp"] * settings["cp"])
+    sequences = settings["micro_batch_size"] * dp * cli.trainer.accumulate_grad_batches
+    header = (
+        f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
+        f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
+        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}\n"
+        f"global batch: {sequences} sequences, {sequences * settings['seq_len']:,} tokens per optimizer step "
+        f"(micro-batch {settings['micro_batch_size']} x dp {dp} x accumulate_grad_batches "
+        f"{cli.trainer.accumulate_grad_batches})"
+    )
+    try:
+        decision = choose_zero_stage(module, **settings)
+        report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
+    except MemoryPlanError as err:
+        print(f"{header}\n{err}")
+        raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
+    print(report)
+    return report
+
+
+def _planning_config(config: dict) -> dict:
+    """The config ``plan`` parses: the same model, data and strategy, a Trainer for one CPU, no logger or callbacks.
+
+    The planning machine need not be the training one: the devices and nodes come from the config (or the
+    flags), the model is built on the meta device. The config's logger and callbacks are left out before
+    parsing, not overridden after: resolving ``WandbLogger``'s signature alone imports wandb (0.2 s).
+    """
+    trainer = {k: v for k, v in (config.get("trainer") or {}).items() if k not in ("logger", "callbacks")}
+    # Nothing random is drawn while planning; LightningCLI's default seeding would only warn "No seed found".
+    seed = config.get("seed_everything", False)
+    return {
+        **config,
+        "seed_everything": seed,
+        "trainer": {**trainer, "logger": False, "accelerator": "cpu", "devices": 1, "num_nodes": 1},
+    }
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No Trainer banners ("GPU available: ...") and no LightningCLI warning about ``args``: ``plan`` prints its table."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_llm")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _check_plan_options(options) -> None:
+    """Flags of ``plan`` that are wrong whatever the model: refused before anything is built."""
+    from lightning_llm.planning.zero import parse_size
+
+    for flag, value in (("--devices", options.devices), ("--num_nodes", options.num_nodes)):
+        if value is not None:
+            check_int(flag, value, minimum=1)
+    check_float("--margin", options.margin, minimum=0, hint="the fraction of device memory kept free, in [0, 1)")
+    if options.margin >= 1:
+        raise ValueError(f"--margin={options.margin!r} must be below 1 (the fraction of device memory kept free).")
+    if parse_size(options.device_memory) <= 0:
+        raise ValueError(f"--device_memory={options.device_memory!r} must be a positive size such as 80GB.")
+
+
+def _check_strategy_layout(strategy, module, world_size: int) -> None:
+    """What LLMParallelStrategy's setup checks before parallelizing: the mesh's degrees and the pipeline stages."""
+    from lightning_llm.modeling.blocks import find_blocks
+    from lightning_llm.strategies.parallel_setup import parallel_dims
+
+    parallel_dims(strategy.options, world_size)  # data_parallel_size, replicate groups, ... against the world
+    pp = strategy.pipeline_parallel_size
+    stages = pp * strategy.options.pipeline.spec().stages_per_rank() if pp > 1 else 1
+    blocks = len(find_blocks(module, strategy.blocks)[1])
+    if stages > blocks:
+        raise ValueError(
+            f"{stages} pipeline stages need at least as many transformer blocks, but the model has {blocks}; "
+            "lower pipeline_parallel_size or virtual_stages."
+        )
+
+
+def _check_layout(module, world_size: int, tp: int, pp: int, cp: int = 1) -> None:
+    """The parallel layout against the machine and the model: tp divides the heads, pp fits the blocks."""
+    from lightning_llm.modeling.blocks import find_blocks
+
+    if world_size % (tp * pp * cp):
+        context = f" x context_parallel_size={cp}" if cp > 1 else ""
+        raise ValueError(
+            f"{world_size} devices cannot be split into tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+            f"{context} groups; use a device count that is a multiple of {tp * pp * cp}, or other sizes."
+        )
+    config = getattr(module, "config", None)
+    for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {name}={heads}: tensor parallelism splits "
+                f"whole heads. Choose a tp that divides {heads}."
+            )
+    _, blocks = find_blocks(module, None)
+    if pp > len(blocks):
+        raise ValueError(
+            f"pipeline_parallel_size={pp} is more than the model's {len(blocks)} blocks: every stage needs at least "
+            f"one. Use pipeline_parallel_size <= {len(blocks)}."
+        )
