@@ -34,6 +34,11 @@ from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
 from lightning_llm.parallel.init.zero3_init import initialize_partitioned
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.strategies.deepspeed_checks import (
+    refuse_matrix_optimizers,
+    require_deepspeed,
+    require_deepspeed_cpu_accelerator,
+)
 from lightning_llm.strategies.deepspeed_config import (
     check_precision,
     default_config,
@@ -44,18 +49,6 @@ from lightning_llm.strategies.deepspeed_config import (
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int, check_memory_size
-
-INSTALL_HINT = "pip install 'lightning_llm[deepspeed]'"
-
-
-def _require_deepspeed() -> None:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            f"LLMDeepSpeedStrategy needs DeepSpeed, which could not be imported ({err}). "
-            f"Install the extra: {INSTALL_HINT}"
-        ) from err
 
 
 class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
@@ -104,7 +97,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         process_group_backend: str | None = None,
         load_pretrained: str | None = None,
     ) -> None:
-        _require_deepspeed()
+        require_deepspeed()
         user_config = read_config(config)
         validate_args(zero_stage, offload, offload_device, nvme_path, user_config)
         check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
@@ -144,7 +137,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         if not isinstance(self.accelerator, CPUAccelerator):
             super().setup_environment()
             return
-        _require_deepspeed_cpu_accelerator()
+        require_deepspeed_cpu_accelerator()
         # Bypass: DeepSpeedStrategy.setup_environment refuses every accelerator but CUDA. DeepSpeed itself
         # runs on its CPU accelerator with gloo, so skip that one check and run the DDP/Strategy setup.
         super(DeepSpeedStrategy, self).setup_environment()
@@ -376,33 +369,3 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_presets(strategy_registry, cls, DEEPSPEED_PRESETS)
-
-
-def _require_deepspeed_cpu_accelerator() -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()
-    if name != "cpu":
-        raise RuntimeError(
-            f"Trainer(accelerator='cpu') with LLMDeepSpeedStrategy needs DeepSpeed's CPU accelerator, but DeepSpeed "
-            f"selected {name!r}. Set the environment variable DS_ACCELERATOR=cpu before Python starts."
-        )
-
-
-def refuse_matrix_optimizers(optimizer) -> None:
-    """Refuse, before the first step, an optimizer that needs whole matrices: DeepSpeed hands it flat partitions.
-
-    ``torch.optim.Muon`` and :class:`~lightning_llm.optim.ShardedMuon` orthogonalize each 2-D gradient; under
-    DeepSpeed they get flattened ZeRO partitions and fail inside their step ("Param gradient must be a 2D matrix").
-    """
-    from lightning_llm.optim import ShardedMuon
-
-    muons = tuple(cls for cls in (getattr(torch.optim, "Muon", None), ShardedMuon) if cls is not None)
-    if isinstance(optimizer, muons):
-        package = "torch.optim" if type(optimizer).__module__.startswith("torch.") else "lightning_llm.optim"
-        raise ValueError(
-            f"{package}.{type(optimizer).__name__} cannot run under LLMDeepSpeedStrategy: "
-            "DeepSpeed hands the optimizer flat ZeRO partitions, and Muon orthogonalizes whole 2-D matrices. Use "
-            "LLMParallelStrategy with lightning_llm.optim.ShardedMuon (FSDP2, tensor and pipeline parallelism, "
-            "where it matches one process), or AdamW under DeepSpeed."
-        )

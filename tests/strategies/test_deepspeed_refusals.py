@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_llm.optim import ShardedMuon
-from lightning_llm.strategies.deepspeed import refuse_matrix_optimizers
+from lightning_llm.strategies.deepspeed_checks import refuse_matrix_optimizers
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs a newer torch")
