@@ -51,6 +51,31 @@ register(
 )
 
 
+def rebuild_dataloader(dataloader, sampler):
+    """Lightning's ``_update_dataloader``: the same DataLoader (its subclass and constructor arguments) over another
+    sampler, what Lightning does when it injects its ``DistributedSampler``; no public helper. Checked on lightning
+    2.6.6."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+register(
+    Private(
+        name="lightning.pytorch.utilities.data._update_dataloader",
+        upstream="lightning",
+        accessor="lightning.rebuild_dataloader",
+        used_by=("data/resume.py",),
+        why="rebuild a user's training DataLoader over a sampler that skips the batches a resumed epoch already "
+        "trained, as Lightning rebuilds it to inject its DistributedSampler",
+        caught_by="`tests/data/test_user_datamodule_resume.py`",
+        checked=CHECKED,
+        check=lambda: resolve("lightning.pytorch.utilities.data:_update_dataloader"),
+    )
+)
+
+
 def materialize_distributed_module(module, device) -> None:
     """Lightning's ``_materialize_distributed_module``: ``to_empty`` then every submodule's ``reset_parameters``,
     what ``ModelParallelStrategy`` does to a meta model its ``configure_model`` parallelized by hand; used for that

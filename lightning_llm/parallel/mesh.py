@@ -39,6 +39,8 @@ class ParallelDims:
     dp_shard: int = -1
     cp: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    # The flattened axes as _flatten returned them: torch warns when a flattened axis is sliced from the root mesh.
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "cp"):
@@ -111,13 +113,21 @@ class ParallelDims:
         its mesh (``data_parallel``, ``tensor_parallel``), so a ``configure_model`` written for it finds its axes here."""
         shape = tuple(getattr(self, axis) for axis in AXES)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-        flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "dp")
-        flatten_mesh(self.mesh[("dp_replicate", "dp_shard")], "data_parallel")
-        flatten_mesh(self.mesh[("tp",)], "tensor_parallel")
+        axes = {"dp": ("dp_replicate", "dp_shard"), "data_parallel": ("dp_replicate", "dp_shard")}
+        axes["tensor_parallel"] = ("tp",)
         if self.cp > 1:
-            flatten_mesh(self.mesh[("dp_shard", "cp")], "dp_shard_cp")
-            flatten_mesh(self.mesh[("dp_replicate", "dp_shard", "cp")], "dp_cp")
+            axes |= {"dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+        self.flattened = {name: flatten_mesh(self.mesh[dims], name) for name, dims in axes.items()}
         return self.mesh
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of axis ``name``: one of the five or a flattened one (``dp``, ``data_parallel``, ...).
+
+        Example::
+
+            dims.axis("dp").get_local_rank()
+        """
+        return self.flattened[name] if name in self.flattened else self.mesh[name]
 
     def data_parallel_mesh(self) -> DeviceMesh:
         """The mesh FSDP2/replicate shards and reduces gradients over: the data-parallel ranks times the CP ranks.
@@ -128,9 +138,9 @@ class ParallelDims:
         """
         if self.cp == 1:
             hsdp = self.dp_replicate > 1 and self.dp_shard > 1
-            return self.mesh["dp_replicate", "dp_shard"] if hsdp else self.mesh["dp"]
+            return self.mesh["dp_replicate", "dp_shard"] if hsdp else self.axis("dp")
         if self.dp_shard == 1 or self.dp_replicate == 1:
-            return self.mesh["dp_cp"]
+            return self.axis("dp_cp")
         return self.mesh["dp_replicate", "dp_shard_cp"]
 
     def cp_rank(self) -> int:
@@ -139,4 +149,4 @@ class ParallelDims:
 
     def dp_rank(self) -> int:
         """This rank's index among data-parallel replicas (tp and pp peers share it)."""
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        return self.axis("dp").get_local_rank() if self.mesh is not None else 0

@@ -112,7 +112,7 @@ def _check_data_parallel_covered(module: nn.Module, state: RunState) -> None:
     dims = state.parallel_dims
     if dims.dp == 1:
         return
-    peers = set(dims.mesh["data_parallel"].mesh.flatten().tolist())
+    peers = set(dims.axis("data_parallel").mesh.flatten().tolist())
     uncovered = [
         name
         for name, p in module.named_parameters()

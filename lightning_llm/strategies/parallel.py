@@ -32,6 +32,7 @@ from lightning_llm.checkpointing.errors import save_on_every_rank
 from lightning_llm.checkpointing.files import checkpoint_of
 from lightning_llm.contract import ParallelLayout
 from lightning_llm.contract.protocol import reduce_across_ranks
+from lightning_llm.data.resume import resume_mid_epoch
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_micro_batch
@@ -251,6 +252,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.parallel_dims.dp, "rank": self.parallel_dims.dp_rank()}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # A user's training loader continues a resumed epoch where the checkpoint stopped (lightning_llm.data.resume).
+        return resume_mid_epoch(dataloader, self.lightning_module.trainer)
 
     @override
     def setup(self, trainer) -> None:

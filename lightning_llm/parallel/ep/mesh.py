@@ -47,5 +47,5 @@ def build_expert_meshes(dims: ParallelDims, ep: int) -> ExpertMeshes:
         meshes = build_expert_meshes(dims, ep=2)   # meshes.ep.size() == 2, meshes.edp.size() == 2
     """
     check_expert_parallel_size(ep, dims.dp)
-    split = unflatten_mesh(dims.mesh["dp"], (dims.dp // ep, ep), ("edp", "ep"))
+    split = unflatten_mesh(dims.axis("dp"), (dims.dp // ep, ep), ("edp", "ep"))
     return ExpertMeshes(ep=split["ep"], edp=split["edp"], dp=dims.dp)
