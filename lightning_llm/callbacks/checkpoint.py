@@ -181,6 +181,7 @@ class CheckpointRotation(ModelCheckpoint):
         # The strategy's checkpoint_io is the user's again once the fit that needed checked loads is over.
         if isinstance(trainer.strategy.checkpoint_io, VerifiedLoad):
             trainer.strategy.checkpoint_io = trainer.strategy.checkpoint_io.inner
+        super().teardown(trainer, pl_module, stage)
 
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:

@@ -1,17 +1,8 @@
-"""The LightningCLI of ``lightning-llm``, with the reference model and data module as defaults.
-
-Any LightningModule / LightningDataModule can replace them with ``class_path`` in the config.
-W&B is configured the way W&B itself is (``wandb login``, ``wandb offline``, ``WANDB_MODE``,
-``WANDB_API_KEY``); only where none of them is set does the CLI log offline, and says so
-(:mod:`lightning_llm.wandb_mode`).
+"""The LightningCLI of ``lightning-llm`` (``fit``/``validate``/``test``): defaults, loggers, W&B mode and run names.
 
 Example::
 
-    lightning-llm fit --config configs/tiny.yaml
     lightning-llm fit --config configs/tiny.yaml --trainer.max_steps 50 --model.init_args.learning_rate 1e-3
-    lightning-llm plan --config configs/llama7b.yaml --devices 8 --device_memory 80GB
-    lightning-llm prepare corpus/ --output_dir data --vocab_size 32000 --val_fraction 0.01 --workers 8
-    lightning-llm export checkpoints/last.ckpt export/hf --format hf --dtype bfloat16
 """
 
 from __future__ import annotations
