@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_llm.parallel.tp.fused import _exchange, fused_sizes, parse_fused, qkv_style
 from lightning_llm.parallel.tp.plan import resolve_plan
@@ -146,7 +147,40 @@ def _fp64_ranks(models: list[str]) -> dict | None:
                 whole,
                 logits_gap.abs().max().item(),
             )
+    results["hard_coded_width"] = _hard_coded_width_error(dims)
     return results if dist.get_rank() == 0 else None
+
+
+class HardCodedWidthAttention(nn.Module):
+    """nanoGPT's attention as written upstream: ``split(self.n_embd)`` and ``view(B, T, C)`` assume whole widths."""
+
+    def __init__(self, n_embd: int = 16, n_head: int = 4):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def _hard_coded_width_error(dims) -> str:
+    """The message of the error nanoGPT's attention raises in its first forward under tp2, notes included."""
+    import traceback
+
+    from lightning_llm.parallel.parallelize import parallelize
+
+    module = nn.Module()
+    module.h = nn.ModuleList(nn.ModuleDict({"attn": HardCodedWidthAttention()}) for _ in range(2))
+    parallelize(module, dims, zero_stage=0, tensor_parallel_plan={"h.*.attn.c_attn": "fused_qkv"})
+    try:
+        module.h[0].attn(torch.randn(2, 5, 16))
+    except ValueError as error:
+        return "".join(traceback.format_exception_only(error))
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +212,16 @@ def test_attention_is_really_split(fp64_results, name):
     _, _, local, whole, _ = fp64_results[(name, False)]
     biases_replicated = {"gpt2": 2 * 32 * 8, "litgpt_pythia": 2 * 32 * 8}  # row-split c_proj/proj biases stay whole
     assert local == (whole + biases_replicated.get(name, 0)) // 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_width_hard_coded_in_the_forward_is_explained_naming_the_module(fp64_results):
+    message = fp64_results["hard_coded_width"]
+    assert message.startswith("ValueError: not enough values to unpack (expected 3, got 2)")  # the model's own error
+    assert "first forward of 'h.0.attn' (HardCodedWidthAttention) under tensor_parallel_size=2" in message
+    assert "c_attn produces 24 of 48, c_proj reads 8 of 16 features" in message  # checked by hand: 3*16/2, 16/2
+    assert "n_head=2" in message and "still holding a whole width: n_embd=16." in message
 
 
 @pytest.mark.distributed

@@ -351,3 +351,33 @@ def test_shapes_decide_over_names_and_names_decide_square_layers():
         "layers.*.w3": "rowwise",
         "layers.*.o": "rowwise",
     }
+
+
+def test_the_refusal_prints_a_plan_that_works_once_its_one_missing_entry_is_filled():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(16, 48), nn.Linear(16, 16)
+            self.n_head = 4  # fused_qkv reads the head count for the part sizes
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+            self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    module = nn.Module()
+    module.wte, module.h, module.lm_head = (
+        nn.Embedding(32, 16),
+        nn.ModuleList(Block() for _ in range(2)),
+        nn.Linear(16, 32),
+    )
+    with pytest.raises(ValueError, match="would leave 'h.\\*.attn.c_attn'") as refused:
+        _plan(module)
+    printed = str(refused.value).split("the one missing entry is enough):\n", 1)[1]
+    assert "'h.*.attn.c_attn': STYLE,  # <- the missing entry" in printed
+    filled = ast.literal_eval(printed.replace("STYLE,  # <- the missing entry", "'fused_qkv',"))
+    plan, _ = _plan(module, user_plan=filled)
+    minimal, _ = _plan(module, user_plan={"h.*.attn.c_attn": "fused_qkv"})
+    assert plan == minimal  # the printed plan is the whole plan: filled in, it changes nothing else
+    assert plan["h.*.mlp.0"] == "colwise" and plan["h.*.attn.c_proj"] == "rowwise" and plan["wte"] == "embedding"

@@ -22,6 +22,7 @@ from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
+from lightning_llm.parallel.tp.local_widths import explain_first_forward
 from lightning_llm.parallel.tp.plan import (
     STYLES,
     _matches,
@@ -148,6 +149,9 @@ def apply_tensor_parallel(
         shard_attention_heads(block, local, tp_mesh, config)  # per-head parameters, ALiBi: before counts are divided
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None)
+            for owner in sorted(region_owners(local) or {""}):
+                part = block.get_submodule(owner) if owner else block
+                explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
         verify_on_first_forward(block, local, label=name)
         watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
     log.info(

@@ -69,7 +69,8 @@ def check_coverage(
                 continue
             why = unknown.get(name)
             if own / total > MAX_WHOLE_SHARE or (why and _has_split_sibling(block, rel, plan, block_name)):
-                raise ValueError(_refusal(name, _whole_part(name, rel, module, same_class), own / total, why, tp))
+                refusal = _refusal(name, _whole_part(name, rel, module, same_class), own / total, why, tp)
+                raise ValueError(refusal + _plan_so_far(plan, _wildcard(name)))
 
 
 def _has_split_sibling(block: nn.Module, rel: str, plan: dict[str, str], block_name: str) -> bool:
@@ -97,6 +98,16 @@ def _refusal(name: str, keep: list[str], share: float, why: str | None, tp: int)
         + f". Split it with a tensor_parallel_plan entry for {_wildcard(name)!r}, or keep it whole on purpose "
         f"with tensor_parallel_replicate={keep!r} (the whole part; parts of a module split and parts whole "
         "would compute something else), or use pipeline_parallel_size / zero_stage instead of tensor parallelism."
+    )
+
+
+def _plan_so_far(plan: dict[str, str], missing: str, limit: int = 40) -> str:
+    """The resolved plan with the missing entry to fill in: the user's entries extend it, so one entry is enough."""
+    entries = [*(f"    {p!r}: {s!r}," for p, s in plan.items()), f"    {missing!r}: STYLE,  # <- the missing entry"]
+    shown = entries if len(entries) <= limit else [*entries[: limit - 1], f"    # ... {len(entries) - limit + 1} more"]
+    return (
+        "\nThe plan resolved so far, with the entry to add (a tensor_parallel_plan you pass extends it: the one "
+        "missing entry is enough):\n{\n" + "\n".join(shown) + "\n}"
     )
 
 
