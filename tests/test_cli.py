@@ -171,3 +171,31 @@ def test_plan_imports_neither_wandb_nor_deepspeed():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _fit_on_prepared_tokens(tmp_path, *extra):
+    from lightning_llm.data.prepare import prepare
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(40)))
+    prepare([corpus], tmp_path / "data", vocab_size=300, txt_split="blank_line", workers=1)
+    args = ["fit", "--config", str(TINY), "--data.source", "tokens", "--data.path", str(tmp_path / "data/train.bin")]
+    args += ["--data.batch_size", "2", "--data.seq_len", "16", "--trainer.max_steps", "1", "--trainer.logger"]
+    args += ["CSVLogger", "--trainer.logger.save_dir", str(tmp_path), "--trainer.limit_val_batches", "0", *extra]
+    return LLMCLI(args=args)
+
+
+def test_fit_sizes_a_preset_model_to_the_vocabulary_prepare_wrote(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit_on_prepared_tokens(tmp_path, "--trainer.enable_checkpointing", "true")
+    assert cli.model.model.tok_embeddings.num_embeddings == 300  # the preset 'tiny' has 256
+    assert "model vocab_size 256 -> 300, from" in capsys.readouterr().err
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    assert CausalLM.load_from_checkpoint(checkpoint, weights_only=False).config.vocab_size == 300
+
+
+def test_a_vocabulary_the_user_wrote_is_kept(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit_on_prepared_tokens(tmp_path, "--model.init_args.config", '{"vocab_size": 320, "dim": 32}')
+    assert cli.model.model.tok_embeddings.num_embeddings == 320
+    assert "model vocab_size" not in capsys.readouterr().err

@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.checkpointing.resume_path import check_checkpoint_path
+from lightning_llm.cli.data_vocab import adopt_data_vocabulary
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.wandb_mode import default_to_offline
@@ -117,6 +118,17 @@ class LLMCLI(LightningCLI):
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+        self._vocabulary_from_data()
+
+    def before_validate(self) -> None:
+        self._vocabulary_from_data()
+
+    def before_test(self) -> None:
+        self._vocabulary_from_data()
+
+    def _vocabulary_from_data(self) -> None:
+        init_args = self.config[self.subcommand].get("model", Namespace()).get("init_args") or Namespace()
+        adopt_data_vocabulary(self.model, self.datamodule, init_args.get("config"))
 
 
 def _offline_unless_configured(trainer) -> None:
@@ -128,6 +140,8 @@ def _offline_unless_configured(trainer) -> None:
         return
     init_args = wandb[0].get("init_args") or {}
     save_dir = init_args.get("save_dir") or init_args.get("dir")  # WandbLogger's default: "."
+    if save_dir:  # W&B looks for a git repository from it before it creates it ("git root runs does not exist")
+        Path(str(save_dir)).mkdir(parents=True, exist_ok=True)
     message = default_to_offline(save_dir)
     if message and int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr)
