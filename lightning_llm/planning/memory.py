@@ -151,6 +151,33 @@ def model_state_bytes(
     return params, grads, optimizer
 
 
+# Bytes of the copy FSDP2 computes with (its MixedPrecisionPolicy's param_dtype): 16-bit under the mixed precisions.
+_COMPUTE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
+
+
+def fsdp2_copies(
+    num_params: float, *, zero_stage: int, shard: int, precision: str, largest_block_params: float
+) -> tuple[float, float]:
+    """(parameter bytes, gradient bytes) FSDP2 holds per rank beyond :func:`model_state_bytes`'s, with no offload.
+
+    FSDP2 keeps each unit's sharded parameters while its unsharded ones are resident: ZeRO 0 (``replicate``, a
+    shard group of one: two whole copies) and ZeRO 1-2 (unsharded from forward to the end of backward) hold
+    the sharded storage besides; ZeRO 3 prefetches the next block's all-gather while one block computes, and a
+    block's unsharded gradients wait in the reduce-scatter buffer. Unsharded copies are in the compute dtype (bf16
+    under the mixed precisions: ZeRO 1-2's resident copy takes 2 bytes a parameter, not the 4 of the fp32 shards
+    that :func:`model_state_bytes` counts it at). Measured with torch's ``FSDPMemTracker``
+    (``tests/planning/test_planned_totals.py``). ``shard``: ranks the parameters are sharded over (1 at ZeRO 0, where
+    the copy exists once the model is data parallel at all).
+    """
+    p_bytes, g_bytes = _BYTES.get(precision, _BYTES["32-true"])[:2]
+    c_bytes = _COMPUTE_BYTES.get(precision, p_bytes)
+    if zero_stage == 0:
+        return c_bytes * num_params, 0.0
+    if zero_stage in (1, 2):  # model_state_bytes counts the resident unsharded copy at the storage width
+        return p_bytes * num_params / shard + (c_bytes - p_bytes) * num_params, 0.0
+    return c_bytes * largest_block_params, g_bytes * largest_block_params
+
+
 def _deepspeed_state_bytes(
     num_params: float,
     *,

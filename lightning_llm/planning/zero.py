@@ -9,7 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, model_state_bytes
+from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, fsdp2_copies, model_state_bytes
 
 GiB = 2**30
 # Options from least to most communication (and host traffic).
@@ -90,6 +90,12 @@ def estimate_options(
                 experts / ep, dp=1 if stage == 0 else max(shard // ep, 1), largest_block_params=expert_block, **common
             )
             params, grads, optimizer = (a + b for a, b in zip((params, grads, optimizer), expert_states))
+        if backend == "native" and offload == "none" and dp * cp > 1:  # FSDP2 applies (see fsdp2_copies)
+            for count, group, block in ((dense, shard, dense_block), (experts / ep, max(shard // ep, 1), expert_block)):
+                extra = fsdp2_copies(
+                    count, zero_stage=stage, shard=group, precision=precision, largest_block_params=block
+                )
+                params, grads = params + extra[0], grads + extra[1]
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / (tp * cp))
         row.fits = usable is not None and row.total <= usable
