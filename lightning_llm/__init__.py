@@ -11,6 +11,7 @@ Example::
 
 from importlib.metadata import PackageNotFoundError, version
 
+from lightning_llm._compat import known_warnings
 from lightning_llm.callbacks import (
     CheckpointRotation,
     GradNormMonitor,
@@ -22,6 +23,8 @@ from lightning_llm.callbacks import (
 )
 from lightning_llm.contract import ParallelLayout, StrategyContract, contract_of
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
+
+known_warnings.install()
 
 try:
     __version__ = version("lightning_llm")

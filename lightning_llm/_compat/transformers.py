@@ -5,6 +5,7 @@ transformers is optional: nothing is imported here.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning_llm._compat.registry import Private, register
@@ -18,6 +19,16 @@ def clear_hf_initialized(obj: Any) -> None:
     No public API resets them. Checked on transformers 5.24."""
     if getattr(obj, "_is_hf_initialized", False):
         obj._is_hf_initialized = False
+
+
+def is_pretrained_model(module: Any) -> bool:
+    """Whether ``module`` is a Hugging Face ``PreTrainedModel``, without loading transformers' modeling code.
+
+    ``transformers.PreTrainedModel`` is a lazy attribute: reading it imports ``modeling_utils`` and with it every
+    quantizer (torchao's prints "Failed to load ..." for each CUDA kernel on a CPU machine). A model of that class
+    exists only once ``transformers.modeling_utils`` is loaded, so its absence answers the question."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def tp_plan(module: Any) -> Any:

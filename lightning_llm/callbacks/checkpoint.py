@@ -6,12 +6,13 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_llm.callbacks.checkpoint_options import (
@@ -44,6 +45,9 @@ from lightning_llm.validation import check_bool
 log = logging.getLogger(__name__)
 
 RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state per global rank
+
+
+_NO_LAST_CHECKPOINT = r'.*ckpt_path="last"\) is set, but there is no last checkpoint available.*'
 
 
 class CheckpointRotation(ModelCheckpoint):
@@ -187,8 +191,12 @@ class CheckpointRotation(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        newest = newest_verified(self.dirpath or default_dirpath(trainer))
+        directory = self.dirpath or default_dirpath(trainer)
+        newest = newest_verified(directory)
         if newest is None:
+            # Lightning's own notice would advise ModelCheckpoint(save_last=True), which this callback does not need.
+            warnings.filterwarnings("ignore", message=_NO_LAST_CHECKPOINT)
+            rank_zero_info(f"CheckpointRotation: no complete checkpoint in {directory}; ckpt_path='last' starts fresh.")
             return set()
         self._resolved_last = last_candidate(newest)
         return {self._resolved_last}

@@ -14,7 +14,6 @@ make the export import (and run) a module of its choosing.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_llm._compat.transformers import is_pretrained_model
 from lightning_llm.hf.llama_map import reference_config
 from lightning_llm.models.llama import Llama, LlamaConfig
 
@@ -71,10 +71,9 @@ def describe_model(module: nn.Module) -> dict[str, Any] | None:
         describe_model(HFCausalLM("llama"))
         # {"kind": "transformers", "prefix": "model.", "class": "transformers....LlamaForCausalLM", "config": "{...}"}
     """
-    transformers = sys.modules.get("transformers")  # a module cannot hold a PreTrainedModel without it imported
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
-        if transformers is not None and isinstance(sub, transformers.PreTrainedModel):
+        if is_pretrained_model(sub):
             cls = _transformers_class(sub)
             if cls is None:
                 continue

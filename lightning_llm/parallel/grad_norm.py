@@ -30,6 +30,27 @@ def _grouped(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tens
     return groups
 
 
+def _group_norm(grads: list[DTensor], norm_type: float) -> torch.Tensor:
+    """The norm of DTensor gradients of one layout, as a plain scalar identical on every rank of their mesh.
+
+    Sharded and replicated placements: each rank's local norm, reduced over each sharded mesh dimension with one
+    all-reduce (of the p-th powers) on that dimension's group. Letting DTensor do it, as ``get_total_norm`` on the
+    DTensors would, runs the same collectives and warns on every rank of a 2-D (dp, tp) mesh that it runs two.
+    Pending (Partial) gradients are summed first, so those go through DTensor.
+    """
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(p.is_partial() for p in placements):
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+        return norm.full_tensor()
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type, foreach=True).float()
+    infinite = norm_type == float("inf")
+    value = local if infinite else local.pow(norm_type)
+    for dim, placement in enumerate(placements):
+        if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard or FSDP's _StridedShard under TP
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    return value if infinite else value.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: dist.ProcessGroup | None = None
@@ -46,8 +67,11 @@ def total_grad_norm(
     norm_type = float(norm_type)
     parts = []
     for params in _grouped(parameters).values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, foreach=True)
-        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        grads = [p.grad for p in params]
+        if isinstance(grads[0], DTensor):
+            parts.append(_group_norm(grads, norm_type))
+        else:
+            parts.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=True))
     if not parts:
         total = torch.zeros((), dtype=torch.float32)
     elif norm_type == float("inf"):

@@ -25,6 +25,7 @@ from lightning_llm.parallel.ep.apply import apply_expert_data_parallel, apply_ex
 from lightning_llm.parallel.ep.mesh import build_expert_meshes
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
+from lightning_llm.parallel.output_views import OutputViewGuard
 from lightning_llm.parallel.pipeline.costs import stage_costs
 from lightning_llm.parallel.pipeline.gates import StageChunk, outer_modules, prune_to_stages
 from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank, validate_schedule
@@ -59,6 +60,7 @@ class ParallelizeReport:
     expert_parallel_modules: int = 0
     context_parallel: str = ""
     block_names: list[str] = field(default_factory=list)  # blocks without a container (BlockSet): their names
+    output_guard: OutputViewGuard | None = None  # checks the view logits TP returns after each backward
 
 
 def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack | None = None) -> list[nn.Module]:
@@ -293,12 +295,15 @@ def parallelize(
                 mp_policy=mixed_precision_policy(precision),
                 cpu_offload=cpu_offload,
             )
+        dp_roots = roots if roots is not None else data_parallel_roots(module, blocks_name, block_list)
         apply_data_parallel(
-            roots if roots is not None else data_parallel_roots(module, blocks_name, block_list),
+            dp_roots,
             owned_blocks,
             dp_mesh=dp_mesh,
             zero_stage=zero_stage,
             mp_policy=mixed_precision_policy(precision),
             cpu_offload=cpu_offload,
         )
+        if dims.tp > 1 and roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
+            report.output_guard = OutputViewGuard(dp_roots)
     return report

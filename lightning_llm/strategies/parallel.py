@@ -358,7 +358,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         steps = self.run_state.pipelined
         if steps is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            output = super().backward(closure_loss, optimizer, *args, **kwargs)
+            guard = getattr(self.run_state.report, "output_guard", None)
+            if guard is not None:
+                guard.check()
+            return output
         return pipeline_routing.backward(steps, self.lightning_module, self.precision_plugin, closure_loss)
 
     # Checkpoint hooks: sharded DCP through ShardedCheckpoints, or the parent's full file.

@@ -360,3 +360,13 @@ def test_exact_resume_under_parallel_layouts(tmp_path):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(straight), rtol=1e-5, atol=0, msg=lambda m: f"{label}: {m}"
         )
+
+
+def test_last_with_no_checkpoint_starts_fresh_without_lightnings_save_last_hint(tmp_path, caplog, recwarn):
+    with caplog.at_level("INFO"):
+        losses, _ = _fit(
+            CheckpointRotation(dirpath=tmp_path / "ckpt", every_n_train_steps=2), 2, tmp_path, ckpt_path="last"
+        )
+    assert len(losses) == 2
+    assert "no complete checkpoint in" in caplog.text and "starts fresh" in caplog.text
+    assert not [w for w in recwarn if "save_last" in str(w.message)]  # the hint is for ModelCheckpoint, not this one

@@ -16,19 +16,16 @@ root ``reset_parameters()`` is called once and the leaves' defaults never overwr
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from lightning_llm._compat.transformers import clear_hf_initialized
+from lightning_llm._compat.transformers import clear_hf_initialized, is_pretrained_model
 
 
 def _entry_point(module: nn.Module) -> Callable[[], None] | None:
-    # A Hugging Face model can only exist if transformers is imported; importing it otherwise costs memory and time.
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and isinstance(module, transformers.PreTrainedModel):
+    if is_pretrained_model(module):
         return _hf_init(module)
     for name in ("init_weights", "reset_parameters"):
         method = getattr(module, name, None)
