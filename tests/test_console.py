@@ -30,7 +30,9 @@ def _fit(tmp_path: Path, steps: int, *extra: str) -> str:
         "--trainer.callbacks+=lightning_llm.callbacks.CheckpointRotation",
     ]
     command += ["--trainer.callbacks.dirpath", "checkpoints", "--trainer.callbacks.every_n_train_steps", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    # A user's shell: not the rendezvous variables an earlier in-process test's Trainer left (its port may be taken).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr
