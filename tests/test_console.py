@@ -5,7 +5,6 @@ with crash-safe checkpoints, stopped and resumed mid-epoch: every line of its co
 must be one of :data:`EXPLAINED`.
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._env import fresh_launch_env
 from tests._optional import requires_wandb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +30,7 @@ def _fit(tmp_path: Path, steps: int, *extra: str) -> str:
         "--trainer.callbacks+=lightning_llm.callbacks.CheckpointRotation",
     ]
     command += ["--trainer.callbacks.dirpath", "checkpoints", "--trainer.callbacks.every_n_train_steps", "2"]
-    # A user's shell: not the rendezvous variables an earlier in-process test's Trainer left (its port may be taken).
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    env = fresh_launch_env(OMP_NUM_THREADS="1", WANDB_MODE="offline")  # not this process's LOCAL_RANK...
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr

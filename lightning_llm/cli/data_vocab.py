@@ -40,7 +40,9 @@ def adopt_data_vocabulary(model, datamodule, configured) -> str | None:
         return None
     before = model.config.vocab_size
     model.config = dataclasses.replace(model.config, vocab_size=info.vocab_size)
-    model.hparams["config"] = model.config  # a checkpoint's hyperparameters rebuild the model that trained
+    # A checkpoint's hyperparameters rebuild the model that trained: as a dict, the form jsonargparse re-parses (a
+    # LightningCLI checkpoint goes through it) and CausalLM takes.
+    model.hparams["config"] = dataclasses.asdict(model.config)
     message = (
         f"model vocab_size {before} -> {info.vocab_size}, from {sidecar_path(first)} (the tokenizer `prepare` "
         f"used; preset {configured!r} has {before}). To choose the size yourself: "

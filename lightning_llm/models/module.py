@@ -55,6 +55,8 @@ class CausalLM(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if isinstance(config, dict):  # hyperparameters saved as a dict (lightning_llm.cli.data_vocab)
+            config = LlamaConfig(**config)
         self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
         self.model: Llama | None = None
         self.val_loss = MeanMetric()

@@ -27,13 +27,14 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests._env import fresh_launch_env
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 BLOCK_LIMIT_S = 90
 BASH_LIMIT_S = 240  # a command-line block may train a tiny model for a few hundred steps
 _LANGS = ("python", "bash")
 _LINKED = ("README.md", "configs", "benchmarks", "docs")
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
 _SKIP = re.compile(r"^<!--\s*skip:\s*(\S.*?)\s*-->$")
 _CONTINUED = "<!-- continued -->"
 
@@ -130,8 +131,7 @@ def _run_bash(snippet: Snippet, workdir: Path) -> list[str]:
     (workdir / "snippet.sh").write_text(snippet.code)
     # A fresh shell's environment: not the rendezvous variables an earlier in-process block's Trainer set (its store
     # may still hold that port).
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = fresh_launch_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     start = time.perf_counter()
     try:
         result = subprocess.run(

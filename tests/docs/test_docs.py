@@ -3,20 +3,19 @@ CPU, unless it is marked with the reason it cannot (a GPU, several nodes, a fres
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests._env import fresh_launch_env
 from tests.docs.snippets import ROOT, collect, collect_all
 
 pytest.importorskip("sphinx", reason="the docs need the dev extra (sphinx, myst-parser, furo)")
 
 # Spawned ranks and Sphinx's autodoc import torch and Lightning: keep them to one thread as the suite does.
-# Without the rendezvous variables an earlier in-process test's Trainer may have left (their port may be taken).
-_ENV = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-_ENV.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT))
+# Without the launch variables earlier in-process tests left (tests/_env.py).
+_ENV = fresh_launch_env(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT))
 
 
 @pytest.mark.timeout(300)
