@@ -381,3 +381,12 @@ def test_the_refusal_prints_a_plan_that_works_once_its_one_missing_entry_is_fill
     minimal, _ = _plan(module, user_plan={"h.*.attn.c_attn": "fused_qkv"})
     assert plan == minimal  # the printed plan is the whole plan: filled in, it changes nothing else
     assert plan["h.*.mlp.0"] == "colwise" and plan["h.*.attn.c_proj"] == "rowwise" and plan["wte"] == "embedding"
+
+
+def test_a_long_printed_plan_is_cut_but_keeps_the_missing_entry():
+    from lightning_llm.parallel.tp.coverage import _plan_so_far
+
+    printed = _plan_so_far({f"layers.{i}.q": "colwise" for i in range(50)}, "layers.*.mix", limit=40)
+    lines = printed.splitlines()
+    assert lines[-3:] == ["    # ... 10 more", "    'layers.*.mix': STYLE,  # <- the missing entry", "}"]
+    assert "'layers.39.q'" in printed and "'layers.40.q'" not in printed

@@ -103,8 +103,10 @@ def _refusal(name: str, keep: list[str], share: float, why: str | None, tp: int)
 
 def _plan_so_far(plan: dict[str, str], missing: str, limit: int = 40) -> str:
     """The resolved plan with the missing entry to fill in: the user's entries extend it, so one entry is enough."""
-    entries = [*(f"    {p!r}: {s!r}," for p, s in plan.items()), f"    {missing!r}: STYLE,  # <- the missing entry"]
-    shown = entries if len(entries) <= limit else [*entries[: limit - 1], f"    # ... {len(entries) - limit + 1} more"]
+    entries = [f"    {p!r}: {s!r}," for p, s in plan.items()]
+    if len(entries) > limit:  # a hybrid stack's per-layer entries: the missing one is always shown
+        entries = [*entries[:limit], f"    # ... {len(entries) - limit} more"]
+    shown = [*entries, f"    {missing!r}: STYLE,  # <- the missing entry"]
     return (
         "\nThe plan resolved so far, with the entry to add (a tensor_parallel_plan you pass extends it: the one "
         "missing entry is enough):\n{\n" + "\n".join(shown) + "\n}"
