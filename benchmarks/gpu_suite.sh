@@ -21,6 +21,7 @@
 #   6. the 8-rank 3D parity tests (gloo on CPU cores; need >= 8 cores)
 set -uo pipefail
 
+ARGS="$*"
 QUICK=0
 SHORT=0
 REPORT=gpu_results.md
@@ -51,10 +52,52 @@ else
 fi
 STEP_TIMEOUT=0  # seconds a step may run (0: no limit)
 if [ "$SHORT" = 1 ]; then STEPS=15; WARMUP=3; ROUNDS=1; CURVE_STEPS=50; STEP_TIMEOUT=150; fi
-LOG=$(mktemp -d)
+LOG=${SUITE_LOGS:-$(mktemp -d)}  # every step's log (SUITE_LOGS: a folder to keep them in)
+mkdir -p "$LOG"
 MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"; STEPS_TABLE="$LOG/steps.md"
 FAILED=(); SKIPPED=()
 START=$SECONDS
+
+report() {  # the markdown report of every step run so far (also when the suite is stopped early)
+  {
+    echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+    echo
+    echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
+         "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
+    echo "Command: \`bash benchmarks/gpu_suite.sh $ARGS\`"
+    echo
+    echo "## Throughput and MFU ($SIZE, $PRECISION, batch $BATCH x $SEQ; MFU against the bf16 peak, also for fp8)"
+    echo
+    cat "$MFU_TABLE" 2>/dev/null || echo "(no MFU results)"
+    echo
+    echo "## Planned memory (compare with the peak memory column)"
+    echo
+    for ac in none selective; do echo "- AC $ac: $(grep -s '^planned' "$LOG/plan-$SIZE-ac_$ac.log" || echo 'failed or not run')"; done
+    echo
+    echo "## fp8 vs bf16 loss curves ($CURVE_STEPS steps)"
+    echo
+    cat "$CURVE_TABLE" 2>/dev/null || echo "(no loss-curve results)"
+    echo
+    echo "## Tests"
+    echo
+    for name in pytest-gpu pytest-fp16-scaler pytest-8-ranks; do
+      echo "- $name: $(tail -n 1 "$LOG/$name.log" 2>/dev/null || echo skipped)"; done
+    echo
+    echo "## Steps and wall time ($((SECONDS - START)) s in all)"
+    echo
+    echo "| step | result | wall time |"
+    echo "| --- | --- | --- |"
+    cat "$STEPS_TABLE"
+    echo
+    echo "Packages: $("$PY" -c 'import importlib.metadata as m
+for n in ("torch", "lightning", "transformers", "deepspeed", "torchao", "wandb", "jsonargparse"):
+    try: print(n, m.version(n), end="; ")
+    except m.PackageNotFoundError: print(n, "absent", end="; ")')"
+    echo
+    echo "Failed steps: ${FAILED[*]:-none}. Skipped: ${SKIPPED[*]:-none}. Logs: $LOG"
+  } >"$REPORT"
+}
+trap 'FAILED+=("interrupted"); report; echo "Report written to $REPORT (interrupted)"; exit 124' TERM INT
 
 run() {  # run NAME CMD...: keep the log, time it, note a failure, go on
   local name=$1; shift
@@ -108,42 +151,6 @@ else
   run "pytest-8-ranks" "$PY" -m pytest tests/strategies/test_3d_parity.py -q -rs --durations=0 -p no:cacheprovider
 fi
 
-{
-  echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
-  echo
-  echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
-       "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
-  echo "Command: \`bash benchmarks/gpu_suite.sh $*\`"
-  echo
-  echo "## Throughput and MFU ($SIZE, $PRECISION, batch $BATCH x $SEQ; MFU against the bf16 peak, also for fp8)"
-  echo
-  cat "$MFU_TABLE" 2>/dev/null || echo "(no MFU results)"
-  echo
-  echo "## Planned memory (compare with the peak memory column)"
-  echo
-  for ac in none selective; do echo "- AC $ac: $(grep '^planned' "$LOG/plan-$SIZE-ac_$ac.log" || echo 'failed')"; done
-  echo
-  echo "## fp8 vs bf16 loss curves ($CURVE_STEPS steps)"
-  echo
-  cat "$CURVE_TABLE" 2>/dev/null || echo "(no loss-curve results)"
-  echo
-  echo "## Tests"
-  echo
-  for name in pytest-gpu pytest-fp16-scaler pytest-8-ranks; do
-    echo "- $name: $(tail -n 1 "$LOG/$name.log" 2>/dev/null || echo skipped)"; done
-  echo
-  echo "## Steps and wall time ($((SECONDS - START)) s in all)"
-  echo
-  echo "| step | result | wall time |"
-  echo "| --- | --- | --- |"
-  cat "$STEPS_TABLE"
-  echo
-  echo "Packages: $("$PY" -c 'import importlib.metadata as m
-for n in ("torch", "lightning", "transformers", "deepspeed", "torchao", "wandb", "jsonargparse"):
-    try: print(n, m.version(n), end="; ")
-    except m.PackageNotFoundError: print(n, "absent", end="; ")')"
-  echo
-  echo "Failed steps: ${FAILED[*]:-none}. Skipped: ${SKIPPED[*]:-none}. Logs: $LOG"
-} >"$REPORT"
+report
 echo "Report written to $REPORT"
 [ ${#FAILED[@]} -eq 0 ]

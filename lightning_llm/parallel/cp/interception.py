@@ -22,7 +22,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llm._compat.transformers import attention_implementation
-from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.layout import CPGroup
 from lightning_llm.parallel.cp.ring import ring_attention
 from lightning_llm.parallel.cp.ulysses import ulysses_attention
@@ -35,12 +34,9 @@ _SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, 
 
 
 def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None):
-    """The CP attention of ``cp.method`` for this device: Ulysses' all-to-all, or the send/recv ring on CPU (measured faster from 8K tokens on 2 gloo ranks
-    and holding two key/value shards at most), the all-gather elsewhere until a GPU ring kernel is wired in."""
-    if cp.method == "ulysses":
-        fn = ulysses_attention
-    else:
-        fn = ring_attention if query.device.type == "cpu" else context_parallel_attention
+    """The CP attention of ``cp.method``: Ulysses' all-to-all, or the send/recv ring (measured faster than the
+    all-gather from 8K tokens on 2 gloo ranks, and holding two key/value shards at most)."""
+    fn = ulysses_attention if cp.method == "ulysses" else ring_attention
     return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
 
 

@@ -22,7 +22,7 @@ class CPGroup:
     group: dist.ProcessGroup | None
     size: int
     rank: int
-    method: str = "ring"  # "ring" (send/recv on CPU, all-gather elsewhere) or "ulysses" (all-to-all over heads)
+    method: str = "ring"  # "ring" (send/recv of key/value shards) or "ulysses" (all-to-all over heads)
 
 
 def check_sequence_length(seq_len: int, cp: int) -> None:

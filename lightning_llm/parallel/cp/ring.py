@@ -8,8 +8,9 @@ logsumexp_i lse_i``), as flash attention merges key tiles. No rank ever holds mo
 
 The backward (an ``autograd.Function``) walks the ring again: each key block's gradient is recomputed by the flash
 kernel's backward from the *merged* output and log-sum-exp (which makes each block's share exact), and the block's
-dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. CPU only (the
-CPU flash kernel is the one that returns the log-sum-exp here); GQA by repeating key/value heads per block.
+dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. The blocks run
+SDPA's own kernels (CPU flash; CUDA flash for fp16/bf16, memory-efficient for fp32), which return the log-sum-exp;
+GQA by repeating key/value heads per block.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_llm._compat.torch import flash_attention_cpu, flash_attention_cpu_backward
+from lightning_llm._compat.torch import attention_with_lse, attention_with_lse_backward
 from lightning_llm.parallel.cp.attention import observe_queries
 from lightning_llm.parallel.cp.layout import CPGroup, chunk_indices
 
 
 def _rotate(tensors: list[torch.Tensor], cp: CPGroup) -> list[torch.Tensor]:
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's."""
+    if cp.size == 1:
+        return tensors
     to = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size) if cp.group is not None else (cp.rank + 1) % cp.size
     frm = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size) if cp.group is not None else (cp.rank - 1) % cp.size
     tensors = [t.contiguous() for t in tensors]  # gloo sends and receives contiguous buffers only
@@ -54,15 +57,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, causal: bool, scale: float | None):
         groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape, dtype=acc)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = [k, v]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             nxt = _rotate(kv, cp) if step < cp.size - 1 else None  # posted before computing (gloo runs it anyway)
             ks, vs = (t.repeat_interleave(groups, dim=-3) for t in kv)
             for qh, kh, diagonal in _pairs(cp, source, causal):
-                part, part_lse = flash_attention_cpu(
+                part, part_lse, ctx.kernel = attention_with_lse(
                     _half(q, qh), _half(ks, kh), _half(vs, kh), is_causal=diagonal, scale=scale
                 )  # fmt: skip
                 c = q.shape[-2] // 2
@@ -87,17 +90,17 @@ class _RingAttention(torch.autograd.Function):
         cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
         groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
         c = q.shape[-2] // 2
-        dq = torch.zeros(q.shape, dtype=acc)
-        held = [k, v, torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        held = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             ks, vs = (t.repeat_interleave(groups, dim=-3) for t in held[:2])
-            dks, dvs = torch.zeros(ks.shape, dtype=acc), torch.zeros(vs.shape, dtype=acc)
+            dks, dvs = torch.zeros_like(ks, dtype=acc), torch.zeros_like(vs, dtype=acc)
             for qh, kh, diagonal in _pairs(cp, source, causal):
                 rows, keys = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
-                dqi, dki, dvi = flash_attention_cpu_backward(
-                    grad_out[..., rows, :].contiguous(), q[..., rows, :], ks[..., keys, :], vs[..., keys, :],
-                    out[..., rows, :], lse[..., rows].contiguous(), is_causal=diagonal, scale=scale,
+                dqi, dki, dvi = attention_with_lse_backward(
+                    grad_out[..., rows, :], q[..., rows, :], ks[..., keys, :], vs[..., keys, :], out[..., rows, :],
+                    lse[..., rows], ctx.kernel, is_causal=diagonal, scale=scale,
                 )  # fmt: skip
                 dq[..., rows, :] += dqi
                 dks[..., keys, :] += dki
@@ -117,12 +120,10 @@ def ring_attention(
     is_causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Like :func:`~.attention.context_parallel_attention`, with key/value shards passed around the ring (CPU).
+    """Like :func:`~.attention.context_parallel_attention`, with key/value shards passed around the ring.
 
     Example::
 
         out = ring_attention(q, k, v, CPGroup(group, 2, rank), is_causal=True)
     """
-    if query.device.type != "cpu":
-        raise ValueError(f"send/recv ring attention runs on CPU (flash kernel with log-sum-exp); got {query.device}.")
     return _RingAttention.apply(query, key, value, cp, is_causal, scale)
