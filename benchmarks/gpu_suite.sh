@@ -58,12 +58,20 @@ MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"; STEPS_TABLE="$LOG/steps.md
 FAILED=(); SKIPPED=()
 START=$SECONDS
 
+# Computed here, not in report(): the GPU image's bash fails to parse these substitutions inside a function.
+MACHINE="$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),\
+ torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
+COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
+PACKAGES="$("$PY" -c 'import importlib.metadata as m
+for n in ("torch", "lightning", "transformers", "deepspeed", "torchao", "wandb", "jsonargparse"):
+    try: print(n, m.version(n), end="; ")
+    except m.PackageNotFoundError: print(n, "absent", end="; ")')"
+
 report() {  # the markdown report of every step run so far (also when the suite is stopped early)
   {
-    echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+    echo "# GPU suite: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $COMMIT"
     echo
-    echo "Device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'),"\
-         "torch $("$PY" -c 'import os, torch; print(torch.__version__ + ", " + str(os.cpu_count()))') CPU cores."
+    echo "Device: $MACHINE"
     echo "Command: \`bash benchmarks/gpu_suite.sh $ARGS\`"
     echo
     echo "## Throughput and MFU ($SIZE, $PRECISION, batch $BATCH x $SEQ; MFU against the bf16 peak, also for fp8)"
@@ -89,10 +97,7 @@ report() {  # the markdown report of every step run so far (also when the suite 
     echo "| --- | --- | --- |"
     cat "$STEPS_TABLE"
     echo
-    echo "Packages: $("$PY" -c 'import importlib.metadata as m
-for n in ("torch", "lightning", "transformers", "deepspeed", "torchao", "wandb", "jsonargparse"):
-    try: print(n, m.version(n), end="; ")
-    except m.PackageNotFoundError: print(n, "absent", end="; ")')"
+    echo "Packages: $PACKAGES"
     echo
     echo "Failed steps: ${FAILED[*]:-none}. Skipped: ${SKIPPED[*]:-none}. Logs: $LOG"
   } >"$REPORT"
