@@ -91,7 +91,12 @@ class _RingAttention(torch.autograd.Function):
         groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
         c = q.shape[-2] // 2
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        held = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+        held = [
+            k,
+            v,
+            torch.zeros(k.shape, dtype=acc, device=k.device),
+            torch.zeros(v.shape, dtype=acc, device=v.device),
+        ]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             ks, vs = (t.repeat_interleave(groups, dim=-3) for t in held[:2])
