@@ -111,6 +111,12 @@ def _export_whole(options: argparse.Namespace) -> Path:
         return _export(options)
     if output.exists() and not options.overwrite:
         raise ValueError(f"{output} exists; pass --overwrite to replace it, or choose another output path.")
+    if output.parent.exists() and not output.parent.is_dir():
+        raise ValueError(f"{output} cannot be written: {output.parent} is a file, not a folder; choose another path.")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, no permission, a read-only disk
+        raise ValueError(f"{output} cannot be written: its folder {output.parent}: {err.strerror or err}.") from None
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     old = output.with_name(f".{output.name}.old-{os.getpid()}")
     try:

@@ -8,12 +8,14 @@ Three kinds of case, cheapest first and none spawning a process:
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from lightning_llm.callbacks import (
@@ -109,6 +111,68 @@ CONSTRUCTOR_CASES = [
     (LlamaConfig, {"dim": 60, "n_heads": 4, "n_kv_heads": 2}, "head_dim=15"),
     (LlamaConfig, {"dim": 96, "n_heads": 32, "n_kv_heads": 8}, "head_dim=3"),
 ]
+
+
+def _each(factory, fields, bad_values, **fixed):
+    """One case per (field, bad value): the error must name ``field=value``."""
+    return [(factory, {**fixed, f: v}, f"{f}={v!r}") for f in fields for v in bad_values]
+
+
+# Every field of the reference model's config and hyperparameters, and the flags and names of strategies and
+# callbacks: a string, a float, a bool or an out-of-range number where an int, a number or a flag belongs.
+FIELD_CASES = [
+    *_each(LlamaConfig, ["vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"], ["64", 0, 2.5, True]),
+    *_each(LlamaConfig, ["n_kv_heads", "ffn_hidden_dim"], ["2", 0, 1.5]),
+    *_each(LlamaConfig, ["n_experts", "n_shared_experts", "n_dense_layers"], ["4", -1, 1.5]),
+    *_each(LlamaConfig, ["top_k"], ["2", 0]),
+    *_each(LlamaConfig, ["rope_theta", "norm_eps"], ["1e4", 0.0, -1.0, NAN]),
+    *_each(LlamaConfig, ["init_std", "moe_aux_loss_coef"], ["0.02", -0.5, INF]),
+    *_each(LlamaConfig, ["tie_embeddings"], ["false", 1]),
+    *_each(CausalLM, ["learning_rate", "weight_decay"], ["3e-4", -1.0, NAN]),
+    *_each(CausalLM, ["warmup_steps"], ["100", -1, 2.5]),
+    *_each(CausalLM, ["max_steps"], [0, "1000"]),
+    *_each(CausalLM, ["min_lr_ratio"], [1.5, -0.1]),
+    (CausalLM, {"betas": (0.9, 1.0)}, "betas[1]=1.0"),
+    (CausalLM, {"betas": (0.9,)}, "betas=(0.9,)"),
+    (CausalLM, {"betas": ("0.9", 0.95)}, "betas[0]='0.9'"),
+    (CausalLM, {"config": 3}, "config=3"),
+    (CausalLM, {"config": "gigantic"}, "'gigantic'"),
+    *_each(GradNormMonitor, ["per_block", "per_param_group"], ["yes", 1]),
+    *_each(MFUMonitor, ["shifted_targets", "prog_bar"], ["false", 0]),
+    (CheckpointRotation, {"mode": "maximum", "monitor": "val_loss"}, "mode='maximum'"),
+    (CheckpointRotation, {"monitor": 3}, "monitor=3"),
+    (CheckpointRotation, {"monitor": ""}, "monitor=''"),
+    (CheckpointRotation, {"verify": "crc"}, "verify='crc'"),
+    (CheckpointRotation, {"keep_best": 2}, "keep_best=2"),
+    (LLMParallelStrategy, {"tensor_parallel_plan": "colwise"}, "tensor_parallel_plan='colwise'"),
+    (LLMParallelStrategy, {"tensor_parallel_plan": {"*.c_attn": "qkv"}}, "'qkv'"),
+    (LLMParallelStrategy, {"tensor_parallel_plan": {"*.c_attn": 1}}, "style 1"),
+    (LLMParallelStrategy, {"pipeline_split": "layers.0", "pipeline_parallel_size": 2}, "pipeline_split='layers.0'"),
+    (LLMParallelStrategy, {"pipeline_split": [["layers.0"], "layers.1"]}, "pipeline_split=[['layers.0'], 'layers.1']"),
+    (LLMParallelStrategy, {"process_group_backend": 3}, "process_group_backend=3"),
+    (LLMParallelStrategy, {"process_group_backend": ""}, "process_group_backend=''"),
+    (LLMParallelStrategy, {"load_pretrained": 3}, "load_pretrained=3"),
+    (LLMParallelStrategy, {"micro_batch_size": 0}, "micro_batch_size=0"),
+    (LLMParallelStrategy, {"seq_len": "2048"}, "seq_len='2048'"),
+    (LLMParallelStrategy, {"accumulation_sync": True}, "accumulation_sync=True"),
+    (LLMParallelStrategy, {"expert_parallel_plan": "experts"}, "expert_parallel_plan='experts'"),
+    (LLMDataModule, {"path": "train.bin"}, "path='train.bin'"),
+    (LLMDataModule, {"source": "tokens", "path": 3}, "path=3"),
+    (LLMDataModule, {"source": "tokens", "path": [3]}, "path=[3]"),
+    (LLMDataModule, {"source": "text", "path": ""}, "path=''"),
+    (LLMDataModule, {"seed": -1}, "seed=-1"),
+    (LLMDataModule, {"markov_order": 0}, "markov_order=0"),
+    (LLMDataModule, {"vocab_size": 2**33}, "vocab_size=8589934592"),
+]
+
+
+@pytest.mark.parametrize(
+    "factory, kwargs, named", FIELD_CASES, ids=[f"{f.__name__}-{named}" for f, _, named in FIELD_CASES]
+)
+def test_every_field_refuses_a_value_of_the_wrong_kind(factory, kwargs, named):
+    with pytest.raises((TypeError, ValueError)) as error:
+        factory(**kwargs)
+    assert named in str(error.value), str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -220,6 +284,16 @@ PLAN_CASES = {
         "pipeline_parallel_size=100",
         2,
     ),
+    "pp 3 on 2 blocks": (
+        lambda d: [
+            "--config",
+            _config(d, tensor_parallel_size=1, sequence_parallel=False, pipeline_parallel_size=3),
+            "--devices",
+            "3",
+        ],
+        "pipeline_parallel_size=3 is more than the model's 2 blocks",
+        2,
+    ),
     "nothing fits": (lambda d: ["--config", _config(d), "--devices", "2", "--device_memory", "1MB"], "1MB", 1),
     # Refused by fit at setup, so by plan too (one set of checks).
     "pp 2 x 4 virtual stages on 2 blocks": (
@@ -313,8 +387,9 @@ def test_cli_fit_refuses_before_training(case, tmp_path, monkeypatch, capsys):
     assert named in str(error.value) + captured.err, str(error.value) + captured.err
 
 
-def test_there_are_at_least_60_cases():
-    assert len(CONSTRUCTOR_CASES) + len(FIT_CASES) + len(PLAN_CASES) + len(FIT_CLI_CASES) + len(CKPT_CASES) >= 60
+def test_there_are_at_least_200_cases():
+    tables = (CONSTRUCTOR_CASES, FIELD_CASES, FIT_CASES, PLAN_CASES, FIT_CLI_CASES, CKPT_CASES, FILE_CASES)
+    assert sum(map(len, tables)) >= 200
 
 
 @pytest.mark.parametrize(
@@ -335,3 +410,107 @@ def test_options_the_mode_ignores_are_warned_about(kwargs, named):
 
 def test_a_path_object_is_a_valid_checkpoint_dirpath(tmp_path):
     assert CheckpointRotation(dirpath=tmp_path / "ckpts").dirpath.endswith("ckpts")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path]:
+    """(a reference-model .ckpt, its Hugging Face export): the good files the file cases below damage."""
+    tmp = tmp_path_factory.mktemp("files")
+    module = CausalLM("tiny")
+    module.configure_model()
+    ckpt = tmp / "model.ckpt"
+    state = {f"model.{k}": v for k, v in module.model.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"config": module.config}}, ckpt)
+    main(["export", str(ckpt), str(tmp / "hf"), "--format", "hf"])
+    return ckpt, tmp / "hf"
+
+
+def _damaged_hf(tmp: Path, hf: Path, damage) -> Path:
+    copy = tmp / "damaged"
+    shutil.copytree(hf, copy)
+    damage(copy)
+    return copy
+
+
+def _load(directory) -> None:
+    from lightning_llm.hf.load import load_pretrained
+
+    module = CausalLM("tiny")
+    module.configure_model()
+    load_pretrained(module, directory)
+
+
+def _cli(*args: str) -> None:
+    main(list(args))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+# (what to run given (tmp, ckpt, hf), the text the error must hold): damaged or misplaced files, each named.
+FILE_CASES = {
+    "truncated safetensors": (
+        lambda t, c, h: _load(_damaged_hf(t, h, lambda d: _truncate(d / "model.safetensors"))),
+        "model.safetensors cannot be read as safetensors",
+    ),
+    "index that is not JSON": (
+        lambda t, c, h: _load(
+            _damaged_hf(t, h, lambda d: (d / "model.safetensors.index.json").write_text("{not json"))
+        ),
+        "model.safetensors.index.json is not a safetensors index",
+    ),
+    "config.json missing": (
+        lambda t, c, h: _load(_damaged_hf(t, h, lambda d: (d / "config.json").unlink())),
+        "config.json is missing",
+    ),
+    "load_pretrained from a URL": (lambda t, c, h: _load("memory://bucket/model"), "'memory://bucket/model' is a URL"),
+    "load_pretrained from an empty folder": (
+        lambda t, c, h: _load(t),
+        "holds neither model.safetensors nor model.safetensors.index.json",
+    ),
+    "export a text file": (
+        lambda t, c, h: (t / "notes.txt").write_text("hello") and _cli("export", str(t / "notes.txt"), str(t / "o")),
+        "notes.txt is not a readable torch checkpoint",
+    ),
+    "export a Hugging Face folder": (
+        lambda t, c, h: _cli("export", str(h), str(t / "o")),
+        "is neither a checkpoint file nor a sharded checkpoint directory",
+    ),
+    "export crafted DCP metadata": (
+        lambda t, c, h: (t / ".metadata").write_bytes(b"\x80\x04garbage") and _cli("export", str(t), str(t / "o")),
+        ".metadata is not DCP checkpoint metadata",
+    ),
+    "export under a file": (
+        lambda t, c, h: (t / "afile").write_text("x") and _cli("export", str(c), str(t / "afile" / "o")),
+        "afile is a file, not a folder",
+    ),
+    "export onto an existing output": (
+        lambda t, c, h: _cli("export", str(c), str(h), "--format", "hf"),
+        "exists; pass --overwrite to replace it",
+    ),
+    "prepare into a file": (
+        lambda t, c, h: (
+            (t / "afile").write_text("x")
+            and (t / "a.txt").write_text("text")
+            and _cli("prepare", str(t / "a.txt"), "--output_dir", str(t / "afile"))
+        ),
+        "is a file, not a folder",
+    ),
+    "prepare with a missing tokenizer": (
+        lambda t, c, h: (
+            (t / "a.txt").write_text("text")
+            and _cli("prepare", str(t / "a.txt"), "--output_dir", str(t / "out"), "--tokenizer", str(t / "tok.json"))
+        ),
+        "Tokenizer not found",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FILE_CASES))
+def test_damaged_or_misplaced_files_are_named(case, exported, tmp_path, capsys):
+    run, named = FILE_CASES[case]
+    with pytest.raises((SystemExit, ValueError, FileNotFoundError)) as error:
+        run(tmp_path, *exported)
+    message = str(error.value) + capsys.readouterr().err
+    assert named in message, message

@@ -117,7 +117,9 @@ class CheckpointRotation(ModelCheckpoint):
         verify: Literal["files", "load"] = "files",
         require_monitor: bool = True,
     ) -> None:
-        validate_options(every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify)
+        validate_options(
+            every_n_train_steps, every_n_minutes, keep_last, monitor, mode, keep_best, save_on_train_end, verify
+        )
         check_bool("async_save", async_save)
         check_bool("require_monitor", require_monitor)
         if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):

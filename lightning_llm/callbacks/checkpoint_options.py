@@ -35,7 +35,7 @@ def staging_location(final: str, trainer: L.Trainer) -> str:
 
 
 def validate_options(
-    every_n_train_steps, every_n_minutes, keep_last, monitor, keep_best, save_on_train_end, verify
+    every_n_train_steps, every_n_minutes, keep_last, monitor, mode, keep_best, save_on_train_end, verify
 ) -> None:
     """Refuse CheckpointRotation arguments that cannot work, naming the value and what is allowed."""
     check_bool("save_on_train_end", save_on_train_end)  # "false" would otherwise mean True
@@ -57,6 +57,10 @@ def validate_options(
         raise ValueError(f"keep_best={keep_best} must be 0 or more.")
     if keep_best and monitor is None:
         raise ValueError(f"keep_best={keep_best} needs `monitor`, the metric that ranks checkpoints.")
+    if monitor is not None and (not isinstance(monitor, str) or not monitor):
+        raise ValueError(f"monitor={monitor!r} must name a logged metric (e.g. 'val_loss'), or be None.")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r}: choose 'min' (lower `monitor` is better) or 'max'.")
     if verify not in ("files", "load"):
         raise ValueError(f"verify={verify!r}: choose 'files' or 'load'.")
 

@@ -9,7 +9,7 @@ from typing_extensions import override
 from lightning_llm.callbacks import cadence
 from lightning_llm.contract import contract_of
 from lightning_llm.modeling.blocks import block_modules, find_blocks
-from lightning_llm.validation import check_float, check_int
+from lightning_llm.validation import check_bool, check_float, check_int
 
 
 class GradNormMonitor(L.Callback):
@@ -45,6 +45,8 @@ class GradNormMonitor(L.Callback):
     ) -> None:
         check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_float("norm_type", norm_type, allow_inf=True)
+        check_bool("per_block", per_block)
+        check_bool("per_param_group", per_param_group)
         if norm_type <= 0:
             raise ValueError(f"norm_type={norm_type} must be positive (2.0 for the L2 norm, inf for the max norm).")
         self.log_every_n_steps = log_every_n_steps

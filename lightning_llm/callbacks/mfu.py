@@ -14,7 +14,7 @@ from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.planning.flops import device_peak_flops
-from lightning_llm.validation import check_float, check_int
+from lightning_llm.validation import check_bool, check_float, check_int
 
 
 # Lightning's ThroughputMonitor/Throughput are not used for the rates: they multiply per-device rates
@@ -60,6 +60,8 @@ class MFUMonitor(L.Callback):
         check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         check_float("peak_flops", peak_flops, optional=True)
         check_float("flops_per_token", flops_per_token, minimum=0, inclusive=False, optional=True)
+        check_bool("shifted_targets", shifted_targets)
+        check_bool("prog_bar", prog_bar)
         if peak_flops is not None and peak_flops <= 0:
             raise ValueError(f"peak_flops={peak_flops} must be positive (FLOP/s of one device, e.g. 989e12).")
         self.log_every_n_steps = log_every_n_steps

@@ -280,6 +280,11 @@ def _validate(
         SOURCES,
         hint="parquet, JSON and the like: tokenize to a uint16/uint32 file and use source='tokens'",
     )
+    if source == "synthetic" and path is not None:
+        raise ValueError(
+            f"path={path!r} is for file sources; source='synthetic' generates its own tokens. Set source='tokens' "
+            "(files from `lightning-llm prepare`) or 'text', or drop path."
+        )
     if source in ("text", "tokens"):
         paths = [path] if isinstance(path, str) else path
         if not paths or not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):

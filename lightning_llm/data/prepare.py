@@ -29,10 +29,10 @@ from typing import Literal
 import numpy as np
 
 from lightning_llm.data.documents import expand_inputs, iter_documents
+from lightning_llm.data.output_set import staged, swap_in
 from lightning_llm.data.token_files import (
     TokenFileInfo,
     offsets_path,
-    sidecar_path,
     token_dtype_for,
     write_token_info,
 )
@@ -86,7 +86,12 @@ def prepare(
         raise ValueError(f"val_fraction={val_fraction!r} must be below 1 (the share of documents held out).")
     expand_inputs(inputs)  # missing files and bad suffixes fail before a tokenizer is trained
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir={str(out)!r} is a file, not a folder; choose a folder for the token files.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, no permission, a read-only disk
+        raise ValueError(f"output_dir={str(out)!r} cannot be used as a folder: {err.strerror or err}.") from None
 
     def documents() -> Iterator[str]:
         return iter_documents(inputs, text_key=text_key, txt_split=txt_split)
@@ -96,39 +101,43 @@ def prepare(
             f"No documents in {[str(p) for p in inputs]}: every file is empty or whitespace only "
             "(or, for .jsonl, every record's text is). Give inputs with some text."
         )
-    tok, tokenizer_path = _tokenizer(tokenizer, vocab_size, documents, out)
-    eos_id = _eos_id(tok, tokenizer_path, eos_token)
-    dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
-    names = ("train", "val") if val_fraction > 0 else ("train",)
-    for stale in {"train", "val"} - set(names):  # an earlier run's split: its documents may now be in train
-        _remove([_TokenWriter(out / f"{stale}.bin", dtype)])
-        sidecar_path(out / f"{stale}.bin").unlink(missing_ok=True)
-    writers = {name: _TokenWriter(out / f"{name}.bin", dtype) for name in names}
-    runs = _encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers)
-    _write(runs, writers, progress)
-    if "val" in writers and writers["val"].documents == 0:
-        total = writers["train"].documents
-        _remove(writers.values())
-        raise ValueError(
-            f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
-            f"(no validation split) or at least {1 / total:.3g}."
-        )
-    inside = tokenizer_path.is_relative_to(out.resolve())
-    relative = os.path.relpath(tokenizer_path, out.resolve()) if inside else str(tokenizer_path)
-    infos = {
-        name: TokenFileInfo(
-            dtype=dtype,
-            vocab_size=tok.get_vocab_size(with_added_tokens=True),
-            eos_id=eos_id,
-            tokenizer=relative,
-            num_documents=w.documents,
-            num_tokens=w.tokens,
-        )
-        for name, w in writers.items()
-    }
-    for name, info in infos.items():
-        write_token_info(writers[name].path, info)
+    with staged(out) as stage:  # the previous run's files stay as they were until this one has succeeded
+        tok, tokenizer_path = _tokenizer(tokenizer, vocab_size, documents, stage)
+        eos_id = _eos_id(tok, tokenizer_path, eos_token)
+        names = ("train", "val") if val_fraction > 0 else ("train",)
+        dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
+        writers = {name: _TokenWriter(stage / f"{name}.bin", dtype) for name in names}
+        _write(_encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers), writers, progress)
+        if "val" in writers and writers["val"].documents == 0:
+            total = writers["train"].documents
+            raise ValueError(
+                f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
+                f"(no validation split) or at least {1 / total:.3g}."
+            )
+        infos = {
+            name: TokenFileInfo(
+                dtype=dtype,
+                vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                eos_id=eos_id,
+                tokenizer=_recorded(tokenizer_path, stage, out),
+                num_documents=w.documents,
+                num_tokens=w.tokens,
+            )
+            for name, w in writers.items()
+        }
+        for name, info in infos.items():
+            write_token_info(writers[name].path, info)
+        swap_in(stage, out, names)
     return infos
+
+
+def _recorded(tokenizer_path: Path, stage: Path, out: Path) -> str:
+    """The tokenizer as the sidecar names it: beside the token files when trained (or given from ``out``)."""
+    if tokenizer_path.parent == stage.resolve():
+        return tokenizer_path.name
+    if tokenizer_path.is_relative_to(out.resolve()):
+        return os.path.relpath(tokenizer_path, out.resolve())
+    return str(tokenizer_path)
 
 
 def _tokenizer(given: str | Path | None, vocab_size: int, documents, out: Path):
@@ -269,26 +278,14 @@ class _TokenWriter:
 
 
 def _write(runs, writers: dict[str, _TokenWriter], progress: bool | None) -> None:
-    """Append every (split, lengths, tokens) run to its split's files; on any error, remove what was written."""
-    for writer in writers.values():  # a sidecar left by an earlier run must not describe these files
-        sidecar_path(writer.path).unlink(missing_ok=True)
-    try:
-        with contextlib.ExitStack() as stack:
-            for writer in writers.values():
-                stack.enter_context(writer)
-            bar = stack.enter_context(_progress_bar(progress))
-            for split, lengths, tokens in runs:
-                writers[split].write(tokens, lengths)
-                bar.update(len(lengths))
-    except BaseException:
-        _remove(writers.values())
-        raise
-
-
-def _remove(writers) -> None:
-    for writer in writers:
-        for path in (writer.path, offsets_path(writer.path)):
-            path.unlink(missing_ok=True)
+    """Append every (split, lengths, tokens) run to its split's files (in the staging folder)."""
+    with contextlib.ExitStack() as stack:
+        for writer in writers.values():
+            stack.enter_context(writer)
+        bar = stack.enter_context(_progress_bar(progress))
+        for split, lengths, tokens in runs:
+            writers[split].write(tokens, lengths)
+            bar.update(len(lengths))
 
 
 def _progress_bar(enabled: bool | None):

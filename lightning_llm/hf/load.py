@@ -14,6 +14,7 @@ the rows that cover it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +27,21 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 def checkpoint_files(hf_dir: str | Path) -> dict[str, Path]:
     """Map every tensor name of a Hugging Face directory to its safetensors file (single file or sharded + index)."""
+    if "://" in str(hf_dir):
+        raise ValueError(
+            f"load_pretrained={str(hf_dir)!r} is a URL; it reads a local Hugging Face directory (safetensors files "
+            "are opened lazily, per rank). Copy the checkpoint to a local disk and pass that path."
+        )
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {err!r}. Save the model "
+                "again with save_pretrained, or remove the index if the directory holds one model.safetensors."
+            ) from None
         return {name: hf_dir / file for name, file in weight_map.items()}
     single = hf_dir / "model.safetensors"
     if not single.is_file():
@@ -37,10 +49,24 @@ def checkpoint_files(hf_dir: str | Path) -> dict[str, Path]:
             f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json; save the model with "
             "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)."
         )
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path):
+    """``safe_open`` with the file named in its errors (a truncated or corrupted file, a missing shard)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(
+            f"{file} cannot be read as safetensors ({err}); it may be truncated, corrupted or missing. Copy or save "
+            "the checkpoint again."
+        ) from None
+    with handle as f:
+        yield f
 
 
 def _match(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, dict[str, str]]:
@@ -78,6 +104,11 @@ def _llama_mapping(module: nn.Module, all_names: list[str], files: dict[str, Pat
     from lightning_llm.hf import llama_map
 
     prefix, llama = found
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{Path(hf_dir) / 'config.json'} is missing: loading a Hugging Face Llama into the reference model "
+            "compares the two configs first. Copy config.json beside the weights (save_pretrained writes it)."
+        )
     llama_map.check_same_function(llama.config, transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
     ours = [n for n in all_names if n.startswith(prefix)]
     mapping = {n: llama_map.to_hf_name(n[len(prefix) :]) for n in ours}
@@ -179,8 +210,6 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
         load_pretrained(model, "checkpoints/llama-hf")
         load_pretrained(Llama(llama_map.from_hf_config(AutoConfig.from_pretrained(d))), d)   # reference Llama
     """
-    from safetensors import safe_open
-
     files = checkpoint_files(hf_dir)
     params = dict(module.named_parameters())
     all_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
@@ -199,7 +228,7 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
         if name in mapping and mapping[name] in files:
             by_file.setdefault(files[mapping[name]], []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in names:
                 tensor = f.get_slice(mapping[name])
                 saved = tuple(tensor.get_shape())
@@ -219,7 +248,7 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
             "They would be cast, not loaded; the checkpoint is not a set of weights for this model."
         )
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in names:
                 _copy_into(params[name], f, mapping[name], transforms.get(name), file)
     rank_zero_info(

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_llm.data.packing import document_causal_mask
 from lightning_llm.models.moe import MoEFeedForward
+from lightning_llm.validation import check_bool, check_float, check_int
 
 
 @dataclass
@@ -56,6 +57,7 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.ffn_hidden_dim is None:
@@ -75,6 +77,21 @@ class LlamaConfig:
             self.moe_hidden_dim = self.ffn_hidden_dim
         if self.n_experts and not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}.")
+
+    def _check_types(self) -> None:
+        """Every field's type and range, naming the field (a string "2" from a hand-written dict would otherwise
+        fail as a TypeError deep in the first matmul, a negative width as an empty tensor)."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "top_k"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("n_kv_heads", "ffn_hidden_dim", "moe_hidden_dim"):
+            check_int(name, getattr(self, name), minimum=1, optional=True)
+        for name in ("n_experts", "n_shared_experts", "n_dense_layers"):
+            check_int(name, getattr(self, name), minimum=0)
+        for name in ("rope_theta", "norm_eps"):
+            check_float(name, getattr(self, name), minimum=0, inclusive=False)
+        for name in ("init_std", "moe_aux_loss_coef"):
+            check_float(name, getattr(self, name), minimum=0)
+        check_bool("tie_embeddings", self.tie_embeddings)
 
     @property
     def head_dim(self) -> int:

@@ -13,8 +13,24 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from lightning_llm.models.llama import Llama, LlamaConfig
+from lightning_llm.models.llama import PRESETS, Llama, LlamaConfig
 from lightning_llm.models.moe import MoEFeedForward
+from lightning_llm.validation import check_float, check_int
+
+
+def _check_hyperparameters(learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio) -> None:
+    """The optimizer and schedule arguments' types and ranges, each named (``learning_rate="3e-4"`` from a
+    hand-written dict would reach AdamW as a string)."""
+    check_float("learning_rate", learning_rate, minimum=0)
+    check_float("weight_decay", weight_decay, minimum=0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas={betas!r} must be two numbers (beta1, beta2), e.g. (0.9, 0.95).")
+    for i, beta in enumerate(betas):
+        if check_float(f"betas[{i}]", beta, minimum=0, maximum=1) == 1:
+            raise ValueError(f"betas[{i}]={beta!r} must be below 1 (AdamW's running averages would never decay).")
+    check_int("warmup_steps", warmup_steps, minimum=0)
+    check_int("max_steps", max_steps, minimum=1, optional=True)
+    check_float("min_lr_ratio", min_lr_ratio, minimum=0, maximum=1)
 
 
 class CausalLM(L.LightningModule):
@@ -55,8 +71,14 @@ class CausalLM(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        _check_hyperparameters(learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio)
         if isinstance(config, dict):  # hyperparameters saved as a dict (lightning_llm.cli.data_vocab)
             config = LlamaConfig(**config)
+        if not isinstance(config, (str, LlamaConfig)):
+            raise TypeError(
+                f"config={config!r} must be a preset name (one of {sorted(PRESETS)}), a LlamaConfig or a dict of "
+                f"its fields, got {type(config).__name__}."
+            )
         self.config = LlamaConfig.from_name(config) if isinstance(config, str) else config
         self.model: Llama | None = None
         self.val_loss = MeanMetric()

@@ -23,7 +23,7 @@ from lightning_llm._compat.lightning import (
     reset_deepspeed_config,
 )
 from lightning_llm.checkpointing.dcp import refuse_unverified
-from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes
+from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes, unsafe_pickle_refusal
 from lightning_llm.checkpointing.errors import save_on_every_rank
 from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.contract import ParallelLayout, completed
@@ -46,6 +46,7 @@ from lightning_llm.strategies.deepspeed_config import (
     read_config,
     validate_args,
 )
+from lightning_llm.strategies.option_checks import check_optional_str
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int, check_memory_size
@@ -103,6 +104,9 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
         check_int("seq_len", seq_len, minimum=1, optional=True)
         check_memory_size("device_memory", device_memory)
+        check_optional_str("nvme_path", nvme_path, "a directory on a fast local disk")
+        check_optional_str("process_group_backend", process_group_backend, "a torch.distributed backend, e.g. 'nccl'")
+        check_optional_str("load_pretrained", load_pretrained, "a Hugging Face checkpoint directory")
         self.requested_stage, self.requested_offload = zero_stage, offload
         self.offload_device, self.nvme_path = offload_device, nvme_path
         self.user_config = user_config
@@ -318,11 +322,16 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """DeepSpeed's load, after the content check of a committed checkpoint and a strict two-way comparison of
-        parameter names and shapes (DeepSpeed itself compares only the names the model has)."""
+        """DeepSpeed's load, after the content check of a committed checkpoint, a scan for anything DeepSpeed's full
+        unpickler would import beyond its own classes (unless ``weights_only=False``: the user trusts the files),
+        and a strict two-way comparison of parameter names and shapes (DeepSpeed compares only the model's names)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         refuse_unverified(self, path)
-        saved = saved_param_shapes(path)
+        trusted = weights_only is False  # trainer.fit(..., weights_only=False): the user vouches for the files
+        error = None if trusted else self.broadcast(unsafe_pickle_refusal(path) if self.global_rank == 0 else None)
+        if error is not None:
+            raise ValueError(error)
+        saved = saved_param_shapes(path, weights_only=not trusted)
         if saved is not None:
             model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.module.named_parameters()}
             matching_keys(model, saved, self.lightning_module.strict_loading, str(path))

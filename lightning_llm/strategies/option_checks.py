@@ -6,11 +6,14 @@ Each refuses an impossible value before any process starts, naming the value and
 
 from __future__ import annotations
 
+import os
+
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
 from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
+from lightning_llm.parallel.tp.plan import check_style
 from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size
 
 
@@ -28,6 +31,40 @@ def check_patterns(name: str, patterns, *, example: str) -> list[str]:
             f"e.g. {example}."
         )
     return list(patterns)
+
+
+def check_tensor_parallel_plan(plan) -> None:
+    """A mapping of module-name patterns to known style names (styles checked here, patterns at setup)."""
+    if plan is None:
+        return
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and k for k in plan):
+        raise ValueError(
+            f"tensor_parallel_plan={plan!r} must map module-name patterns to styles, "
+            "e.g. {'*.attn.c_attn': 'fused_qkv', '*.mlp.c_fc': 'colwise'}."
+        )
+    for pattern, style in plan.items():
+        check_style(pattern, style)
+
+
+def check_pipeline_split(split) -> None:
+    """A list of stages, each a list of block names (``[["layers.0", "layers.1"], ["layers.2", "layers.3"]]``)."""
+    if split is None:
+        return
+    if (
+        isinstance(split, str)
+        or not isinstance(split, (list, tuple))
+        or not all(isinstance(stage, (list, tuple)) and all(isinstance(n, str) for n in stage) for stage in split)
+    ):
+        raise ValueError(
+            f"pipeline_split={split!r} must be a list of stages, each a list of module names, "
+            "e.g. [['layers.0', 'layers.1'], ['layers.2', 'layers.3']]."
+        )
+
+
+def check_optional_str(name: str, value, what: str) -> None:
+    """``value`` is None or a non-empty string or path (a number would fail much later, inside a file open)."""
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
+        raise ValueError(f"{name}={value!r} must be {what}, or None.")
 
 
 def warn_unused(pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, ac_options) -> None:

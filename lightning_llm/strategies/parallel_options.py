@@ -23,7 +23,10 @@ from lightning_llm.strategies.option_checks import (
     check_context_parallel,
     check_expert_parallel,
     check_layout,
+    check_optional_str,
     check_patterns,
+    check_pipeline_split,
+    check_tensor_parallel_plan,
     warn_unused,
 )
 from lightning_llm.validation import check_bool, check_choice, check_int, check_timeout
@@ -166,6 +169,10 @@ def build_options(
     ):
         check_bool(name, value)  # "no", 2 or "max-autotune" would otherwise all mean True
     check_patterns("fp8_exclude", fp8_exclude, example="['*.down_proj']")
+    check_tensor_parallel_plan(tensor_parallel_plan)
+    check_pipeline_split(pipeline_split)
+    check_optional_str("load_pretrained", load_pretrained, "a Hugging Face checkpoint directory or a checkpoint file")
+    check_optional_str("process_group_backend", process_group_backend, "a torch.distributed backend, e.g. 'nccl'")
     if pipeline_schedule not in SCHEDULES:  # at pp=1 too: a typo is a typo (validate_schedule's words)
         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
     warn_unused(

@@ -19,19 +19,10 @@ from torch.utils.data import DataLoader
 from lightning_llm.cli import main as cli_main
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.testing import cpu_trainer
+from tests._payload import Payload
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).parents[2]
-
-
-class Payload:
-    """Unpickled by a full unpickler, this calls ``Path(marker).touch()``: the stand-in for any code."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = Path(marker)
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
 
 
 def _model() -> CausalLM:
@@ -162,3 +153,18 @@ def test_export_refuses_an_hf_export_class_outside_the_allow_list(tmp_path, mark
     err = _export([str(checkpoint), str(tmp_path / "out"), "--format", "hf"], capsys)
     assert f"The 'hf_export' entry of {checkpoint} names the model class {class_path!r}" in err
     assert "planted_payload_module" not in sys.modules
+
+
+def test_a_deepspeed_checkpoint_scan_names_a_planted_payload_and_passes_deepspeeds_own_classes(tmp_path, marker):
+    # The scan LLMDeepSpeedStrategy runs before DeepSpeed's full unpickler opens any file (the strategy path itself:
+    # tests/strategies/test_deepspeed.py::test_resume_refuses_a_payload_planted_in_a_deepspeed_file...).
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler", reason="DeepSpeed is optional")
+    from lightning_llm.checkpointing.deepspeed import unsafe_pickle_refusal
+
+    states = tmp_path / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    states.parent.mkdir()
+    torch.save({"loss_scaler": loss_scaler.LossScaler(1.0), "state": {"exp_avg": torch.zeros(2)}}, states)
+    assert unsafe_pickle_refusal(tmp_path) is None
+    torch.save({"loss_scaler": loss_scaler.LossScaler(1.0), "planted": Payload(marker)}, states)
+    refusal = unsafe_pickle_refusal(tmp_path)
+    assert refusal is not None and str(states) in refusal and "builtins.getattr" in refusal, refusal

@@ -280,12 +280,40 @@ def test_bad_inputs_are_named(case, tmp_path):
     assert not (tmp_path / "out" / "train.bin").exists(), "nothing half-written is left behind"
 
 
-def test_an_error_while_writing_leaves_no_files_and_no_stale_sidecar(tmp_path):
-    prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260)  # an earlier, good run
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_an_error_while_writing_leaves_the_previous_run_as_it_was(tmp_path):
+    prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260, val_fraction=0.5)  # an earlier, good run
+    before = _files(tmp_path / "out")
     bad = _text(tmp_path, "bad.jsonl", '{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match="Line 3 of .*bad.jsonl.* is not valid JSON"):
         prepare([bad], tmp_path / "out", tokenizer=tmp_path / "out" / "tokenizer.json")
-    assert not any((tmp_path / "out" / name).exists() for name in ("train.bin", "train.idx", "train.json"))
+    assert _files(tmp_path / "out") == before  # byte for byte, and no staging folder left
+
+
+def test_an_interrupted_run_leaves_the_previous_set_and_a_finished_one_replaces_all_of_it(tmp_path, monkeypatch):
+    import lightning_llm.data.prepare as prepare_module
+
+    prepare([_jsonl(tmp_path)], tmp_path / "out", vocab_size=260, val_fraction=0.5)
+    before = _files(tmp_path / "out")
+    encode = prepare_module._encode
+
+    def interrupted(*args):
+        yield next(encode(*args))  # one run of documents written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "_encode", interrupted)
+    other = _text(tmp_path, "other.jsonl", "".join(f'{{"text": "another text {i}"}}\n' for i in range(30)))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([other], tmp_path / "out", vocab_size=270)
+    assert _files(tmp_path / "out") == before
+    monkeypatch.setattr(prepare_module, "_encode", encode)
+    prepare([other], tmp_path / "out", vocab_size=270)
+    after = _files(tmp_path / "out")
+    assert sorted(after) == ["tokenizer.json", "train.bin", "train.idx", "train.json"]  # val.* of the old set gone
+    assert all(after[name] != before[name] for name in after)  # every file of the set is the new run's
 
 
 def test_token_files_without_offsets_or_with_a_stale_sidecar_are_named(tmp_path):

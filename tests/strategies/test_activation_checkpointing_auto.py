@@ -119,3 +119,41 @@ def test_auto_meets_its_budget_with_the_losses_of_no_checkpointing(world_size, b
     assert max(auto_kept) <= BUDGET, f"auto kept {auto_kept} bytes per step, budget {BUDGET}"
     assert len(auto[0]) == STEPS
     assert_parity(auto, none, f"auto on {world_size} rank(s)", rtol=1e-6)
+
+
+def _eager_and_compiled(world_size: int):
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    runs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        strategy = LLMParallelStrategy(
+            activation_checkpointing="auto",
+            activation_checkpointing_options={"budget": BUDGET},
+            zero_stage=0,
+            compile_blocks=compiled,
+        )
+        model = CausalLM(LlamaConfig.from_name("tiny", n_layers=LAYERS), warmup_steps=1, max_steps=STEPS)
+        result = train(
+            "reference",
+            strategy,
+            devices=world_size,
+            dp=world_size,
+            steps=STEPS,
+            model=model,
+            datamodule=data(PER_RANK_BATCH),
+        )
+        runs[compiled] = result, strategy.activation_checkpointing_policies
+    return runs
+
+
+@pytest.mark.compile
+def test_auto_under_compile_blocks_checkpoints_the_eager_plan_and_trains_like_eager():
+    # The plan is made on the eager model before the blocks are compiled, so compiling must not change it; the
+    # compiled blocks (checkpointed and not) then train like the eager ones (fp32, inductor's reordering: 1e-5).
+    runs = run_distributed(_eager_and_compiled, 1, 1, timeout=540)[0]
+    (eager, eager_policies), (compiled, compiled_policies) = runs[False], runs[True]
+    assert compiled_policies == eager_policies
+    assert "none" in eager_policies and set(eager_policies) != {"none"}, eager_policies  # the budget binds
+    assert len(compiled[0]) == STEPS
+    assert_parity(compiled, eager, "auto, compiled vs eager", rtol=1e-5)

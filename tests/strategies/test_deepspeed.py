@@ -8,6 +8,7 @@ step 5 with ``trainer.save_checkpoint`` and a run resumed from it to step 10.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import types
 from collections import Counter
@@ -24,6 +25,7 @@ from lightning_llm.strategies.deepspeed_config import default_config, merge_conf
 from lightning_llm.strategies.zero_auto import choose_zero_stage
 from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import requires_deepspeed
+from tests._payload import Payload
 from tests.strategies._parity import GLOBAL_BATCH, STEPS, GlobalLoss, assert_parity, data, make_model
 
 pytestmark = requires_deepspeed  # an optional extra; tests/test_optional_dependencies.py checks the refusal without it
@@ -194,7 +196,28 @@ def _train_all_layouts(tmp: str, auto_memory: int) -> dict:
     results["auto"] = fit(auto, devices=2)
     results["auto calls"], results["auto stage"] = calls, auto.deepspeed_engine.zero_optimization_stage()
     results["auto decision"] = (auto.decision.stage, auto.decision.offload)
+    results["poisoned"] = _resume_poisoned(Path(tmp))
     return results
+
+
+def _resume_poisoned(tmp: Path) -> tuple[str | None, bool]:
+    """Resume from a copy of the ZeRO-2 checkpoint whose rank-0 optimizer states carry a planted payload that would
+    create a file if unpickled (DeepSpeed loads these files with a full unpickler): (the error, did it run?)."""
+    import torch.distributed as dist
+
+    poisoned, ran = tmp / "poisoned.ckpt", tmp / "PAYLOAD_RAN"
+    if dist.get_rank() == 0:
+        shutil.copytree(tmp / "zero2.ckpt", poisoned)
+        (states,) = poisoned.rglob("zero_pp_rank_0_*optim_states.pt")
+        state = torch.load(states, weights_only=False)  # the test's own file
+        state["planted"] = Payload(ran)
+        torch.save(state, states)
+    dist.barrier()
+    try:
+        fit(LLMDeepSpeedStrategy(**LAYOUTS["zero2"]), devices=2, resume_from=str(poisoned))
+    except ValueError as err:
+        return str(err), ran.exists()
+    return None, ran.exists()
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +229,14 @@ def runs(tmp_path_factory):
     return types.SimpleNamespace(
         reference=reference, reference_validation=reference_validation, ranks=(rank0, rank1), auto_memory=auto_memory
     )
+
+
+@pytest.mark.distributed
+def test_resume_refuses_a_payload_planted_in_a_deepspeed_file_before_deepspeed_unpickles_it(runs):
+    for message, ran in (rank["poisoned"] for rank in runs.ranks):
+        assert not ran, "the planted payload ran"
+        assert message is not None and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in message, message
+        assert "builtins.getattr" in message and "weights_only=False" in message, message
 
 
 @pytest.mark.distributed

@@ -67,12 +67,8 @@ class _NoLinear(L.LightningModule):
 
 def _fit_expecting_error(make_module, strategy_kwargs, world_size):
     module = make_module()
-    trainer = cpu_trainer(
-        devices=world_size,
-        strategy=LLMParallelStrategy(**strategy_kwargs),
-        max_steps=2,
-    )
-    try:
+    try:  # an unknown style is refused by the constructor, the rest at setup: before the first step either way
+        trainer = cpu_trainer(devices=world_size, strategy=LLMParallelStrategy(**strategy_kwargs), max_steps=2)
         trainer.fit(module, data(2))
     except ValueError as err:
         return str(err), getattr(module, "steps_run", 0)

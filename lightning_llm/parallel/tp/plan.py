@@ -28,7 +28,7 @@ from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fus
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
 from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head, variant_plan
 
-__all__ = ["STYLES", "infer_plan", "resolve_plan", "validate_plan"]
+__all__ = ["STYLES", "check_style", "infer_plan", "resolve_plan", "validate_plan"]
 
 STYLES = (
     "colwise",
@@ -283,6 +283,14 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
     return plan
 
 
+def check_style(pattern: str, style: str) -> None:
+    """Refuse a style name that is not one of :data:`STYLES` (nor a ``fused_colwise``/``replicate_shared`` form)."""
+    if not isinstance(style, str) or (
+        style not in STYLES and parse_fused(style) is None and not style.startswith("replicate_shared:")
+    ):
+        raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
+
+
 def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, list[str]]:
     """Check styles, that every pattern matches a module and that every split dimension divides by ``tp``.
 
@@ -291,8 +299,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     names = dict(model.named_modules())
     matched: dict[str, list[str]] = {}
     for pattern, style in plan.items():
-        if style not in STYLES and parse_fused(style) is None and not style.startswith("replicate_shared:"):
-            raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
+        check_style(pattern, style)
         matched[pattern] = [n for n in names if n and _matches(n, pattern)]
         if not matched[pattern]:
             raise ValueError(
