@@ -174,7 +174,7 @@ def attention_with_lse(
     (``aten._scaled_dot_product_flash_attention_for_cpu``); CUDA: the flash kernel for fp16/bf16 with head dim up
     to 256, memory-efficient attention otherwise (fp32), as torch's own ``context_parallel`` dispatches.
     (batch, heads, seq, head_dim) in; logsumexp is (batch, heads, seq) in fp32. Checked on torch 2.13.0 (CPU) and
-    torch 2.11 (CUDA, ``tests/gpu/test_cuda_paths.py``).
+    torch 2.11 (CUDA, ``tests/gpu/test_ring_kernels.py``).
     """
     aten = torch.ops.aten
     if query.device.type == "cpu":
@@ -238,7 +238,7 @@ register(
         why="ring attention merges partial attentions over key blocks with each row's log-sum-exp and recomputes "
         "each block's gradient from the merged output; SDPA's kernels return the log-sum-exp, the public SDPA does "
         "not",
-        caught_by="`tests/parallel/test_context_parallel.py`, `tests/gpu/test_cuda_paths.py`",
+        caught_by="`tests/parallel/test_context_parallel.py`, `tests/gpu/test_ring_kernels.py`",
         checked=CHECKED,
         check=lambda: (
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

@@ -1,5 +1,6 @@
 """Resume exactness under LLMParallelStrategy: a straight run vs the same run interrupted three times, across
-two epoch boundaries, on 2 ranks (dp2, ZeRO-3, tp2, pp2), and a chain that changes layout and dp size.
+two epoch boundaries, on 2 ranks (dp2, ZeRO-3, tp2, pp2), a chain that changes layout and dp size, and one that
+switches context parallelism (ring and Ulysses) on and off.
 
 The oracle is the straight run in the same layout; per-step global losses and every final parameter must agree
 within 1e-7 relative, and each epoch must keep its number of batches.
@@ -21,6 +22,7 @@ from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
 from tests.strategies._parity import full_state, make_model
 
+pytestmark = pytest.mark.timeout(600)  # the fixture trains 28 runs on 2 ranks
 STEPS, GLOBAL_BATCH = 8, 8
 STOPS = [2, 4, 7, STEPS]  # epochs of 3 batches: the run crosses boundaries after steps 3 and 6
 LAYOUTS = {
@@ -31,6 +33,12 @@ LAYOUTS = {
 }
 # Layout and data-parallel size change at every resume (dp 2 -> 1 -> 2 -> 1).
 CHAIN = ["zero3", "tp2", "dp2", "pp2"]
+# Context parallelism on and off (C 2 -> 1 -> 2 -> 1, dp 1 -> 2 -> 1 -> 2; FSDP over dp_shard_cp throughout).
+CP = {
+    "cp2": {"context_parallel_size": 2},
+    "cp2_ulysses": {"context_parallel_size": 2, "context_parallel_method": "ulysses"},
+}
+CP_CHAIN = ["cp2", "zero3", "cp2_ulysses", "dp2"]
 
 
 class _Record(L.Callback):
@@ -46,8 +54,9 @@ class _Record(L.Callback):
 
 
 def _fit(layout: str, until: int, root: Path, resume_from=None):
-    options = LAYOUTS[layout]
+    options = {**LAYOUTS, **CP}[layout]
     dp = 2 // options.get("tensor_parallel_size", 1) // options.get("pipeline_parallel_size", 1)
+    dp //= options.get("context_parallel_size", 1)
     record, callbacks = _Record(), []
     if until < STEPS:
         callbacks.append(
@@ -97,12 +106,13 @@ def _all_runs(root: str) -> dict | None:
             "interrupted": _chain([layout] * len(STOPS), Path(root) / layout / "pieces"),
         }
     results["chain"] = _chain(CHAIN, Path(root) / "chain")
+    results["cp chain"] = _chain(CP_CHAIN, Path(root) / "cp_chain")
     return results if dist.get_rank() == 0 else None
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_all_runs, 2, str(tmp_path_factory.mktemp("resume")), timeout=420)[0]
+    return run_distributed(_all_runs, 2, str(tmp_path_factory.mktemp("resume")), timeout=540)[0]
 
 
 def _assert_close(got, want, label: str, rtol: float) -> None:
@@ -128,3 +138,9 @@ def test_three_interruptions_match_the_straight_run(runs, layout):
 def test_resume_changing_layout_and_dp_size_matches_the_straight_run(runs):
     # Different layouts sum in different orders: the cross-layout parity tolerance of the strategy tests.
     _assert_close(runs["chain"], runs["zero3"]["straight"], "zero3 -> tp2 -> dp2 -> pp2", rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_resume_across_a_context_parallel_size_change_matches_the_straight_run(runs):
+    # The sharded checkpoint of a cp2 run (parameters sharded over the two CP ranks) resumes without CP and back.
+    _assert_close(runs["cp chain"], runs["zero3"]["straight"], " -> ".join(CP_CHAIN), rtol=1e-5)
