@@ -50,8 +50,8 @@ else
   SIZE=1B; SEQ=2048; BATCH=4; STEPS=30; WARMUP=5; ROUNDS=2; CURVE_STEPS=200; DEVICE=cuda; PRECISION=bf16-mixed
   PEAK=()
 fi
-STEP_TIMEOUT=0  # seconds a step may run (0: no limit)
-if [ "$SHORT" = 1 ]; then STEPS=15; WARMUP=3; ROUNDS=1; CURVE_STEPS=50; STEP_TIMEOUT=150; fi
+STEP_TIMEOUT=${STEP_TIMEOUT:-0}  # seconds a step may run (0: no limit; --short: 150 unless set)
+if [ "$SHORT" = 1 ]; then STEPS=15; WARMUP=3; ROUNDS=1; CURVE_STEPS=50; [ "$STEP_TIMEOUT" = 0 ] && STEP_TIMEOUT=150; fi
 LOG=${SUITE_LOGS:-$(mktemp -d)}  # every step's log (SUITE_LOGS: a folder to keep them in)
 mkdir -p "$LOG"
 MFU_TABLE="$LOG/mfu.md"; CURVE_TABLE="$LOG/curve.md"; STEPS_TABLE="$LOG/steps.md"
@@ -102,14 +102,22 @@ report() {  # the markdown report of every step run so far (also when the suite 
     echo "Failed steps: ${FAILED[*]:-none}. Skipped: ${SKIPPED[*]:-none}. Logs: $LOG"
   } >"$REPORT"
 }
-trap 'FAILED+=("interrupted"); report; echo "Report written to $REPORT (interrupted)"; exit 124' TERM INT
+STEP_PID=
+interrupted() {  # TERM/INT: stop the running step, write what was measured so far
+  [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null
+  FAILED+=("interrupted"); report; echo "Report written to $REPORT (interrupted)"; exit 124
+}
+trap interrupted TERM INT
 
 run() {  # run NAME CMD...: keep the log, time it, note a failure, go on
   local name=$1; shift
   local began=$SECONDS status=ok
   echo ">>> $name: $*"
-  local limit=(); [ "$STEP_TIMEOUT" -gt 0 ] && limit=(timeout -k 10 "$STEP_TIMEOUT")
-  if "${limit[@]}" "$@" >"$LOG/$name.log" 2>&1; then tail -n 4 "$LOG/$name.log"; else
+  # Under timeout always (0: no limit), in the background, then `wait`: bash runs a trap only once a foreground
+  # command ends; timeout passes the trap's TERM on and KILLs 10 s later (Lightning's SIGTERM handler keeps going).
+  timeout -k 10 "$STEP_TIMEOUT" "$@" >"$LOG/$name.log" 2>&1 &
+  STEP_PID=$!
+  if wait "$STEP_PID"; then tail -n 4 "$LOG/$name.log"; else
     status="failed (exit $?)"; echo "FAILED, see $LOG/$name.log"; tail -n 20 "$LOG/$name.log"; FAILED+=("$name"); fi
   echo "| $name | $status | $((SECONDS - began)) s |" >>"$STEPS_TABLE"
 }

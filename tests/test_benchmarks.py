@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,20 @@ def test_sharded_muon_quick_times_both_optimizers_per_layout():
         assert found, result.stdout
         # torch's Muon runs every iteration on DTensors across both ranks: about 4x slower at this size.
         assert float(found.group(1)) < 1.0, result.stdout
+
+
+def test_gpu_suite_writes_its_report_when_stopped_mid_step(tmp_path):
+    """A lent GPU's time runs out mid-step: the suite's TERM trap stops the step and reports what was measured."""
+    report = tmp_path / "report.md"
+    env = {**_fresh_env(), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none"), "SUITE_LOGS": str(tmp_path)}
+    # The first step (a tiny MFU run) takes ~6 s here; the TERM comes while a later step runs.
+    command = ["timeout", "-k", "5", "20", "bash", "benchmarks/gpu_suite.sh", "--quick", str(report)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 124, result.stdout[-2000:] + result.stderr[-2000:]
+    text = report.read_text()
+    assert "Failed steps: interrupted." in text and "| mfu-tiny-ac_none | ok |" in text, text
+    # The step gets the TERM; one that handles it (Lightning does) is killed 10 s later.
+    deadline = time.monotonic() + 15
+    while subprocess.run(["pgrep", "-f", str(tmp_path / "mfu.md")], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the step that was running must be stopped with the suite"
+        time.sleep(0.5)

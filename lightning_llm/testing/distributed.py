@@ -113,6 +113,43 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
                 raise DistributedTestError(f"Ranks {dead} died without reporting (exit codes {codes}).") from None
             continue
         if status == "error":
-            raise DistributedTestError(f"Rank {rank} of {world_size} failed:\n{value}")
+            raise DistributedTestError(_failure_report(procs, results, {rank: value}, set(outputs), world_size))
         outputs[rank] = pickle.loads(value)
     return [outputs[r] for r in range(world_size)]
+
+
+# A rank that lost its peer fails with one of these; the peer's own error is the one to show first.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def _failure_report(procs, results, errors: dict[int, str], finished: set[int], world_size: int) -> str:
+    """Every rank's fate a few seconds after the first error: the root cause first, then the rest.
+
+    The first traceback to arrive is often a rank that only saw its peer go away (gloo's
+    "Connection reset by peer"); the peer's own error, or the fact that it finished or died, is
+    what explains the failure.
+    """
+    grace = time.monotonic() + 5.0
+    while time.monotonic() < grace and len(errors) + len(finished) < world_size:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for r, p in enumerate(procs) if r not in errors and r not in finished):
+                break
+            continue
+        if status == "error":
+            errors[rank] = value
+        else:
+            finished.add(rank)
+    primary = min(errors, key=lambda r: (any(s in errors[r] for s in _PEER_LOST), r))
+    lines = [f"Rank {primary} of {world_size} failed:\n{errors[primary]}"]
+    for rank in range(world_size):
+        if rank == primary:
+            continue
+        if rank in errors:
+            lines.append(f"Rank {rank} also failed: {errors[rank].strip().splitlines()[-1]}")
+        elif rank in finished:
+            lines.append(f"Rank {rank} finished without error.")
+        else:
+            lines.append(f"Rank {rank} did not report (exit code {procs[rank].exitcode}).")
+    return "\n".join(lines)

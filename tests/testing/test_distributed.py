@@ -34,6 +34,22 @@ def test_failing_rank_traceback_is_surfaced():
         run_distributed(_fail_on_rank_one, 2, timeout=60)
 
 
+def _root_cause_on_rank_zero():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # rank 1 is inside the collective when rank 0 leaves the group
+        raise ValueError("the root cause on rank zero")
+    dist.barrier()  # fails when rank 0's connection goes away
+
+
+def test_the_root_cause_is_shown_first_not_the_peer_that_lost_its_connection():
+    with pytest.raises(DistributedTestError) as raised:
+        run_distributed(_root_cause_on_rank_zero, 2, timeout=60)
+    first, _, rest = str(raised.value).partition("Rank 1 also failed")
+    assert first.startswith("Rank 0 of 2 failed") and "ValueError: the root cause on rank zero" in first
+    assert rest, "rank 1's own error is summarised after the root cause"
+
+
 def _hang_in_collective():
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
