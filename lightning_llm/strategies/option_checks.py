@@ -135,9 +135,7 @@ def check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
         )
 
 
-def check_context_parallel(
-    cp, method, *, sequence_parallel, pp, zero_stage, activation_checkpointing, compile_blocks
-) -> None:
+def check_context_parallel(cp, method, *, sequence_parallel, pp, compile_blocks) -> None:
     """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
     check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
     check_choice("context_parallel_method", method, ("ring", "ulysses"))
@@ -146,12 +144,12 @@ def check_context_parallel(
     combined = {
         "sequence_parallel": sequence_parallel or None,
         "pipeline_parallel_size": pp if pp > 1 else None,
-        "zero_stage": zero_stage if zero_stage == "auto" else None,
         "compile_blocks": compile_blocks or None,
     }
     for name, value in combined.items():
         if value is not None:
             raise ValueError(
                 f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
-                "composes with data parallelism (ZeRO 0-3), activation checkpointing and tensor parallelism without SP today. Drop one of the two."
+                "composes with data parallelism (ZeRO 0-3 or 'auto'), activation checkpointing and tensor parallelism "
+                "without SP today. Drop one of the two."
             )

@@ -156,8 +156,6 @@ def build_options(
         context_parallel_method,
         sequence_parallel=sequence_parallel,
         pp=pp,
-        zero_stage=zero_stage,
-        activation_checkpointing=activation_checkpointing,
         compile_blocks=compile_blocks,
     )
     timeout = check_timeout("timeout", timeout)

@@ -157,6 +157,7 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         tp=dims.tp,
         pp=dims.pp,
         dp_replicate=dims.dp_replicate,
+        cp=dims.cp,
         ep=options.parallel.expert_parallel_size,
         expert_parallel_plan=options.parallel.expert_parallel_plan,
         activation_checkpointing=planning.activation_checkpointing,

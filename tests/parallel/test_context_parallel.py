@@ -9,7 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_llm.parallel.cp.attention import context_parallel_attention, count_queries
+from lightning_llm.parallel.cp.interception import attend
 from lightning_llm.parallel.cp.layout import CPGroup, check_sequence_length, gathered_to_global, zigzag_positions
+from lightning_llm.parallel.cp.masks import record_documents
 from lightning_llm.parallel.cp.ring import ring_attention
 from lightning_llm.parallel.cp.ulysses import ulysses_attention
 from lightning_llm.testing import run_distributed
@@ -65,9 +67,52 @@ RUNS = [
 
 
 def _every_method(runs):
-    """All runs in one spawned group (each call initializes the group once)."""
+    """All runs in one spawned group (each call initializes the group once), then the masked cases."""
     results = [_attention_matches_sdpa(CASES, method, dtype) for method, dtype, _ in runs]
+    return results, _masked_attention_matches_sdpa(MASKED)
+
+
+# (window, packed documents): Hugging Face's sliding window (key k visible to query q iff q - window < k <= q),
+# the package's packed documents (same document and causal), both.
+MASKED = [(5, False), (None, True), (3, True), (16, False)]
+
+
+def _masked_attention_matches_sdpa(cases):
+    """Each rule through ``attend`` (which takes the all-gather path for it) against SDPA with the full mask built
+    by hand on the whole sequence; float64. Returns (max error, ((query positions, keys) per kernel call))."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cp, results = CPGroup(dist.group.WORLD, size, rank, "ring"), []
+    for window, packed in cases:
+        gen = torch.Generator().manual_seed(7)
+        q, k, v, grad_out = (torch.randn(2, h, 16, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+        documents = torch.tensor([[0] * 3 + [1] * 9 + [2] * 4, [0] * 10 + [1] * 6]) if packed else None
+        i = torch.arange(16)
+        allowed = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - window) if window else True)
+        allowed = allowed[None, None] & (documents[:, None, :, None] == documents[:, None, None, :] if packed else True)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*full, attn_mask=allowed, enable_gqa=True)
+        want.backward(grad_out)
+        pos = zigzag_positions(16, size, rank)
+        local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+        record_documents(documents)
+        seen = []
+        with count_queries(lambda positions, keys: seen.append((positions.tolist(), keys))):
+            got = attend(*local, cp, is_causal=True, scale=None, window=window)
+        record_documents(None)
+        got.backward(grad_out[:, :, pos])
+        errors = [(got - want[:, :, pos]).abs().max().item()]
+        errors += [(mine.grad - ref.grad[:, :, pos]).abs().max().item() for mine, ref in zip(local, full)]
+        results.append((max(errors), seen))
     return results
+
+
+_runs: list = []
+
+
+def _results():
+    if not _runs:
+        _runs.append(run_distributed(_every_method, 2, RUNS))
+    return _runs[0]
 
 
 @pytest.mark.distributed
@@ -78,7 +123,7 @@ def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
     fewer than the ranks), causal and not, GQA and MHA: outputs and q/k/v gradients
     match full SDPA (float64 1e-12, float32 1e-5); each rank's kernel computed exactly its own queries, each query
     chunk over only the keys up to its diagonal."""
-    for rank, per_run in enumerate(run_distributed(_every_method, 2, RUNS)):
+    for rank, (per_run, _) in enumerate(_results()):
         for (method, dtype, tolerance), results in zip(RUNS, per_run):
             for (heads, kv_heads, seq, causal), (error, queries, own, calls) in zip(CASES, results):
                 label = (method, dtype, rank, heads, kv_heads, seq, causal)
@@ -90,3 +135,19 @@ def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
                     assert [keys for _, keys in calls] == [(i + 1) * chunk for i in (rank, 3 - rank)]
                 if causal and method == "ring":  # 5 of the 8 (query, key) chunk pairs on each rank: balanced
                     assert len(calls) == 5, (*label, calls)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_sliding_windows_and_packed_documents_are_applied_by_global_position():
+    """A sliding window, packed documents and both, through the CP attention at C=2: output and q/k/v gradients equal
+    SDPA with the whole-sequence mask (float64, 1e-12); each query chunk's kernel call reads only the keys from its
+    window's left edge to its diagonal (chunk 4 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2)."""
+    for rank, (_, masked) in enumerate(_results()):
+        for (window, packed), (error, calls) in zip(MASKED, masked):
+            assert error < 1e-12, (rank, window, packed, error)
+            starts = [positions[0] for positions, _ in calls]
+            assert starts == [4 * c for c in ((0, 3) if rank == 0 else (1, 2))], calls
+            # keys from max(0, start - window + 1) to the chunk's end
+            want = [start + 4 - (max(0, start - window + 1) if window else 0) for start in starts]
+            assert [keys for _, keys in calls] == want, (rank, window, calls)

@@ -1,24 +1,34 @@
 """Context parallelism against one process: HF Llama, a partial-rotary HF model (GPT-NeoX, rotary_pct=0.5) and the
 reference model, fp32: per-step loss and every parameter within 1e-5 relative of the single process, parameters
 bit-identical on every rank that holds them, and each rank's attention kernel computing exactly its own zig-zag
-queries (Ulysses: every position, for half the heads). Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP
-ranks), cp2 + ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation
-checkpointing; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
+queries (Ulysses: every position, for half the heads). Attention masked by global position too: Mistral's sliding
+window and the reference model on packed documents (document ids from a token file); zero_stage="auto" under cp2
+plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
+ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
+cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_llm.data import LLMDataModule
+from lightning_llm.data.token_files import TokenFileInfo, offsets_path, write_token_info
 from lightning_llm.parallel.cp import count_queries, zigzag_positions
+from lightning_llm.strategies.zero_auto import model_footprint
 from lightning_llm.testing import run_distributed
 from tests.strategies import _parity
 from tests.strategies._parity import assert_parity
 from tests.zoo import _harness
+from tests.zoo._models import ZooLM
 
 pytestmark = [pytest.mark.distributed]
 
@@ -27,10 +37,17 @@ LAYOUTS = {
     "cp2_zero3": (2, {"context_parallel_size": 2}),
     "cp2_ulysses_zero3": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses"}),
     "cp2_zero3_ac": (2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),  # recompute rings too
+    # zero_stage="auto" plans with each rank's 1/C of the activations; 80 GB fits ZeRO 0 (least communication)
+    "cp2_auto": (2, {"context_parallel_size": 2, "zero_stage": "auto", "device_memory": "80GB"}),
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
     "dp2_cp2_zero3": (4, {"context_parallel_size": 2}),  # 2 data-parallel replicas, FSDP over dp_shard_cp = 4
 }
 MODELS = ["llama", "gpt_neox", "reference"]
+# Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
+# window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
+MASKED = {"mistral": ["cp2_zero3", "cp2_ulysses_zero3"], "reference_documents": ["cp2", "cp2_ulysses_zero3"]}
+CASES = [(layout, name) for layout in LAYOUTS for name in MODELS if layout != "cp2_auto"] + [("cp2_auto", "llama")]
+CASES += [(layout, name) for name, layouts in MASKED.items() for layout in layouts]
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
 
 
@@ -41,64 +58,85 @@ def _differing(model) -> list[str]:
     return sorted(k for k, v in state.items() if any(not torch.equal(s[k], v) for s in states))
 
 
-def _train(name: str, layout: str):
+def _packed_documents(root: Path) -> LLMDataModule:
+    """Token ids with documents of 2 to 20 tokens (a token file, its offsets and sidecar, as ``prepare`` writes)."""
+    path = root / "train.bin"
+    if not path.exists():
+        gen = np.random.default_rng(0)
+        lengths = gen.integers(2, 21, size=800)
+        np.asarray(gen.integers(1, 256, size=int(lengths.sum())), dtype=np.uint16).tofile(path)
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint64).tofile(offsets_path(path))
+        write_token_info(path, TokenFileInfo("uint16", 256, 0, None, len(lengths), int(lengths.sum())))
+    return LLMDataModule(
+        source="tokens", path=str(path), seq_len=REFERENCE_SEQ, batch_size=_parity.GLOBAL_BATCH,
+        return_document_ids=True, seed=3,
+    )  # fmt: skip
+
+
+def _train(name: str, layout: str | None, root: Path):
     from lightning_llm.strategies import LLMParallelStrategy
 
-    devices, kwargs = LAYOUTS[layout]
+    devices, kwargs = LAYOUTS[layout] if layout else (1, {"context_parallel_size": 1})
     dp = devices // kwargs["context_parallel_size"] // kwargs.get("tensor_parallel_size", 1)
-    strategy = LLMParallelStrategy(**kwargs)
-    if name != "reference":
-        losses, params, differing, *_ = _harness.train(name, strategy, devices=devices, dp=dp)
-        return losses, params, differing
+    strategy = LLMParallelStrategy(**kwargs) if layout else None
+    if not name.startswith("reference"):
+        losses, params, differing, planned, _ = _harness.train(name, strategy, devices=devices, dp=dp)
+        if planned is not None:  # zero_stage="auto": the stage chosen and the activations it planned per rank
+            planned = (strategy.decision.stage, planned)
+        return losses, params, differing, planned
     model = _parity.make_model("reference")
-    losses, params = _parity.train("reference", strategy, devices=devices, dp=dp, model=model)
-    return losses, params, _differing(model)
+    data = _packed_documents(root) if name == "reference_documents" else None
+    losses, params = _parity.train("reference", strategy, devices=devices, dp=dp, model=model, datamodule=data)
+    return losses, params, _differing(model) if layout else [], None
 
 
-def _cp_cases(layouts: list[str], models: list[str]) -> dict:
+def _cp_cases(cases: list[tuple[str, str]], root: Path) -> dict:
     """On each rank: {(layout, model): (losses, params, differing, query positions the kernel saw)}."""
     results = {}
-    for layout in layouts:
-        for name in models:
-            seen: list[int] = []
-            with count_queries(lambda positions, keys: seen.extend(positions.tolist())):
-                result = _train(name, layout)
-            results[(layout, name)] = (*result, sorted(set(seen)))
+    for layout, name in cases:
+        seen: list[int] = []
+        with count_queries(lambda positions, keys: seen.extend(positions.tolist())):
+            result = _train(name, layout, root)
+        results[(layout, name)] = (*result, sorted(set(seen)))
     return results
 
 
 _runs: dict = {}
+_ROOT = Path(tempfile.mkdtemp(prefix="cp_documents_"))
 
 
 def _results(world_size: int) -> list[dict]:
     if world_size not in _runs:
-        layouts = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
-        _runs[world_size] = run_distributed(_cp_cases, world_size, layouts, MODELS, timeout=840)
+        cases = [case for case in CASES if LAYOUTS[case[0]][0] == world_size]
+        _runs[world_size] = run_distributed(_cp_cases, world_size, cases, _ROOT, timeout=840)
     return _runs[world_size]
 
 
 def _reference(name: str):
-    if name == "reference":
-        return _parity.train("reference")
+    if name.startswith("reference"):
+        return _train(name, None, _ROOT)[:2]
     return _harness.train(name)[:2]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("layout", "name"), CASES)
 def test_context_parallel_matches_single_process(layout, name):
     ranks = _results(LAYOUTS[layout][0])
-    losses, params, differing, _ = ranks[0][(layout, name)]
+    losses, params, differing, planned, _ = ranks[0][(layout, name)]
     ref_losses, ref_params = _reference(name)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param_error = max(((params[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items())
     print(f"{name} {layout}: max loss rel diff {loss_error:.1e}, max param rel diff {param_error:.1e}")
     assert not differing, f"{name} {layout}: replicated parameters differ between the CP ranks: {differing}"
     assert_parity((losses, params), (ref_losses, ref_params), f"{name} {layout}", rtol=1e-5)
-    seq = REFERENCE_SEQ if name == "reference" else _harness.SEQ_LEN
+    if layout == "cp2_auto":  # ZeRO 0 chosen, from each rank's half of the whole sequence's activations
+        whole = model_footprint(ZooLM(name), micro_batch_size=_harness.GLOBAL_BATCH, seq_len=_harness.SEQ_LEN)
+        assert planned == (0, pytest.approx(whole.activations / 2)), (planned, whole.activations)
+    seq = REFERENCE_SEQ if name.startswith("reference") else _harness.SEQ_LEN
     tp = LAYOUTS[layout][1].get("tensor_parallel_size", 1)
     for rank, results in enumerate(ranks):  # each rank's kernel saw exactly its own shard's queries (cp rank below)
-        seen = results[(layout, name)][3]
-        ulysses = LAYOUTS[layout][1].get("context_parallel_method") == "ulysses"  # all positions, heads / 2 heads
+        seen = results[(layout, name)][4]
+        # Ulysses: all positions, heads / 2 heads; masked attention takes the all-gather path whatever the method
+        ulysses = LAYOUTS[layout][1].get("context_parallel_method") == "ulysses" and name not in MASKED
         cp_rank = rank // tp % 2  # mesh (dp_shard, cp, tp), tp innermost
         assert seen == (list(range(seq)) if ulysses else zigzag_positions(seq, 2, cp_rank).tolist()), (rank, seen)

@@ -22,7 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llm._compat.transformers import attention_implementation
+from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.layout import CPGroup
+from lightning_llm.parallel.cp.masks import VisibleKeys
 from lightning_llm.parallel.cp.ring import ring_attention
 from lightning_llm.parallel.cp.ulysses import ulysses_attention
 
@@ -33,9 +35,17 @@ _SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, 
                                       scale=None, enable_gqa=False: None).parameters)  # fmt: skip
 
 
-def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None):
+def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None, window: int | None = None):
     """The CP attention of ``cp.method``: Ulysses' all-to-all, or the send/recv ring (measured faster than the
-    all-gather from 8K tokens on 2 gloo ranks, and holding two key/value shards at most)."""
+    all-gather from 8K tokens on 2 gloo ranks, and holding two key/value shards at most).
+
+    A sliding ``window`` or the step's packed documents (:mod:`.masks`) need a mask by global position, which the
+    ring's and Ulysses' mask-free kernels do not take: those calls gather the keys and values
+    (:func:`~.attention.context_parallel_attention`), whichever the method.
+    """
+    rule = VisibleKeys.of_step(is_causal, window)
+    if rule.masked:
+        return context_parallel_attention(query, key, value, cp, is_causal=is_causal, scale=scale, rule=rule)
     fn = ulysses_attention if cp.method == "ulysses" else ring_attention
     return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
 
@@ -50,11 +60,17 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     cp = _GROUPS.get(module)
     if cp is None:
         raise RuntimeError(f"{type(module).__name__} runs context-parallel attention but was not set up for it.")
-    for name in ("sliding_window", "softcap", "s_aux"):
+    for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(
                 f"context parallelism does not support attention with `{name}` yet ({type(module).__name__})."
             )
+    window = kwargs.get("sliding_window")
+    if getattr(module, "sliding_window", None) and window is None:  # the layer's window must reach the kernel
+        raise ValueError(
+            f"{type(module).__name__} has sliding_window={module.sliding_window} but did not pass it to its "
+            "attention function, so context parallelism cannot apply it; use context_parallel_size=1 for this model."
+        )
     if attention_mask is not None or dropout:
         raise ValueError(
             f"context parallelism computes plain causal attention; {type(module).__name__} passed "
@@ -62,7 +78,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     _count_call()
-    out = attend(query, key, value, cp, is_causal=causal, scale=scaling)
+    out = attend(query, key, value, cp, is_causal=causal, scale=scaling, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 

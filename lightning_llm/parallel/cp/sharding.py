@@ -1,7 +1,8 @@
 """The model's input sharded along the sequence and its output gathered back: no change to the LightningModule.
 
 A forward pre-hook on the model (the LightningModule's child that holds the blocks) keeps this rank's zig-zag
-chunks of the token ids and passes their global ``position_ids``; every layer from the embedding to the output head
+chunks of the token ids and passes their global ``position_ids`` (packed-document ids, the reference model's
+``document_ids``, are taken out of the call and applied by the CP attention, :mod:`.masks`); every layer from the embedding to the output head
 then computes on ``seq / cp`` tokens. A forward hook gathers the output (logits) back to the whole sequence in
 global order, so the user's ``training_step`` computes its own loss, whatever it is (shifted cross entropy, ignored
 labels, ...), on the same logits as one process: the loss is exact by construction. Gradients flow back to each
@@ -19,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_llm.parallel.cp.collectives import gather_sequence
 from lightning_llm.parallel.cp.layout import CPGroup, zigzag_positions
+from lightning_llm.parallel.cp.masks import record_documents
 
 # Inputs that would need sharding rules of their own (a padding mask, precomputed embeddings, labels that HF would
 # shift inside the shard): refused by name rather than silently misread.
@@ -29,7 +31,22 @@ _REFUSED = {
 }
 
 
-def _shard_inputs(cp: CPGroup, takes_use_cache: bool):
+def _record_documents(args: tuple, kwargs: dict, ids: torch.Tensor, takes_documents: bool) -> tuple:
+    """Take the packed-document ids out of the call (the model then computes plain causal attention) and record them
+    for the CP attention, which applies them by global position (:mod:`.masks`); returns the remaining args."""
+    documents = kwargs.pop("document_ids", None) if takes_documents else None
+    if takes_documents and len(args) > 1:
+        documents, args = args[1], args[:1] + args[2:]
+    if documents is not None and (not isinstance(documents, torch.Tensor) or documents.shape != ids.shape):
+        raise ValueError(
+            f"document_ids must be a tensor shaped like the token ids {tuple(ids.shape)}; got "
+            f"{tuple(documents.shape) if isinstance(documents, torch.Tensor) else type(documents).__name__}."
+        )
+    record_documents(documents)
+    return args
+
+
+def _shard_inputs(cp: CPGroup, takes_use_cache: bool, takes_documents: bool):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         ids = args[0] if args else kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -43,10 +60,12 @@ def _shard_inputs(cp: CPGroup, takes_use_cache: bool):
                 kwargs.pop(name, None)
                 continue
             raise ValueError(f"context parallelism does not shard {what} (`{name}`) yet; call the model without it.")
+        args = _record_documents(args, kwargs, ids, takes_documents)
         if len(args) > 1:
             raise ValueError(
-                f"context parallelism does not shard extra positional inputs of {type(module).__name__} yet (e.g. "
-                "document ids of packed documents); train without them or with context_parallel_size=1."
+                f"context parallelism does not shard extra positional inputs of {type(module).__name__} yet (only "
+                "`document_ids`, the package's packed-document ids); call the model without them or with "
+                "context_parallel_size=1."
             )
         positions = zigzag_positions(ids.shape[1], cp.size, cp.rank, ids.device)
         given = kwargs.get("position_ids")
@@ -88,8 +107,11 @@ def shard_model_io(model: nn.Module, cp: CPGroup) -> list[RemovableHandle]:
         handles = shard_model_io(lightning_module.model, CPGroup(group, 2, rank))
         logits = lightning_module.model(tokens)   # whole sequence; the blocks saw seq / 2 tokens
     """
-    takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    parameters = list(inspect.signature(model.forward).parameters)
+    takes_documents = parameters[1:2] == ["document_ids"]  # the package's models: forward(tokens, document_ids, ...)
     return [
-        model.register_forward_pre_hook(_shard_inputs(cp, takes_use_cache), with_kwargs=True),
+        model.register_forward_pre_hook(
+            _shard_inputs(cp, "use_cache" in parameters, takes_documents), with_kwargs=True
+        ),
         model.register_forward_hook(_gather_output(cp), with_kwargs=True),
     ]

@@ -3,8 +3,9 @@
 The CP attention (:mod:`.attention`) computes plain softmax attention, causal or not, by global position. A
 model whose attention adds anything per (query, key) pair that this does not know about would be silently wrong, so
 each such feature is recognised from the config and the modules (never class names) and refused before training:
-softcapped logits, sliding windows, ALiBi / position biases, attention sinks, attention dropout (not reproducible
-across shards). A forward without ``position_ids`` is refused too: its positions would restart in every shard.
+softcapped logits, ALiBi / position biases, attention sinks, attention dropout (not reproducible across shards),
+sliding windows outside Hugging Face's attention registry (there each layer hands its window to the CP attention).
+A forward without ``position_ids`` is refused too: its positions would restart in every shard.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 
 from torch import nn
 
+from lightning_llm._compat.transformers import attention_implementation
 from lightning_llm.parallel.tp.attention_variants import alibi_argument, is_attention, model_config
 
 _FIX = "use context_parallel_size=1 for this model (or a model without it)"
@@ -35,8 +37,9 @@ def unsupported_features(model: nn.Module, blocks: list[nn.Module]) -> list[str]
     if config is not None:
         if getattr(config, "attn_logit_softcapping", None):
             found.append(f"attention logit softcapping (config.attn_logit_softcapping={config.attn_logit_softcapping})")
-        if (window := _sliding_window(config)) is not None:
-            found.append(f"sliding-window attention (config.sliding_window={window})")
+        if (window := _sliding_window(config)) is not None and attention_implementation(model) is None:
+            # Hugging Face models pass each layer's window to the attention function, which applies it.
+            found.append(f"sliding-window attention outside transformers' attention registry (window {window})")
         if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
             found.append("ALiBi position biases (config)")
         for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
