@@ -11,6 +11,9 @@ steps logs, per layer and over all layers:
 - ``moe/aux_loss``: the sum of the load-balancing losses the MoE layers keep as ``aux_loss`` (the reference
   model's), when any does.
 
+With a ``WandbLogger``, each layer's load per expert (its routes over the mean) is also logged as a W&B histogram,
+``moe/<layer>/expert_load``, one bin per expert, from the same host read.
+
 Counts are averaged over all ranks first (one all-reduce and one host read per logging step), so the figures are
 the global batch's: each data-parallel rank routes its own tokens; tensor-parallel ranks count the same routes.
 Both statistics are ratios, so a recompute under activation checkpointing (which routes the same tokens again)
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -64,6 +68,7 @@ class MoEMonitor(L.Callback):
         self._aux_modules: list[nn.Module] = []
         self._handles: list = []
         self._last_step = -1
+        self.expert_loads: dict[str, list[float]] = {}  # per layer, each expert's routes over the mean, last log
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -101,6 +106,21 @@ class MoEMonitor(L.Callback):
         self._last_step = trainer.global_step
         for name, value in self.metrics(trainer).items():
             pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._log_histograms(trainer)
+
+    def _log_histograms(self, trainer: L.Trainer) -> None:
+        """Each layer's per-expert load as a W&B histogram (one bin per expert), on rank 0 of a W&B run."""
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        if not loggers or trainer.global_rank != 0:
+            return
+        import wandb
+
+        histograms = {
+            f"moe/{name}/expert_load": wandb.Histogram(np_histogram=(loads, list(range(len(loads) + 1))))
+            for name, loads in self.expert_loads.items()
+        }
+        for logger in loggers:
+            logger.experiment.log({**histograms, "trainer/global_step": trainer.global_step})
 
     def metrics(self, trainer: L.Trainer) -> dict[str, float]:
         """The ``moe/*`` values of the routes counted since the last call (which resets the counts)."""
@@ -115,10 +135,16 @@ class MoEMonitor(L.Callback):
         if contract_of(trainer).layout.pp == 1:  # the rows are the same layers on every rank
             counts = contract_of(trainer).reduce_across_ranks(counts, "mean")
             aux_sum = contract_of(trainer).reduce_across_ranks(aux_sum, "mean")
-        max_load = counts.nan_to_num(0).amax(1) / counts.nanmean(1).clamp_min(1e-12)
+        loads = counts / counts.nanmean(1, keepdim=True).clamp_min(1e-12)  # routes per expert over the mean
+        max_load = loads.nan_to_num(0).amax(1)
         empty = (counts == 0).sum(1) / (~counts.isnan()).sum(1)
-        values, k = torch.cat([max_load, empty.to(max_load.dtype), aux_sum.view(1)]).tolist(), len(names)  # one read
-        max_load, empty, aux_value = values[:k], values[k : 2 * k], values[-1]
+        values, k = (
+            torch.cat([max_load, empty.to(max_load.dtype), aux_sum.view(1), loads.flatten()]).tolist(),
+            len(names),
+        )  # one read
+        max_load, empty, aux_value = values[:k], values[k : 2 * k], values[2 * k]
+        rows = [values[2 * k + 1 + row * widest : 2 * k + 1 + (row + 1) * widest] for row in range(k)]
+        self.expert_loads = {n: row[: self._layers[n].numel()] for n, row in zip(names, rows)}
         metrics = {f"moe/{n}/max_load": v for n, v in zip(names, max_load)}
         metrics |= {f"moe/{n}/empty_experts": v for n, v in zip(names, empty)}
         metrics |= {"moe/max_load": max(max_load), "moe/empty_experts": sum(empty) / len(names)}

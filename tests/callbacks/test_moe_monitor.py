@@ -37,7 +37,7 @@ class _Routes(L.Callback):
             router.register_forward_hook(lambda m, args, out, layer=layer: self.routes.append((layer, out[1].clone())))
 
 
-def _fit(strategy="auto", devices=1, per_rank=BATCH, callbacks=(), config=CONFIG):
+def _fit(strategy="auto", devices=1, per_rank=BATCH, callbacks=(), config=CONFIG, logger=False):
     torch.manual_seed(0)
     module = CausalLM(config, learning_rate=1e-3, warmup_steps=1)
     module.configure_model()  # built here, so every layout starts from these weights (the strategy keeps them)
@@ -48,6 +48,7 @@ def _fit(strategy="auto", devices=1, per_rank=BATCH, callbacks=(), config=CONFIG
         max_steps=STEPS,
         log_every_n_steps=EVERY,
         callbacks=[monitor, *callbacks],
+        logger=logger,
     )
     tokens = torch.randint(0, 64, (BATCH * STEPS, 33), generator=torch.Generator().manual_seed(1))
     # A distributed run's training loader gets Lightning's shuffling DistributedSampler (seed 0); one process gets
@@ -57,8 +58,9 @@ def _fit(strategy="auto", devices=1, per_rank=BATCH, callbacks=(), config=CONFIG
     return monitor.history
 
 
-def _brute_force(routes, layers, experts=4):
-    """max/mean load and the idle fraction per layer, per logging window, counted in Python."""
+def _brute_force(routes, layers, experts=4, loads=False):
+    """max/mean load and the idle fraction per layer, per logging window, counted in Python (``loads``: every
+    expert's routes over the mean instead)."""
     windows = []
     per_window = len(routes) // (STEPS // EVERY)
     for w in range(STEPS // EVERY):
@@ -67,6 +69,9 @@ def _brute_force(routes, layers, experts=4):
         for layer in layers:
             ids = [i for lay, r in window if lay is layer for i in r.flatten().tolist()]
             counts = [ids.count(e) for e in range(experts)]
+            if loads:
+                stats.append([c / (sum(counts) / experts) for c in counts])
+                continue
             stats.append((max(counts) / (sum(counts) / experts), sum(c == 0 for c in counts) / experts))
         windows.append(stats)
     return windows
@@ -84,6 +89,34 @@ def test_logged_load_equals_a_count_of_the_routers_choices():
             assert logged[f"moe/{name}/empty_experts"] == pytest.approx(empty)
         assert logged["moe/max_load"] == pytest.approx(max(m for m, _ in expected))
         assert 0 < logged["moe/aux_loss"] < 1  # 2 layers x 0.01 x E * sum(f * P), about 0.02 when balanced
+
+
+def test_wandb_gets_each_layers_expert_load_as_a_histogram(tmp_path, monkeypatch):
+    """The histograms an offline W&B run wrote, read back from its file, hold the brute-force count's loads."""
+    wandb = pytest.importorskip("wandb", reason="needs wandb: pip install 'lightning_llm[wandb]'")
+    import json
+    import re
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    routes = _Routes()
+    _fit(callbacks=[routes], logger=WandbLogger(project="moe", save_dir=str(tmp_path)))
+    wandb.finish()
+    layers = list(dict.fromkeys(layer for layer, _ in routes.routes))
+    expected = _brute_force(routes.routes, layers, loads=True)
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    written = run_file.read_bytes().decode("latin-1")
+    for i, layer in enumerate((1, 2)):
+        key = re.escape(f"moe/model.layers.{layer}.feed_forward.experts/expert_load")
+        # W&B's record holds a nested item per field: the key, the field name, then the field's JSON.
+        values = [json.loads(v) for v in re.findall(key + r".{1,3}values.{1,4}?(\[[^\]]*\])", written, flags=re.DOTALL)]
+        bins = [json.loads(v) for v in re.findall(key + r".{1,3}bins.{1,4}?(\[[^\]]*\])", written, flags=re.DOTALL)]
+        # Each log writes a history item and then the summary's latest value: the same histogram twice in a row.
+        values, bins = values[::2], bins[::2]
+        assert len(values) == len(expected) and bins == [[0, 1, 2, 3, 4]] * len(expected), (key, values, bins)
+        for logged, window in zip(values, expected):
+            assert logged == pytest.approx(window[i]), (key, logged, window[i])
 
 
 # Without the aux loss: it is computed per micro-batch, so data-parallel ranks would train the router differently
