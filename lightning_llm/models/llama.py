@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.data.packing import document_causal_mask
-from lightning_llm.models.moe import MoEFeedForward
+from lightning_llm.models.moe import MoEFeedForward, Router
 from lightning_llm.validation import check_bool, check_float, check_int
 
 
@@ -55,6 +55,9 @@ class LlamaConfig:
     n_shared_experts: int = 0
     n_dense_layers: int = 0
     moe_aux_loss_coef: float = 0.0
+    # > 0: DeepSeek-V3's auxiliary-loss-free balancing instead (or as well): a per-expert bias on the router's scores
+    # for choosing the top-k, moved by this rate toward the mean load after every optimizer step (DeepSeek: 0.001).
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -89,7 +92,7 @@ class LlamaConfig:
             check_int(name, getattr(self, name), minimum=0)
         for name in ("rope_theta", "norm_eps"):
             check_float(name, getattr(self, name), minimum=0, inclusive=False)
-        for name in ("init_std", "moe_aux_loss_coef"):
+        for name in ("init_std", "moe_aux_loss_coef", "moe_bias_update_rate"):
             check_float(name, getattr(self, name), minimum=0)
         check_bool("tie_embeddings", self.tie_embeddings)
 
@@ -254,7 +257,14 @@ def feed_forward(config: LlamaConfig, layer: int) -> nn.Module:
         FeedForward(config.dim, config.n_shared_experts * config.moe_hidden_dim) if config.n_shared_experts else None
     )
     return MoEFeedForward(
-        config.dim, config.moe_hidden_dim, config.n_experts, config.top_k, config.moe_aux_loss_coef, shared
+        config.dim,
+        config.moe_hidden_dim,
+        config.n_experts,
+        config.top_k,
+        config.moe_aux_loss_coef,
+        shared,
+        bias_update_rate=config.moe_bias_update_rate,
+        layer=layer,
     )
 
 
@@ -310,6 +320,9 @@ class Llama(nn.Module):
                 nn.init.normal_(param, std=std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(param, std=std)
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.reset_balance()
 
     def forward(
         self,

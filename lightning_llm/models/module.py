@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from lightning_llm.models.llama import PRESETS, Llama, LlamaConfig
-from lightning_llm.models.moe import MoEFeedForward
+from lightning_llm.models.moe import MoEFeedForward, update_expert_biases
 from lightning_llm.validation import check_float, check_int
 
 
@@ -112,6 +112,10 @@ class CausalLM(L.LightningModule):
             self.log("train_moe_aux_loss", aux_loss.detach())
             loss = loss + aux_loss
         return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.config.moe_bias_update_rate and self.model is not None:  # auxiliary-loss-free balancing, every rank
+            update_expert_biases(self.model, self.config.n_layers, self.config.n_experts)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch), weight=_samples(batch))

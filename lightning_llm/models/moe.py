@@ -6,12 +6,17 @@ tensor parallelism's "experts" style, the planner and the FLOP count find them b
 Mixtral's or Qwen3-MoE's. Routing follows Mixtral/Qwen3-MoE: softmax over the router logits, top-k, the k weights
 renormalized. Load balancing is optional: Switch Transformer's auxiliary loss ``E * sum_i f_i * P_i`` (f the
 fraction of routes to expert i, P its mean router probability), computed on the micro-batch each process sees and
-kept in :attr:`MoEFeedForward.aux_loss` for the training step to add (:class:`~lightning_llm.models.CausalLM` does).
+kept in :attr:`MoEFeedForward.aux_loss` for the training step to add (:class:`~lightning_llm.models.CausalLM` does),
+or DeepSeek-V3's auxiliary-loss-free balancing (Wang et al., 2024): a per-expert bias added to the scores only to
+choose the top-k (the weights stay the unbiased probabilities), moved after every optimizer step by
+``bias_update_rate`` toward the mean load: ``bias += rate * sign(mean load - load)``, the loads counted over the
+whole step's global batch (:func:`update_expert_biases`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,19 +60,75 @@ class Experts(nn.Module):
 
 
 class Router(nn.Module):
-    """Linear scores, softmax, top-k, the k weights renormalized to sum to 1."""
+    """Linear scores, softmax, top-k, the k weights renormalized to sum to 1.
 
-    def __init__(self, dim: int, num_experts: int, top_k: int) -> None:
+    With ``bias_update_rate > 0`` the top-k is chosen on the probabilities plus the buffer ``expert_bias`` (saved
+    in checkpoints, moved by :func:`update_expert_biases`), and training forwards count the routes per expert in
+    ``tokens_per_expert`` (an activation-checkpointing recompute counts a layer's routes twice: the update reads
+    only the sign of each expert's load against the mean, which scaling leaves unchanged).
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, bias_update_rate: float = 0.0, layer: int = 0) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.bias_update_rate, self.layer = top_k, bias_update_rate, layer
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        if bias_update_rate:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def reset_balance(self) -> None:
+        """Zero the bias and the counts (a fresh model, or one materialized from the meta device)."""
+        if self.bias_update_rate:
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities over experts (T, E), top-k ids (T, k), their renormalized weights (T, k))."""
         probs = F.linear(x, self.weight).float().softmax(dim=-1)
-        ids = torch.topk(probs, self.top_k, dim=-1).indices
+        if not self.bias_update_rate:
+            ids = torch.topk(probs, self.top_k, dim=-1).indices
+        else:
+            ids = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            if self.training and torch.is_grad_enabled():
+                self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=probs.shape[-1])
         weights = probs.gather(-1, ids)
         return probs, ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def update_expert_biases(model: nn.Module, num_layers: int, num_experts: int) -> None:
+    """Move every bias-balanced router's ``expert_bias`` toward the mean load of the routes counted since the last
+    call, then reset the counts; call it once per optimizer step on every rank.
+
+    The counts of all ``num_layers`` layers are summed over every rank in one all-reduce (a fixed
+    ``(num_layers, num_experts)`` tensor, so pipeline stages holding different layers, or none, agree on it):
+    data- and context-parallel ranks route different tokens, tensor-parallel peers the same ones, which scales a
+    layer's loads but not their sign against the mean. Every rank then applies the same update.
+
+    Example::
+
+        update_expert_biases(model, config.n_layers, config.n_experts)  # after backward, before optimizer.step()
+    """
+    routers = {m.layer: m for m in model.modules() if _balanced(m)}
+    if not routers and not (dist.is_available() and dist.is_initialized()):
+        return
+    device = next(iter(routers.values())).tokens_per_expert.device if routers else _device_of(model)
+    counts = torch.zeros(num_layers, num_experts, device=device)
+    for layer, router in routers.items():
+        counts[layer] = router.tokens_per_expert
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    for layer, router in routers.items():
+        router.expert_bias += router.bias_update_rate * torch.sign(counts[layer].mean() - counts[layer])
+        router.tokens_per_expert.zero_()
+
+
+def _balanced(module: nn.Module) -> bool:
+    return isinstance(module, Router) and bool(module.bias_update_rate)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 class MoEFeedForward(nn.Module):
@@ -87,9 +148,11 @@ class MoEFeedForward(nn.Module):
         top_k: int,
         aux_loss_coef: float = 0.0,
         shared_experts: nn.Module | None = None,
+        bias_update_rate: float = 0.0,
+        layer: int = 0,
     ) -> None:
         super().__init__()
-        self.router = Router(dim, num_experts, top_k)
+        self.router = Router(dim, num_experts, top_k, bias_update_rate, layer)
         self.experts = Experts(num_experts, dim, hidden_dim)
         self.shared_experts = shared_experts
         self.aux_loss_coef = aux_loss_coef

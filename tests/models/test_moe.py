@@ -95,3 +95,64 @@ def test_deepseek_v3_sized_preset_builds_on_meta_with_its_active_parameters():
     )
     assert sum(p.numel() for p in model.parameters()) == by_hand
     assert inactive_expert_parameters(model) == moe_blocks * (e - k) * expert
+
+
+def test_bias_balancing_chooses_on_biased_scores_and_weights_with_the_unbiased_ones():
+    """DeepSeek-V3's auxiliary-loss-free routing by hand: top-k of (probabilities + bias), weights from the
+    probabilities alone, renormalized; training forwards count each expert's routes."""
+    from lightning_llm.models.moe import Router
+
+    torch.manual_seed(0)
+    router = Router(dim=8, num_experts=4, top_k=2, bias_update_rate=0.01)
+    torch.nn.init.normal_(router.weight)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))  # expert 3 wins every token's first place
+    x = torch.randn(6, 8)
+    probs, ids, weights = router(x)
+    want_probs = (x @ router.weight.T).softmax(-1)
+    torch.testing.assert_close(probs, want_probs)
+    assert (ids[:, 0] == 3).all()
+    assert torch.equal(ids[:, 1], want_probs[:, :3].argmax(-1))  # then the best of the others, unbiased
+    chosen = want_probs.gather(-1, ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+    assert router.tokens_per_expert.tolist() == [float((ids == e).sum()) for e in range(4)]
+    router.eval()
+    router(x)
+    assert router.tokens_per_expert.sum() == 12, "evaluation forwards are not counted"
+
+
+def test_the_bias_moves_by_the_rate_toward_the_mean_load_of_each_optimizer_step():
+    """Two optimizer steps of 2 accumulated micro-batches: after each, every MoE layer's bias equals the sum over
+    steps of rate * sign(mean - count), the counts taken from the routers' outputs by a hook (brute force)."""
+    import lightning as L
+
+    from lightning_llm.models.moe import Router
+    from lightning_llm.testing import cpu_trainer
+
+    config = LlamaConfig.from_name("tiny-moe", vocab_size=64, n_layers=3, n_dense_layers=1, moe_bias_update_rate=0.1)
+    torch.manual_seed(0)
+    module = CausalLM(config, warmup_steps=1)
+    module.configure_model()
+    routers = [m for m in module.model.modules() if isinstance(m, Router)]
+    routes = {id(r): [] for r in routers}
+    for r in routers:
+        r.register_forward_hook(lambda m, args, out: routes[id(m)].append(out[1].flatten().tolist()))
+    biases = []
+
+    class Biases(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % 2 == 0:
+                biases.append([r.expert_bias.clone() for r in routers])
+
+    tokens = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(1))
+    cpu_trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[Biases()]).fit(
+        module, torch.utils.data.DataLoader(tokens, batch_size=2)
+    )
+    want, moved = [torch.zeros(4) for _ in routers], False
+    for step in range(2):
+        for i, r in enumerate(routers):
+            ids = [e for micro in routes[id(r)][2 * step : 2 * step + 2] for e in micro]
+            counts = torch.tensor([float(ids.count(e)) for e in range(4)])
+            want[i] = want[i] + 0.1 * torch.sign(counts.mean() - counts)
+            torch.testing.assert_close(biases[step][i], want[i])
+            moved |= bool(want[i].abs().sum() > 0)
+    assert moved, "the routes were unbalanced enough to move the biases"

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.parallel.ep.apply import find_experts
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import cpu_trainer, run_distributed
 from tests.parallel._collectives import Collectives
+from tests.strategies import _parity
 from tests.strategies._parity import assert_parity
 from tests.zoo._harness import GLOBAL_BATCH, SEQ_LEN, tokens, train
 from tests.zoo._models import ZooLM
@@ -54,6 +56,13 @@ REFUSED = [
         "'model.model.layers.0.mlp.gate' cannot be split by expert",
     ),
 ]
+# Auxiliary-loss-free balancing (the reference model's per-expert router bias, moved after every optimizer step from
+# counts all-reduced over every rank): layout -> (strategy arguments, data-parallel size).
+BIAS_LAYOUTS = {
+    "ep2_zero3": ({"expert_parallel_size": 2, "zero_stage": 3}, 2),
+    "tp2": ({"tensor_parallel_size": 2}, 1),
+    "pp2": ({"pipeline_parallel_size": 2}, 1),
+}
 # Trainer arguments of a layout (and of its single-process reference): clipping at 0.05 changes the losses by ~1e-4,
 # so a global norm that missed or double-counted the experts' shards would break the 1e-5 parity.
 TRAINER = {"ep2_zero3_clip": {"gradient_clip_val": 0.05}}
@@ -71,6 +80,10 @@ def _train_all(layouts: list[str], models: list[str]) -> dict | None:
             for name in models
         }
     if world_size == 2:  # the collectives of one training forward, and what setup refuses, in the same group
+        results["bias balancing"] = {
+            layout: _parity.train("reference", LLMParallelStrategy(**kwargs), devices=2, dp=dp, model=_bias_balanced())
+            for layout, (kwargs, dp) in BIAS_LAYOUTS.items()
+        }
         results["collectives"] = _forward_collectives("mixtral")
         results["refusals"] = {
             label: _error(lambda: train(name, LLMParallelStrategy(**kwargs), devices=2, dp=2))
@@ -92,6 +105,14 @@ class _ForwardCollectives(L.Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_step == 0:
             self.mode.__exit__(None, None, None)
+
+
+def _bias_balanced():
+    torch.manual_seed(0)
+    config = LlamaConfig.from_name("tiny-moe", vocab_size=256, n_layers=2, moe_bias_update_rate=0.01)
+    module = CausalLM(config, warmup_steps=2, max_steps=_parity.STEPS)
+    module.configure_model()
+    return module
 
 
 def _forward_collectives(name: str) -> list[tuple[str, int]]:
@@ -194,3 +215,19 @@ def test_moe_forward_moves_tokens_by_all_to_all_only():
     routes = GLOBAL_BATCH // 2 * SEQ_LEN * config.num_experts_per_tok
     assert calls[1][1] == routes * config.hidden_size, calls  # the dispatch sends every route of this rank once
     assert all(sent <= 2 * routes * config.hidden_size for _, sent in calls), calls
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(BIAS_LAYOUTS))
+def test_bias_balancing_matches_single_process(layout):
+    """The reference MoE with DeepSeek-V3's auxiliary-loss-free balancing: per-step loss, every parameter and the
+    routers' bias buffers within 1e-5 of one process under ep2 x ZeRO-3, tp2 and pp2 (each layout routes the global
+    batch's tokens on different ranks; the counts' all-reduce makes every rank's update the single process's)."""
+    _run("ep2_zero0")
+    losses, params = _runs["bias balancing"][layout]
+    ref_losses, ref_params = _parity.train("reference", model=_bias_balanced())
+    biases = [k for k in ref_params if k.endswith("router.expert_bias")]
+    assert len(biases) == 2 and any(ref_params[k].abs().sum() > 0 for k in biases), "the biases moved"
+    assert_parity((losses, params), (ref_losses, ref_params), f"bias balancing {layout}", rtol=1e-5, loss_rtol=1e-5)
+    for key in biases:
+        assert torch.equal(params[key], ref_params[key]), (layout, key, params[key], ref_params[key])
