@@ -65,12 +65,15 @@ def apply_data_parallel(
     zero_stage: int,
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    shared: list[nn.Module] = (),
 ) -> None:
     """Make the model data parallel over ``dp_mesh`` as ZeRO ``zero_stage`` (in place).
 
     Every block becomes one unit, then each module of ``roots`` takes the parameters left
     (embeddings, final norm, head). ``dp_mesh`` is 1-D for pure sharding/replication or 2-D
-    ``(dp_replicate, dp_shard)`` for HSDP.
+    ``(dp_replicate, dp_shard)`` for HSDP. ``shared``: modules several blocks call
+    (:func:`~lightning_llm.modeling.tied.modules_shared_by_blocks`), each made a unit of its own first, so the
+    blocks' units leave their parameters to it and they are sharded once.
     """
     if zero_stage not in FSDP2_ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage!r} is not one of {FSDP2_ZERO_STAGES}.")
@@ -82,9 +85,11 @@ def apply_data_parallel(
         # FSDP2's replicate() is DDP built on the fully_shard machinery: it composes with tensor-parallel
         # DTensor parameters and per-block units as fully_shard does, which the DistributedDataParallel
         # wrapper does not. It lives in a private module (lightning_llm._compat).
-        for module in [*blocks, *roots]:
+        for module in [*shared, *blocks, *roots]:
             replicate_with_fsdp(module, mesh=dp_mesh, **kwargs)
     else:
+        for module in shared:  # called once per block that holds it: gathered for each call, like a block
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)
         for root in roots:

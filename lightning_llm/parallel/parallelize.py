@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_llm.modeling.blocks import BlockSet, BlockStack, block_names, distinct_blocks, find_blocks
-from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.modeling.tied import modules_shared_by_blocks, tied_parameter_names
 from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.ep.apply import apply_expert_data_parallel, apply_expert_parallel
@@ -81,6 +81,33 @@ def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack 
     if not roots:  # the blocks are a direct child of the LightningModule
         roots = [module]
     return roots
+
+
+def shared_between_blocks(blocks_name: str, blocks, dims: ParallelDims) -> list[nn.Module]:
+    """The modules several blocks call (sharded once, as units of their own); refused where a layout splits blocks.
+
+    Tensor parallelism splits each block's modules and divides its head counts block by block, and pipeline
+    parallelism puts blocks on different ranks: a module called from several blocks would be split twice or be needed
+    on two stages.
+    """
+    names = list(blocks.names) if isinstance(blocks, BlockSet) else [f"{blocks_name}.{i}" for i in range(len(blocks))]
+    shared = modules_shared_by_blocks(list(blocks), names)
+    if shared and (dims.tp > 1 or dims.pp > 1):
+        module, places = shared[0]
+        raise ValueError(
+            f"{places[0]} ({type(module).__name__}) is one module called from {len(places)} blocks ({places}); "
+            f"tensor_parallel_size={dims.tp} / pipeline_parallel_size={dims.pp} split blocks one by one and cannot "
+            "split a shared module once. Train this model with data parallelism (ZeRO 0-3), which shards a shared "
+            "module once, as a unit of its own."
+        )
+    if shared and (dims.dp * dims.cp > 1) and (isinstance(blocks, BlockSet) or "." not in blocks_name):
+        raise ValueError(
+            f"{shared[0][1][0]} is one module called from several blocks, and the blocks {blocks_name or 'found'} "
+            "are direct children of the LightningModule: data parallelism needs one module holding the blocks "
+            "(the model: embedding, blocks, head) to own the shared module's unit. Hold the model in one attribute "
+            "of the LightningModule (self.model = ...)."
+        )
+    return [module for module, _ in shared]
 
 
 def check_block_set(blocks: BlockSet, dims: ParallelDims, fp8: str | None) -> None:
@@ -230,6 +257,7 @@ def parallelize(
         report.block_names = list(block_list.names)
     if dims.cp > 1:  # refused before anything is changed
         check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
+    shared = shared_between_blocks(blocks_name, block_list, dims)
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module,
@@ -303,6 +331,7 @@ def parallelize(
             zero_stage=zero_stage,
             mp_policy=mixed_precision_policy(precision),
             cpu_offload=cpu_offload,
+            shared=shared,
         )
         if dims.tp > 1 and roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
             report.output_guard = OutputViewGuard(dp_roots)

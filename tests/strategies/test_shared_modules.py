@@ -1,0 +1,105 @@
+"""A module called from several blocks (Zamba's shared attention, ALBERT's shared layer) is sharded once.
+
+The model: a user-style GPT of 3 blocks whose attention is one module object called from every block, each block
+keeping its own norms and MLP (the per-layer adapters). Under data parallelism the shared module becomes an FSDP2
+unit of its own, gathered for each call; trained for 10 steps in fp32 on 2 gloo ranks under ZeRO 0, ZeRO 3 and ZeRO 3
+with full activation checkpointing it must match one process (per-step loss and every parameter within 1e-5).
+Layouts that split blocks one by one (tensor, pipeline parallelism), blocks without a model holding them, and one
+tensor held by two blocks' own modules are refused before training, by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_llm.modeling.tied import modules_shared_by_blocks
+from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.testing import run_distributed
+from lightning_llm.testing.models import UserLM, _NextTokenModule
+from tests.strategies import _parity
+
+pytestmark = [pytest.mark.distributed]
+
+LAYOUTS = {
+    "zero0": {"zero_stage": 0},
+    "zero3": {"zero_stage": 3},
+    "zero3_ac_full": {"zero_stage": 3, "activation_checkpointing": "full"},
+}
+
+
+class SharedAttentionLM(_NextTokenModule):
+    """UserLM (held as ``self.model``) with one attention module shared by all its blocks."""
+
+    def __init__(self, hold_model: bool = True) -> None:
+        super().__init__(learning_rate=0.5)
+        torch.manual_seed(0)
+        model = UserLM(layers=3)
+        for block in model.blocks[1:]:
+            block.attn = model.blocks[0].attn
+        if hold_model:
+            self.model = model
+        else:  # the blocks and the rest as direct children of the LightningModule
+            self.embed, self.pos, self.blocks, self.ln_f, self.head = (
+                model.embed, model.pos, model.blocks, model.ln_f, model.head,
+            )  # fmt: skip
+            self._forward = model.forward.__func__
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens) if hasattr(self, "model") else self._forward(self, tokens)
+
+
+def _train(layouts: list[str]) -> dict:
+    results = {}
+    for layout in layouts:
+        strategy = LLMParallelStrategy(**LAYOUTS[layout])
+        results[layout] = _parity.train("user", strategy, devices=2, dp=2, model=SharedAttentionLM())
+    for label, kwargs, dp, model in (
+        ("tp2", {"tensor_parallel_size": 2}, 1, SharedAttentionLM()),
+        ("no model attribute", {"zero_stage": 3}, 2, SharedAttentionLM(hold_model=False)),
+    ):
+        try:
+            _parity.train("user", LLMParallelStrategy(**kwargs), devices=2, dp=dp, model=model)
+            results[label] = "not refused"
+        except ValueError as error:
+            results[label] = str(error)
+    return results
+
+
+_runs: list = []
+
+
+def _results() -> dict:
+    if not _runs:
+        _runs.append(run_distributed(_train, 2, list(LAYOUTS), timeout=400)[0])
+    return _runs[0]
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_shared_module_is_sharded_once_and_trains_as_one_process(layout):
+    losses, params = _results()[layout]
+    want = _parity.train("user", model=SharedAttentionLM())
+    assert torch.equal(want[1]["model.blocks.0.attn.query.weight"], want[1]["model.blocks.2.attn.query.weight"])
+    _parity.assert_parity((losses, params), want, f"shared attention {layout}", rtol=1e-5)
+
+
+@pytest.mark.timeout(450)
+def test_layouts_that_cannot_shard_it_once_are_refused_by_name():
+    results = _results()
+    assert "model.blocks.0.attn (_UserAttention) is one module called from 3 blocks" in results["tp2"], results
+    assert "Train this model with data parallelism (ZeRO 0-3)" in results["tp2"]
+    assert "Hold the model in one attribute of the LightningModule" in results["no model attribute"], results
+
+
+def test_shared_modules_are_found_and_a_tensor_tied_across_blocks_is_refused():
+    blocks = UserLM(layers=3).blocks
+    assert modules_shared_by_blocks(list(blocks), ["b.0", "b.1", "b.2"]) == []
+    blocks[2].attn = blocks[0].attn
+    found = modules_shared_by_blocks(list(blocks), ["b.0", "b.1", "b.2"])
+    assert [(m is blocks[0].attn, places) for m, places in found] == [(True, ["b.0.attn", "b.2.attn"])]
+    blocks[1].fc_in.weight = nn.Parameter(torch.empty(0))
+    blocks[2].fc_in.weight = blocks[1].fc_in.weight
+    with pytest.raises(ValueError, match=r"one tensor held by the blocks \['b.1', 'b.2'\] in modules of their own"):
+        modules_shared_by_blocks(list(blocks), ["b.0", "b.1", "b.2"])
