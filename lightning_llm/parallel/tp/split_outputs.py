@@ -72,13 +72,14 @@ class _WatchCuts(TorchFunctionMode):
 
 
 def _message(label: str, name: str, x: torch.Tensor, how: str) -> str:
-    owner = name.rpartition(".")[0] or name
+    owner = name.rpartition(".")[0]  # the module holding the layer: keep the whole mixer whole (the block itself)
+    owner = f"{label}.{owner}" if owner else label
     return (
         f"Tensor parallelism: {label}.{name} is split column-wise ('colwise'), but the model cuts its output into "
         f"parts ({how} along the last dimension; this rank holds {x.shape[-1]} of its columns), so each rank would "
         "get whole parts instead of its share of every part. Name its layout in tensor_parallel_plan: "
         f"{{'{label}.{name}': 'fused_colwise:A,B,...'}} with the parts' sizes when each part is split per head, or "
-        f"keep it whole: tensor_parallel_replicate=['{label}.{owner}']."
+        f"keep it whole: tensor_parallel_replicate=['{owner}']."
     )
 
 

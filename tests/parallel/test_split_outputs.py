@@ -1,0 +1,58 @@
+"""The first-forward watch on column-split layers: a block that cuts such a layer's output into parts along its
+last dimension is refused before the cut runs; reshaping it into heads (what a column split is right for) passes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_llm.parallel.tp.split_outputs import watch_first_forward
+
+
+class _Mixer(nn.Module):
+    """A fused input projection, then ``how`` it is consumed."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.in_proj, self.how = nn.Linear(8, 12), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.in_proj(x)
+        if self.how == "split":
+            a, b = y.split([8, 4], dim=-1)  # a state-space mixer's x | dt, sizes from its config
+            return a + b.sum(-1, keepdim=True)
+        if self.how == "chunk":
+            gate, up = y.chunk(2, dim=-1)
+            return (gate * up).sum(-1, keepdim=True).expand(*x.shape)
+        if self.how == "slicing":
+            return y[..., :8]
+        return y.view(*y.shape[:-1], 3, 4).sum(-2)[..., :4].repeat(1, 1, 2)  # heads: a column split is right
+
+
+@pytest.mark.parametrize("how", ["split", "chunk", "slicing"])
+def test_a_column_split_output_cut_into_parts_is_refused_at_the_first_forward(how):
+    block = _Mixer(how)
+    watch_first_forward(block, ["in_proj"], "model.layers.3")
+    cut = {"split": "split_with_sizes|split", "chunk": "chunk", "slicing": "slicing"}[how]
+    with pytest.raises(RuntimeError) as raised:
+        block(torch.randn(2, 5, 8))
+    message = str(raised.value)
+    assert re.search(
+        rf"model.layers.3.in_proj is split column-wise \('colwise'\), but the model cuts its output into parts "
+        rf"\(({cut}) along the last dimension; this rank holds 12 of its columns\)",
+        message,
+    ), message
+    # the entries that work: the parts' sizes per head, or the whole mixer kept whole
+    assert "{'model.layers.3.in_proj': 'fused_colwise:A,B,...'}" in message
+    assert "tensor_parallel_replicate=['model.layers.3']" in message
+
+
+def test_heads_pass_and_the_watch_leaves_after_the_first_forward():
+    block = _Mixer("heads")
+    watch_first_forward(block, ["in_proj"], "model.layers.0")
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(block(x), _Mixer.forward(block, x))
+    assert not block._forward_hooks and not block._forward_pre_hooks and not block.in_proj._forward_hooks
