@@ -46,6 +46,8 @@ MECHANISMS = {
     "blocks in a user's nn.Sequential": ["user_sequential"],
     "blocks returning tuples": ["hf_gpt_neo", "hf_falcon", "user_tuple"],
     "blocks returning a ModelOutput": ["user_model_output"],
+    "this package's Llama (dense; MoE with shared experts)": ["reference", "reference_moe"],
+    "packed documents (document-masked attention)": ["reference_documents"],
 }
 COLUMNS = {  # layout names of the test modules -> table column
     "dp2_zero3": "ZeRO-3",
@@ -58,6 +60,23 @@ COLUMNS = {  # layout names of the test modules -> table column
     "ac_selective": "AC selective",
     "ac_full": "AC full",
     "zero_auto": "ZeRO auto",
+    # context parallelism (tests/strategies/test_context_parallel_parity.py)
+    "cp2": "CP2 ring",
+    "cp2_zero3": "CP2 ring",
+    "cp2_zero3_ac": "CP2 ring",
+    "cp2_auto": "CP2 ring",
+    "dp2_cp2_zero3": "CP2 ring",
+    "cp2_ulysses_zero3": "CP2 Ulysses",
+    "cp2_tp2": "CP2×tp2",
+    # expert parallelism (tests/strategies/test_expert_parallel_parity.py)
+    "ep2_zero0": "EP2",
+    "ep2_zero1": "EP2",
+    "ep2_zero3": "EP2",
+    "ep2_zero3_ac_full": "EP2",
+    "ep2_zero3_clip": "EP2",
+    "ep2xdp2_zero0": "EP2",
+    "ep2xdp2_zero3": "EP2",
+    "ep4_zero3": "EP2",
 }
 
 
@@ -86,6 +105,36 @@ def cells() -> dict[str, set[str]]:
             tested.setdefault(model, set()).update(COLUMNS[layout] for layout in layouts)
     for layout, model in test_attention_variants.OTHER_CELLS:
         tested[model].add(COLUMNS[layout])
+    from tests.strategies import (
+        test_activation_checkpointing_layouts,
+        test_context_parallel_parity,
+        test_expert_parallel_parity,
+        test_parallel_parity,
+        test_pipeline_parity,
+    )
+
+    # The reference model's own parity tests (the other models there are the zoo's rows' cousins, not mechanisms).
+    reference_layouts = {
+        "dp2-zero3": "ZeRO-3",
+        "tp2": "tp2",
+        "tp2-sp": "tp2+SP",
+        "dp2xtp2-zero3-sp": "dp2×tp2",
+        "pp2-1f1b": "pp2",
+        "pp2-interleaved1f1b-v2": "pp2 interleaved",
+    }
+    declared = {
+        *test_parallel_parity.TWO_RANKS,
+        *test_parallel_parity.FOUR_RANKS,
+        *test_pipeline_parity.PP2,
+    }
+    assert "reference" in test_parallel_parity.ARCHS and "reference" in test_pipeline_parity.ARCHS
+    tested.setdefault("reference", set()).update(c for layout, c in reference_layouts.items() if layout in declared)
+    modes = {ac["activation_checkpointing"] for ac in test_activation_checkpointing_layouts.AC.values()}
+    tested["reference"].update(f"AC {mode}" for mode in ("selective", "full") if mode in modes)
+    pairs = list(test_context_parallel_parity.CASES)
+    pairs += [(layout, m) for layout in test_expert_parallel_parity.LAYOUTS for m in test_expert_parallel_parity.MODELS]
+    for layout, model in pairs:
+        tested.setdefault(model, set()).add(COLUMNS[layout])
     return tested
 
 
