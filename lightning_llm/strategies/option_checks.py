@@ -135,14 +135,13 @@ def check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
         )
 
 
-def check_context_parallel(cp, method, *, sequence_parallel, pp, compile_blocks) -> None:
+def check_context_parallel(cp, method, *, pp, compile_blocks) -> None:
     """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
     check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
     check_choice("context_parallel_method", method, ("ring", "ulysses"))
     if cp == 1:
         return
     combined = {
-        "sequence_parallel": sequence_parallel or None,
         "pipeline_parallel_size": pp if pp > 1 else None,
         "compile_blocks": compile_blocks or None,
     }
@@ -150,6 +149,6 @@ def check_context_parallel(cp, method, *, sequence_parallel, pp, compile_blocks)
         if value is not None:
             raise ValueError(
                 f"context_parallel_size={cp} with {name}={value!r} is not supported yet; context parallelism "
-                "composes with data parallelism (ZeRO 0-3 or 'auto'), activation checkpointing and tensor parallelism "
-                "without SP today. Drop one of the two."
+                "composes with data parallelism (ZeRO 0-3 or 'auto'), activation checkpointing and tensor (+ sequence) "
+                "parallelism today. Drop one of the two."
             )

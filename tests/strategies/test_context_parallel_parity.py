@@ -5,7 +5,8 @@ queries (Ulysses: every position, for half the heads). Attention masked by globa
 window and the reference model on packed documents (document ids from a token file); zero_stage="auto" under cp2
 plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
 ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
-cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
+cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks), cp2 × tp2 + sequence parallelism (the sequence
+split by CP, each shard split again by SP between attention blocks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
@@ -40,13 +41,15 @@ LAYOUTS = {
     # zero_stage="auto" plans with each rank's 1/C of the activations; 80 GB fits ZeRO 0 (least communication)
     "cp2_auto": (2, {"context_parallel_size": 2, "zero_stage": "auto", "device_memory": "80GB"}),
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
+    "cp2_tp2_sp": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
     "dp2_cp2_zero3": (4, {"context_parallel_size": 2}),  # 2 data-parallel replicas, FSDP over dp_shard_cp = 4
 }
 MODELS = ["llama", "gpt_neox", "reference"]
 # Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
 # window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
 MASKED = {"mistral": ["cp2_zero3", "cp2_ulysses_zero3"], "reference_documents": ["cp2", "cp2_ulysses_zero3"]}
-CASES = [(layout, name) for layout in LAYOUTS for name in MODELS if layout != "cp2_auto"] + [("cp2_auto", "llama")]
+ONE_MODEL = {"cp2_auto": ["llama"], "cp2_tp2_sp": ["llama", "reference"]}  # layouts trained on fewer models
+CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
 CASES += [(layout, name) for name, layouts in MASKED.items() for layout in layouts]
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
 
