@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from lightning_llm.models.llama import PRESETS, Llama, LlamaConfig
-from lightning_llm.models.moe import MoEFeedForward, update_expert_biases
+from lightning_llm.models.moe import MoEFeedForward, Router, update_expert_biases
 from lightning_llm.validation import check_float, check_int
 
 
@@ -112,6 +112,12 @@ class CausalLM(L.LightningModule):
             self.log("train_moe_aux_loss", aux_loss.detach())
             loss = loss + aux_loss
         return loss
+
+    def on_train_start(self) -> None:
+        # Routes counted by forwards during setup (a pipeline stage's shape inference, planning) are not a step's.
+        for module in self.model.modules() if self.model is not None else ():
+            if isinstance(module, Router) and module.bias_update_rate:
+                module.tokens_per_expert.zero_()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.config.moe_bias_update_rate and self.model is not None:  # auxiliary-loss-free balancing, every rank

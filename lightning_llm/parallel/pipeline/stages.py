@@ -45,9 +45,22 @@ class StageRunner(nn.Module):
         self.__dict__["_state"] = state
 
     def forward(self, *inputs: torch.Tensor):
+        first_call, self.__dict__["_metadata_known"] = not self.__dict__.get("_metadata_known"), True
+        if not first_call:
+            return self._forward(inputs, first_call)
+        # torch's shape inference runs this forward once on uninitialised tensors: whatever the step writes into
+        # the modules' buffers (a router's route counts, running statistics) is undone, so it leaves no trace.
+        buffers = [(b, b.detach().clone()) for b in self.owned.buffers()]
+        try:
+            return self._forward(inputs, first_call)
+        finally:
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    buffer.copy_(before)
+
+    def _forward(self, inputs: tuple, first_call: bool):
         state: PipelineState = self.__dict__["_state"]
         hidden, index = (None, inputs[0]) if self.chunk.is_first else inputs
-        first_call, self.__dict__["_metadata_known"] = not self.__dict__.get("_metadata_known"), True
         if first_call and self.chunk.is_last and not torch.is_grad_enabled():
             # torch infers a stage's output metadata with one extra forward before the first real micro-batch. An
             # evaluation's last stage sends a placeholder, so that forward does not run the user's step: it would
