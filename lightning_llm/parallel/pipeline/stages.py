@@ -48,15 +48,18 @@ class StageRunner(nn.Module):
         first_call, self.__dict__["_metadata_known"] = not self.__dict__.get("_metadata_known"), True
         if not first_call:
             return self._forward(inputs, first_call)
-        # torch's shape inference runs this forward once on uninitialised tensors: whatever the step writes into
-        # the modules' buffers (a router's route counts, running statistics) is undone, so it leaves no trace.
+        # torch's metadata inference runs this forward once (on uninitialised tensors past the first stage): what
+        # the step writes into the modules' buffers (a router's route counts, running statistics) is undone, so it
+        # leaves no trace. Only changed buffers are written back: torch later runs a backward through this forward,
+        # which must find the buffers it saved (a causal mask) at their version.
         buffers = [(b, b.detach().clone()) for b in self.owned.buffers()]
         try:
             return self._forward(inputs, first_call)
         finally:
             with torch.no_grad():
                 for buffer, before in buffers:
-                    buffer.copy_(before)
+                    if not torch.equal(buffer, before):
+                        buffer.copy_(before)
 
     def _forward(self, inputs: tuple, first_call: bool):
         state: PipelineState = self.__dict__["_state"]
