@@ -58,7 +58,7 @@ def _differing(model) -> list[str]:
     state = _harness._local_state(model)
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
-    return sorted(k for k, v in state.items() if any(not torch.equal(s[k], v) for s in states))
+    return sorted(k for k, v in state.items() if any(k in s and not torch.equal(s[k], v) for s in states))
 
 
 def _packed_documents(root: Path) -> LLMDataModule:
