@@ -5,6 +5,7 @@
 - :mod:`.attention`: a shard's queries over the whole sequence (keys/values all-gathered, causal by global position);
 - :mod:`.ring`: the same with key/value shards sent around the ring and partial outputs merged by log-sum-exp (the
   CPU path: measured faster from 8K tokens on 2 gloo ranks, and at most two key/value shards held);
+- :mod:`.masks`: which keys a query sees by global position (causal, a sliding window, packed documents);
 - :mod:`.interception`: routing a model's attention there (Hugging Face's attention registry, or SDPA calls
   inside the blocks), with the variants that cannot be distributed exactly refused;
 - :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered.
