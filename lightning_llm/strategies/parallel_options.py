@@ -154,7 +154,6 @@ def build_options(
     check_context_parallel(
         context_parallel_size,
         context_parallel_method,
-        pp=pp,
         compile_blocks=compile_blocks,
     )
     timeout = check_timeout("timeout", timeout)

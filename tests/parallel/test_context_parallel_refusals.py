@@ -20,7 +20,6 @@ pytestmark = pytest.mark.timeout(60)
     [
         ({"context_parallel_size": 0}, "context_parallel_size"),
         ({"context_parallel_size": 2, "context_parallel_method": "rings"}, "context_parallel_method"),
-        ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, "with pipeline_parallel_size=2"),
         ({"context_parallel_size": 2, "compile_blocks": True}, "compile_blocks=True"),
     ],
 )

@@ -6,7 +6,8 @@ window and the reference model on packed documents (document ids from a token fi
 plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
 ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
 cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks), cp2 × tp2 + sequence parallelism (the sequence
-split by CP, each shard split again by SP between attention blocks) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
+split by CP, each shard split again by SP between attention blocks), cp2 × pp2 (CP-local hidden states between
+the stages) and dp2 × cp2 (ZeRO-3 over ``dp_shard_cp`` = 4).
 
 One spawned process group trains every case (starting the ranks costs more than the tiny models).
 """
@@ -42,13 +43,18 @@ LAYOUTS = {
     "cp2_auto": (2, {"context_parallel_size": 2, "zero_stage": "auto", "device_memory": "80GB"}),
     "cp2_tp2": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}),  # ZeRO-3 over dp_shard_cp = 2 too
     "cp2_tp2_sp": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
+    "cp2_pp2": (4, {"context_parallel_size": 2, "pipeline_parallel_size": 2}),  # ZeRO-3 over each stage's CP pair
     "dp2_cp2_zero3": (4, {"context_parallel_size": 2}),  # 2 data-parallel replicas, FSDP over dp_shard_cp = 4
 }
 MODELS = ["llama", "gpt_neox", "reference"]
 # Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
 # window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
 MASKED = {"mistral": ["cp2_zero3", "cp2_ulysses_zero3"], "reference_documents": ["cp2", "cp2_ulysses_zero3"]}
-ONE_MODEL = {"cp2_auto": ["llama"], "cp2_tp2_sp": ["llama", "reference"]}  # layouts trained on fewer models
+ONE_MODEL = {
+    "cp2_auto": ["llama"],
+    "cp2_tp2_sp": ["llama", "reference"],
+    "cp2_pp2": ["llama", "reference"],
+}  # layouts trained on fewer models
 CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
 CASES += [(layout, name) for name, layouts in MASKED.items() for layout in layouts]
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
@@ -80,7 +86,8 @@ def _train(name: str, layout: str | None, root: Path):
     from lightning_llm.strategies import LLMParallelStrategy
 
     devices, kwargs = LAYOUTS[layout] if layout else (1, {"context_parallel_size": 1})
-    dp = devices // kwargs["context_parallel_size"] // kwargs.get("tensor_parallel_size", 1)
+    model_parallel = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+    dp = devices // kwargs["context_parallel_size"] // model_parallel
     strategy = LLMParallelStrategy(**kwargs) if layout else None
     if not name.startswith("reference"):
         losses, params, differing, planned, _ = _harness.train(name, strategy, devices=devices, dp=dp)
@@ -141,5 +148,5 @@ def test_context_parallel_matches_single_process(layout, name):
         seen = results[(layout, name)][4]
         # Ulysses: all positions, heads / 2 heads; masked attention takes the all-gather path whatever the method
         ulysses = LAYOUTS[layout][1].get("context_parallel_method") == "ulysses" and name not in MASKED
-        cp_rank = rank // tp % 2  # mesh (dp_shard, cp, tp), tp innermost
+        cp_rank = rank // tp % 2  # mesh (pp, dp_shard, cp, tp), tp innermost
         assert seen == (list(range(seq)) if ulysses else zigzag_positions(seq, 2, cp_rank).tolist()), (rank, seen)
