@@ -54,8 +54,8 @@ def table_lines() -> list[str]:
     return lines
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+def tokens(steps: int = STEPS) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH * steps, SEQ_LEN), generator=torch.Generator().manual_seed(1))
 
 
 def _local_state(model) -> dict[str, torch.Tensor]:
@@ -78,7 +78,14 @@ def held_shares(model) -> dict[str, float]:
     return {k: sum(map(local, ps)) / sum(p.numel() for p in ps) for k, ps in groups.items() if ps}
 
 
-def train(name: str, strategy=None, devices: int = 1, dp: int = 1, gradient_clip_val: float | None = None):
+def train(
+    name: str,
+    strategy=None,
+    devices: int = 1,
+    dp: int = 1,
+    gradient_clip_val: float | None = None,
+    steps: int = STEPS,
+):
     """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs,
     the largest share of attention / expert parameters any rank holds).
 
@@ -89,11 +96,11 @@ def train(name: str, strategy=None, devices: int = 1, dp: int = 1, gradient_clip
     trainer = cpu_trainer(
         devices=devices,
         strategy=strategy or "auto",
-        max_steps=STEPS,
+        max_steps=steps,
         callbacks=[losses],
         gradient_clip_val=gradient_clip_val,
     )
-    data = tokens()
+    data = tokens(steps)
     # Lightning gives a distributed run's training loader a shuffling DistributedSampler (seed 0); the
     # single process reads the same permutation, so both see the same global batches.
     sampler = None if strategy is not None else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
