@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.data.packing import document_causal_mask
-from lightning_llm.models.moe import MoEFeedForward, Router
-from lightning_llm.validation import check_bool, check_float, check_int
+from lightning_llm.models.moe import EXPERTS_IMPLEMENTATIONS, MoEFeedForward, Router
+from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
 
 @dataclass
@@ -58,6 +58,9 @@ class LlamaConfig:
     # > 0: DeepSeek-V3's auxiliary-loss-free balancing instead (or as well): a per-expert bias on the router's scores
     # for choosing the top-k, moved by this rate toward the mean load after every optimizer step (DeepSeek: 0.001).
     moe_bias_update_rate: float = 0.0
+    # How the experts run: "grouped_mm" (two torch._grouped_mm calls, models/grouped_experts.py), "loop" (one matmul
+    # pair per routed expert), or "auto": grouped where it runs (CUDA bf16 with 8-aligned widths), else the loop.
+    moe_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -95,6 +98,7 @@ class LlamaConfig:
         for name in ("init_std", "moe_aux_loss_coef", "moe_bias_update_rate"):
             check_float(name, getattr(self, name), minimum=0)
         check_bool("tie_embeddings", self.tie_embeddings)
+        check_choice("moe_implementation", self.moe_implementation, EXPERTS_IMPLEMENTATIONS)
 
     @property
     def head_dim(self) -> int:
@@ -265,6 +269,7 @@ def feed_forward(config: LlamaConfig, layer: int) -> nn.Module:
         shared,
         bias_update_rate=config.moe_bias_update_rate,
         layer=layer,
+        implementation=config.moe_implementation,
     )
 
 

@@ -20,11 +20,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_llm.models.grouped_experts import grouped_mm_supported, grouped_swiglu
+
+EXPERTS_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
+
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs stacked in two 3-D weights; runs each route on its expert.
 
-    ``top_k_index`` holds expert ids local to this module's weights: under expert or tensor parallelism the
+    ``implementation``: "loop" (below), "grouped_mm" (:func:`~lightning_llm.models.grouped_experts.grouped_swiglu`)
+    or "auto" (grouped on CUDA where the kernel runs, else the loop). ``top_k_index`` holds expert ids local to this module's weights: under expert or tensor parallelism the
     weights hold only this rank's experts and the parallel style translates the ids; an id past the local
     experts (tensor parallelism's off-rank sentinel) selects nothing.
 
@@ -34,15 +39,28 @@ class Experts(nn.Module):
         out = experts(torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2))
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, implementation: str = "auto") -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.implementation = num_experts, implementation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        grouped = self.implementation == "grouped_mm" or (
+            self.implementation == "auto"
+            and hidden_states.is_cuda
+            and grouped_mm_supported(hidden_states, self.gate_up_proj, self.down_proj)
+        )
+        if grouped and not grouped_mm_supported(hidden_states, self.gate_up_proj, self.down_proj):
+            raise ValueError(
+                f"moe_implementation='grouped_mm' does not run on {hidden_states.dtype} {hidden_states.device.type} "
+                f"tensors with torch {torch.__version__} (CUDA needs bf16 and widths that are multiples of 8; CPU fp32). "
+                "Use moe_implementation='auto' or 'loop'."
+            )
+        if grouped:
+            return grouped_swiglu(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         routes = top_k_index.flatten()
         tokens = torch.arange(hidden_states.shape[0], device=routes.device).repeat_interleave(top_k_index.shape[1])
@@ -150,10 +168,11 @@ class MoEFeedForward(nn.Module):
         shared_experts: nn.Module | None = None,
         bias_update_rate: float = 0.0,
         layer: int = 0,
+        implementation: str = "auto",
     ) -> None:
         super().__init__()
         self.router = Router(dim, num_experts, top_k, bias_update_rate, layer)
-        self.experts = Experts(num_experts, dim, hidden_dim)
+        self.experts = Experts(num_experts, dim, hidden_dim, implementation)
         self.shared_experts = shared_experts
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss: torch.Tensor | None = None

@@ -21,7 +21,11 @@ from lightning_llm.modeling.blocks import BlockSet, BlockStack, block_names, dis
 from lightning_llm.modeling.tied import modules_shared_by_blocks, tied_parameter_names
 from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
-from lightning_llm.parallel.ep.apply import apply_expert_data_parallel, apply_expert_parallel
+from lightning_llm.parallel.ep.apply import (
+    apply_expert_data_parallel,
+    apply_expert_parallel,
+    check_expert_parallel_model,
+)
 from lightning_llm.parallel.ep.mesh import build_expert_meshes
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
@@ -160,8 +164,14 @@ def plan_tensor_parallel(
     blocks: nn.ModuleList,
     user_plan: dict[str, str] | None,
     replicate: list[str] | tuple[str, ...] = (),
+    expert_parallel: list[str] | tuple[str, ...] = (),
 ) -> tuple[dict[str, str], str]:
-    """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early."""
+    """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early.
+
+    ``expert_parallel`` names the experts modules expert parallelism splits: TP leaves them to it (whole experts
+    per EP rank, the same on every tp rank, which all hold the same tokens there).
+    """
+    user_plan = {**(user_plan or {}), **dict.fromkeys(expert_parallel, "expert_parallel")}
     config = model_config(module)
     for name, block in distinct_blocks(blocks_name, blocks):  # a variant that cannot be split is refused first
         check_attention_variants(block, tp, config, where=name)
@@ -258,6 +268,11 @@ def parallelize(
     if dims.cp > 1:  # refused before anything is changed
         check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
     shared = shared_between_blocks(blocks_name, block_list, dims)
+    ep_split = (
+        check_expert_parallel_model(module, expert_parallel_size, expert_parallel_plan)
+        if expert_parallel_size > 1
+        else []
+    )
     if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module,
@@ -266,6 +281,7 @@ def parallelize(
             blocks=block_list,
             user_plan=tensor_parallel_plan,
             replicate=tensor_parallel_replicate or (),
+            expert_parallel=ep_split,
         )
     if dims.cp > 1:  # hooks on the model's input/output and each block's attention, before TP copies any config
         report.context_parallel = apply_context_parallel(
@@ -286,7 +302,7 @@ def parallelize(
     expert_meshes, experts = None, []
     if expert_parallel_size > 1:
         expert_meshes = build_expert_meshes(dims, expert_parallel_size)
-        experts = apply_expert_parallel(module, meshes=expert_meshes, plan=expert_parallel_plan)
+        experts = apply_expert_parallel(module, ep_split, meshes=expert_meshes)
         report.expert_parallel_modules = len(experts)
     if fp8 is not None:
         shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1

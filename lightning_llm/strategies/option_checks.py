@@ -44,6 +44,12 @@ def check_tensor_parallel_plan(plan) -> None:
         )
     for pattern, style in plan.items():
         check_style(pattern, style)
+    named = [p for p, s in plan.items() if s == "expert_parallel"]
+    if named:
+        raise ValueError(
+            f"tensor_parallel_plan gives {named} the style 'expert_parallel', which only expert_parallel_size sets. "
+            "Use expert_parallel_size > 1 (and expert_parallel_plan to name a module), or the style 'experts'."
+        )
 
 
 def check_pipeline_split(split) -> None:
@@ -113,7 +119,7 @@ def check_layout(tp, pp, dp, replicate, zero_stage, sequence_parallel, num_micro
         raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
 
 
-def check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
+def check_expert_parallel(ep, plan, dp, cp) -> None:
     """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
     check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
     check_expert_parallel_plan(plan)
@@ -121,12 +127,6 @@ def check_expert_parallel(ep, plan, tp, pp, dp, cp) -> None:
         raise ValueError(
             f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported yet: the experts' groups "
             "are carved from the data-parallel ranks, which context parallelism also divides. Use one of the two."
-        )
-    if ep > 1 and (tp > 1 or pp > 1):
-        raise ValueError(
-            f"expert_parallel_size={ep} with tensor_parallel_size={tp} and pipeline_parallel_size={pp} is not "
-            "supported yet: expert parallelism composes with data parallelism (ZeRO 0-3) only. Use "
-            "tensor_parallel_size=1 and pipeline_parallel_size=1, or expert_parallel_size=1."
         )
     if ep > 1 and dp != "auto" and dp % ep:
         raise ValueError(

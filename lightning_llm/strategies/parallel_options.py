@@ -183,7 +183,7 @@ def build_options(
             f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
             f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
         )
-    check_expert_parallel(expert_parallel_size, expert_parallel_plan, tp, pp, data_parallel_size, context_parallel_size)
+    check_expert_parallel(expert_parallel_size, expert_parallel_plan, data_parallel_size, context_parallel_size)
     if expert_parallel_size > 1 and activation_checkpointing in ("selective", "auto"):
         # The experts' own FSDP2 unit inside a checkpointed block runs FSDP's root pre-forward (a profiler op) only
         # in the recompute, which selective checkpointing, replaying ops by count, refuses (torch 2.13).

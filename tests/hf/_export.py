@@ -23,14 +23,16 @@ LAYOUTS = {
     "zero3_dp2": {"zero_stage": 3},
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2, "num_microbatches": 2},
+    "ep2": {"expert_parallel_size": 2, "zero_stage": 3},  # each rank holds half the experts of every layer
 }
 # (arch, layout, single file?): every layout for the HF models, the reference model once, one single-file save.
-CASES = [(arch, layout, False) for arch in ("llama", "qwen2") for layout in LAYOUTS]
-CASES += [("reference", "tp2", False), ("llama", "zero3_dp2", True)]
+CASES = [(arch, layout, False) for arch in ("llama", "qwen2") for layout in ("zero3_dp2", "tp2", "pp2")]
+CASES += [("reference", "tp2", False), ("llama", "zero3_dp2", True), ("qwen3_moe", "ep2", False)]
 
 
 def make_module(arch: str) -> L.LightningModule:
-    """Tiny model from a fixed seed: HF Llama (untied), HF Qwen2 (tied embeddings) or the reference CausalLM."""
+    """Tiny model from a fixed seed: HF Llama (untied), HF Qwen2 (tied embeddings), HF Qwen3-MoE or the reference
+    CausalLM."""
     torch.manual_seed(0)
     if arch == "reference":
         module = CausalLM(

@@ -25,7 +25,20 @@ def hf_config(arch: str):
         max_position_embeddings=512,
         attn_implementation="sdpa",
     )
+    if arch == "qwen3_moe":  # stacked experts (4, top-2) in every block
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16)
+        return transformers.Qwen3MoeConfig(**kwargs, **moe)
     return transformers.LlamaConfig(**kwargs) if arch == "llama" else transformers.Qwen2Config(**kwargs)
+
+
+def hf_class(arch: str) -> type:
+    import transformers
+
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    }[arch]
 
 
 class PretrainedLM(_NextTokenModule):
@@ -36,10 +49,8 @@ class PretrainedLM(_NextTokenModule):
         self.arch, self.from_dir, self.model, self.overrides = arch, from_dir, None, config_overrides
 
     def configure_model(self) -> None:
-        import transformers
-
         if self.model is None:
-            cls = transformers.LlamaForCausalLM if self.arch == "llama" else transformers.Qwen2ForCausalLM
+            cls = hf_class(self.arch)
             config = hf_config(self.arch)
             for key, value in self.overrides.items():
                 setattr(config, key, value)
@@ -50,11 +61,8 @@ class PretrainedLM(_NextTokenModule):
 
 
 def save(arch: str, path: str) -> None:
-    import transformers
-
     torch.manual_seed(7)
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    cls(hf_config(arch)).save_pretrained(path)
+    hf_class(arch)(hf_config(arch)).save_pretrained(path)
 
 
 def finetune(

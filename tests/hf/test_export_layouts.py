@@ -1,8 +1,9 @@
-"""Checkpoints saved by Lightning under dp2 ZeRO-3, tp2 and pp2 export to Hugging Face directories that compute
-what the trained model computed.
+"""Checkpoints saved by Lightning under dp2 ZeRO-3, tp2, pp2 and expert parallelism export to Hugging Face
+directories that compute what the trained model computed.
 
 One 2-rank spawn trains every case a few steps (HF Llama, HF Qwen2 with tied embeddings, the reference
-CausalLM; DCP directories and one single file) and returns, per case, the trained model's logits in its layout
+CausalLM; DCP directories and one single file; HF Qwen3-MoE under ep2, each rank holding half of every layer's
+stacked experts, exported in the model's own whole-expert layout) and returns, per case, the trained model's logits in its layout
 (not under pp, whose stages cannot run a whole forward outside the schedule) and its full parameters. Each
 export is loaded back with ``transformers.AutoModelForCausalLM.from_pretrained`` and its logits compared with
 both, fp32, within 1e-5. The same spawn loads a Hugging Face Llama directory into the sharded reference

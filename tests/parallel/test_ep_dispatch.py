@@ -14,7 +14,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.parallel.ep.apply import apply_expert_parallel, check_experts, find_experts
+from lightning_llm.parallel.ep.apply import (
+    apply_expert_parallel,
+    check_expert_parallel_model,
+    check_experts,
+    find_experts,
+)
 from lightning_llm.parallel.ep.mesh import ExpertMeshes, check_expert_parallel_size
 from lightning_llm.testing import run_distributed
 from tests.parallel._collectives import Collectives
@@ -65,7 +70,7 @@ def _ep_vs_whole(kind: str, skewed: bool):
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
     meshes = ExpertMeshes(ep=mesh["ep"], edp=mesh["edp"], dp=2)
     whole, holder = _experts(kind), _Holder(_experts(kind))
-    apply_expert_parallel(holder, meshes=meshes)
+    apply_expert_parallel(holder, check_expert_parallel_model(holder, 2), meshes=meshes)
     hidden, index, weights = _inputs(rank, skewed)
     with Collectives() as comm:
         out = holder(hidden, index, weights)

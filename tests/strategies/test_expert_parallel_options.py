@@ -12,8 +12,14 @@ from lightning_llm.strategies import LLMParallelStrategy
     "kwargs, message",
     [
         ({"expert_parallel_size": 0}, "expert_parallel_size"),
-        ({"expert_parallel_size": 2, "tensor_parallel_size": 2}, "expert_parallel_size=2 with tensor_parallel_size=2"),
-        ({"expert_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported yet"),
+        (
+            {"tensor_parallel_size": 2, "tensor_parallel_plan": {"*.experts": "expert_parallel"}},
+            "the style 'expert_parallel', which only expert_parallel_size sets",
+        ),
+        (
+            {"expert_parallel_size": 2, "context_parallel_size": 2},
+            "expert_parallel_size=2 with context_parallel_size=2 is not supported yet",
+        ),
         (
             {"expert_parallel_size": 4, "data_parallel_size": 6},
             "expert_parallel_size=4 does not divide data_parallel_size=6",

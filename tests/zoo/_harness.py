@@ -119,7 +119,8 @@ def train(
                 differing.add(key)
             merged.setdefault(key, value)
     planned = strategy.decision
-    most = {k: max(s[k] for s in shares) for k in shares[0]}
+    # A pipeline stage may hold no experts (a dense first stage): the most any rank holds of what some rank holds.
+    most = {k: max(s.get(k, 0.0) for s in shares) for k in set().union(*shares)}
     return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations, most
 
 

@@ -79,6 +79,8 @@ COLUMNS = {  # layout names of the test modules -> table column
     "ep2xdp2_zero0": "EP2",
     "ep2xdp2_zero3": "EP2",
     "ep4_zero3": "EP2",
+    "ep2xtp2_sp_zero3": "EP2×tp2",
+    "ep2xpp2_zero3": "EP2×pp2",
 }
 
 
@@ -134,7 +136,7 @@ def cells() -> dict[str, set[str]]:
     modes = {ac["activation_checkpointing"] for ac in test_activation_checkpointing_layouts.AC.values()}
     tested["reference"].update(f"AC {mode}" for mode in ("selective", "full") if mode in modes)
     pairs = list(test_context_parallel_parity.CASES)
-    pairs += [(layout, m) for layout in test_expert_parallel_parity.LAYOUTS for m in test_expert_parallel_parity.MODELS]
+    pairs += test_expert_parallel_parity.CELLS
     for layout, model in pairs:
         tested.setdefault(model, set()).add(COLUMNS[layout])
     return tested

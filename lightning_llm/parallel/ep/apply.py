@@ -104,19 +104,15 @@ def experts_ranks_hint(module: nn.Module) -> str:
     return ""
 
 
-def apply_expert_parallel(
-    module: nn.Module, *, meshes: ExpertMeshes, plan: dict[str, str] | None = None
-) -> list[nn.Module]:
-    """Split every experts module of ``module`` over ``meshes.ep`` (in place); returns the modules split.
-
-    Refuses a model where nothing is found (expert parallelism would silently do nothing) and any experts module
-    that cannot be split exactly, before changing anything.
+def check_expert_parallel_model(module: nn.Module, ep: int, plan: dict[str, str] | None = None) -> list[str]:
+    """The names of the experts modules to split, found on the whole model (before a pipeline split leaves a stage
+    with none: a dense first stage is fine). Refuses a model where nothing is found (expert parallelism would
+    silently do nothing) and any experts module that cannot be split exactly, before anything is changed.
 
     Example::
 
-        experts = apply_expert_parallel(lightning_module, meshes=build_expert_meshes(dims, ep=2))
+        names = check_expert_parallel_model(lightning_module, ep=2)
     """
-    ep = meshes.ep.size()
     targets = find_experts(module, plan)
     if not targets:
         raise ValueError(
@@ -128,6 +124,20 @@ def apply_expert_parallel(
         )
     for name, experts in targets:
         check_experts(name, experts, ep)
+    return [name for name, _ in targets]
+
+
+def apply_expert_parallel(module: nn.Module, names: list[str], *, meshes: ExpertMeshes) -> list[nn.Module]:
+    """Split the experts modules ``names`` (from :func:`check_expert_parallel_model`) that this rank holds over
+    ``meshes.ep``, in place; returns the modules split (none on a pipeline stage without MoE layers).
+
+    Example::
+
+        names = check_expert_parallel_model(lightning_module, ep=2)
+        experts = apply_expert_parallel(lightning_module, names, meshes=build_expert_meshes(dims, ep=2))
+    """
+    ep, held = meshes.ep.size(), dict(module.named_modules())
+    targets = [(name, held[name]) for name in names if name in held]
     for _, experts in targets:
         apply_parallel_style(ExpertParallel(grad_scale=1.0 / ep), experts, meshes.ep)
     log.info("Applied expert parallel (ep=%d, edp=%d) to %d experts modules", ep, meshes.edp.size(), len(targets))

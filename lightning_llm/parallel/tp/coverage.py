@@ -31,7 +31,7 @@ def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
     inherited = [
         s
         for p, s in plan.items()
-        if s in ("experts", "replicate")
+        if s in ("experts", "expert_parallel", "replicate")
         for k in range(1, len(parts))
         if fnmatch.fnmatchcase(".".join(parts[:k]), p)
     ]

@@ -44,13 +44,14 @@ STYLES = (
     "fused_colwise:N",
     "fused_colwise:A,B,...",
     "experts",
+    "expert_parallel",
     "gather_sequence",
     "colwise_replicated_input",
     "replicate_shared",
     "replicate_shared:N",
 )
 # Styles whose module's insides belong to the entry: nothing under it is planned by another source.
-_OWNS_SUBTREE = ("experts", "replicate")
+_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate")
 
 
 def is_fused_style(style: str) -> bool:
@@ -243,7 +244,7 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
         plan[head] = "colwise_gather"
     # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
     # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
-    experts = [p for p, s in plan.items() if s == "experts"]
+    experts = [p for p, s in plan.items() if s in ("experts", "expert_parallel")]
     for name, _ in model.named_modules():
         parent = name.rpartition(".")[0]
         if parent and any(_matches(name, p) for p in experts) and not covered(parent):

@@ -230,4 +230,4 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
         if not sequence_parallel:
             return None
         return GatherSequence()
-    return None  # "replicate"
+    return None  # "replicate"; "expert_parallel": split by expert parallelism over its own mesh
