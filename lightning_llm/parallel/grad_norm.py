@@ -26,7 +26,8 @@ def _grouped(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tens
         if grad is None:
             continue
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
-        groups.setdefault(key, []).append(param)
+        # Experts held by one EP rank each (parallel/ep/expert_list.py): their squares add up over that group.
+        groups.setdefault((key, getattr(param, "ep_owner_group", None)), []).append(param)
     return groups
 
 
@@ -51,6 +52,16 @@ def _group_norm(grads: list[DTensor], norm_type: float) -> torch.Tensor:
     return value if infinite else value.pow(1.0 / norm_type)
 
 
+def _over(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm of parameters each rank of ``group`` holds different ones of, from each rank's own norm."""
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    value = norm.pow(norm_type)
+    dist.all_reduce(value, group=group)
+    return value.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: dist.ProcessGroup | None = None
@@ -66,12 +77,13 @@ def total_grad_norm(
     """
     norm_type = float(norm_type)
     parts = []
-    for params in _grouped(parameters).values():
+    for (_, owners), params in _grouped(parameters).items():
         grads = [p.grad for p in params]
         if isinstance(grads[0], DTensor):
-            parts.append(_group_norm(grads, norm_type))
+            norm = _group_norm(grads, norm_type)
         else:
-            parts.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=True))
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+        parts.append(norm if owners is None else _over(norm.float(), norm_type, owners))
     if not parts:
         total = torch.zeros((), dtype=torch.float32)
     elif norm_type == float("inf"):

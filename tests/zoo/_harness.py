@@ -75,7 +75,24 @@ def held_shares(model) -> dict[str, float]:
         if "experts" in parts:
             groups["experts"].append(param)
     local = lambda p: p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # noqa: E731
-    return {k: sum(map(local, ps)) / sum(p.numel() for p in ps) for k, ps in groups.items() if ps}
+    totals = {k: sum(p.numel() for p in ps) for k, ps in groups.items()}
+    totals["experts"] += _remote_expert_elements(model)
+    return {k: sum(map(local, ps)) / totals[k] for k, ps in groups.items() if ps}
+
+
+def _remote_expert_elements(model) -> int:
+    """The elements of the experts another EP rank holds (a ModuleList's ``RemoteExpert`` entries), each the size
+    of an expert this rank holds in the same list: they belong to the whole the shares are taken of."""
+    from lightning_llm.parallel.ep.expert_list import RemoteExpert
+
+    count = 0
+    for module in model.modules():
+        entries = list(module.children())  # not iter(module): a pipeline stage's block list is a guarded list
+        if isinstance(module, torch.nn.ModuleList) and any(isinstance(m, RemoteExpert) for m in entries):
+            held = next(m for m in entries if not isinstance(m, RemoteExpert))
+            size = sum(p.numel() for p in held.parameters())
+            count += size * sum(isinstance(m, RemoteExpert) for m in entries)
+    return count
 
 
 def train(

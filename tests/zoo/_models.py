@@ -101,6 +101,20 @@ BUILDERS = {
 }
 MODELS = list(BUILDERS)
 MOE = ["mixtral", "qwen3_moe"]
+# One module per expert in an nn.ModuleList, called by the model's own loop (litgpt's LLaMAMoE): expert
+# parallelism's tests only (tests/strategies/test_expert_parallel_parity.py), not the zoo's layouts.
+BUILDERS["litgpt_moe"] = lambda: _litgpt(
+    n_query_groups=2,
+    intermediate_size=64,
+    bias=False,
+    rotary_percentage=1.0,
+    parallel_residual=False,
+    norm_class_name="RMSNorm",
+    mlp_class_name="LLaMAMoE",
+    n_expert=4,
+    n_expert_per_token=2,
+    moe_intermediate_size=32,
+)
 
 
 class ZooLM(L.LightningModule):

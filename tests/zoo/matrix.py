@@ -31,6 +31,7 @@ MECHANISMS = {
     "fused QKV contiguous per head": ["gpt_neox"],
     "Conv1D projections": ["gpt2"],
     "MoE, stacked experts": ["mixtral", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie45_moe"],
+    "MoE, one module per expert (ModuleList)": ["litgpt_moe"],
     "parallel residual (attention beside the MLP)": ["phi", "cohere"],
     "partial rotary embeddings": ["stablelm", "phi"],
     "biased projections": ["starcoder2"],

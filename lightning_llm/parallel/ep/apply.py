@@ -26,6 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style, replicate_with_fsdp
 from lightning_llm.modeling.experts import expert_count
+from lightning_llm.parallel.ep.expert_list import is_expert_list, split_expert_list
 from lightning_llm.parallel.ep.mesh import ExpertMeshes
 from lightning_llm.parallel.ep.style import ExpertParallel, routed_arguments
 
@@ -56,6 +57,13 @@ def check_experts(name: str, module: nn.Module, ep: int) -> None:
         check_experts("model.layers.0.mlp.experts", experts, ep=2)
     """
     keep = f"expert_parallel_plan={{'{name}': 'data_parallel'}}"
+    if is_expert_list(module):
+        if len(module) % ep:
+            raise ValueError(
+                f"{name!r} holds {len(module)} experts, not divisible by expert_parallel_size={ep}: each EP rank "
+                f"holds whole experts. Use an expert_parallel_size that divides {len(module)}, or keep it whole: {keep}."
+            )
+        return
     count = expert_count(module)
     if count is None:
         raise ValueError(
@@ -83,25 +91,17 @@ def find_experts(module: nn.Module, plan: dict[str, str] | None = None) -> list[
         styles = [style for pattern, style in plan.items() if fnmatch(name, pattern)]
         if styles and len(set(styles)) > 1:
             raise ValueError(f"expert_parallel_plan gives {name!r} conflicting styles {sorted(set(styles))}.")
-        style = styles[0] if styles else ("expert_parallel" if _looks_like_experts(child) else None)
+        style = styles[0] if styles else ("expert_parallel" if _looks_like_experts(child, name) else None)
         if style == "expert_parallel":
             found.append((name, child))
     return found
 
 
-def _looks_like_experts(module: nn.Module) -> bool:
+def _looks_like_experts(module: nn.Module, name: str = "") -> bool:
+    """Stacked experts (by structure), or a ``ModuleList`` of identical modules named like experts."""
+    if is_expert_list(module):
+        return "expert" in name.rpartition(".")[2] and "shared" not in name.rpartition(".")[2]
     return expert_count(module) is not None and routed_arguments(module) is not None
-
-
-def experts_ranks_hint(module: nn.Module) -> str:
-    """What the refusal for a model without stacked experts says about its modules named like experts."""
-    lists = [n for n, m in module.named_modules() if n.endswith("experts") and isinstance(m, nn.ModuleList)]
-    if lists:
-        return (
-            f" {lists[0]!r} is a ModuleList of experts (one module per expert), which expert parallelism does not "
-            "split yet."
-        )
-    return ""
 
 
 def check_expert_parallel_model(module: nn.Module, ep: int, plan: dict[str, str] | None = None) -> list[str]:
@@ -117,9 +117,8 @@ def check_expert_parallel_model(module: nn.Module, ep: int, plan: dict[str, str]
     if not targets:
         raise ValueError(
             f"expert_parallel_size={ep} but the model has no experts module to split: none with an int `num_experts` "
-            "and stacked (experts-first, 3-D) weights, taking forward(tokens, top_k_ids, top_k_scores)."
-            + experts_ranks_hint(module)
-            + " Name yours with expert_parallel_plan={'<module pattern>': 'expert_parallel'}, or use "
+            "and stacked (experts-first, 3-D) weights, taking forward(tokens, top_k_ids, top_k_scores), and no "
+            "ModuleList of identical expert modules named like '*experts'. Name yours with expert_parallel_plan={'<module pattern>': 'expert_parallel'}, or use "
             "expert_parallel_size=1."
         )
     for name, experts in targets:
@@ -129,7 +128,9 @@ def check_expert_parallel_model(module: nn.Module, ep: int, plan: dict[str, str]
 
 def apply_expert_parallel(module: nn.Module, names: list[str], *, meshes: ExpertMeshes) -> list[nn.Module]:
     """Split the experts modules ``names`` (from :func:`check_expert_parallel_model`) that this rank holds over
-    ``meshes.ep``, in place; returns the modules split (none on a pipeline stage without MoE layers).
+    ``meshes.ep``, in place; returns the modules to make data parallel over ``meshes.edp``: the stacked experts
+    modules, and the experts this rank keeps of each ``ModuleList`` (:mod:`.expert_list`); none on a pipeline stage
+    without MoE layers.
 
     Example::
 
@@ -137,11 +138,16 @@ def apply_expert_parallel(module: nn.Module, names: list[str], *, meshes: Expert
         experts = apply_expert_parallel(lightning_module, names, meshes=build_expert_meshes(dims, ep=2))
     """
     ep, held = meshes.ep.size(), dict(module.named_modules())
-    targets = [(name, held[name]) for name in names if name in held]
-    for _, experts in targets:
-        apply_parallel_style(ExpertParallel(grad_scale=1.0 / ep), experts, meshes.ep)
+    targets = [(names.index(name), name, held[name]) for name in names if name in held]
+    split = []
+    for uid, name, experts in targets:
+        if is_expert_list(experts):
+            parent = module.get_submodule(name.rpartition(".")[0])
+            split += split_expert_list(name, experts, parent, meshes.ep, uid)
+        else:
+            split.append(apply_parallel_style(ExpertParallel(grad_scale=1.0 / ep), experts, meshes.ep))
     log.info("Applied expert parallel (ep=%d, edp=%d) to %d experts modules", ep, meshes.edp.size(), len(targets))
-    return [experts for _, experts in targets]
+    return split
 
 
 def apply_expert_data_parallel(
@@ -167,3 +173,11 @@ def apply_expert_data_parallel(
             # Resharding a one-rank unit (ep == dp) frees nothing, so it is skipped.
             reshard = zero_stage == 3 and meshes.edp.size() > 1
             fully_shard(module, mesh=meshes.edp, reshard_after_forward=reshard, **kwargs)
+        if getattr(module, "ep_owner_group", None) is not None:  # one expert of a ModuleList, held by this rank only
+            for param in module.parameters():
+                param.ep_owner_group = module.ep_owner_group
+            # FSDP's implicit backward prefetch would unshard the unit before it in forward order from here: the
+            # block before, at a point between this rank's own experts' all-to-alls, which other EP ranks (holding
+            # other experts) reach elsewhere, and the collectives would cross. Prefetching itself (already
+            # unsharded: a no-op) replaces the implicit choice.
+            module.set_modules_to_backward_prefetch([module])

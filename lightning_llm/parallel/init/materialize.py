@@ -277,7 +277,7 @@ def materialize(module: nn.Module, device: torch.device, fills: list[RandomFill]
     """
     entries = init_entry_points(module)
     tied = [names for names in _names_by_id(module).values() if len(names) > 1]
-    module.to_empty(device=device)
+    _to_empty_outside_metrics(module, device)
     _retie(module, tied)  # to_empty gives each module a new Parameter when leaving meta: ties would break
     check_same_rng_state()
     replayer = _Replayer(fills, _names_by_id(module))
@@ -289,6 +289,26 @@ def materialize(module: nn.Module, device: torch.device, fills: list[RandomFill]
     _scratch.clear()
     _check_ties(module, tied)
     return [name for name, _ in entries]
+
+
+def _to_empty_outside_metrics(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)`` except inside torchmetrics metrics: their states are real tensors (Lightning
+    moves them with the module), and ``to_empty`` would leave them uninitialized: a ``MeanMetric`` of the
+    validation loss then starts from whatever the memory held (measured: val_loss -5.8e8 after 20 steps of the
+    tiny model under ZeRO 3 on 2 ranks)."""
+    metrics = [m for m in module.modules() if _is_metric(m)]
+    inside = {id(sub) for metric in metrics for sub in metric.modules()}
+    for sub in module.modules():
+        if id(sub) not in inside:
+            sub.to_empty(device=device, recurse=False)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    return isinstance(module, Metric)
 
 
 def _retie(module: nn.Module, tied: list[frozenset[str]]) -> None:

@@ -122,12 +122,18 @@ def _wildcard(name: str) -> str:
     return ".".join(parts)
 
 
-def _local_share(params: list) -> float | None:
-    total = sum(p.numel() for p in params)
+def _local_share(params: list, elsewhere: int = 0) -> float | None:
+    """This rank's share of ``params`` plus ``elsewhere`` elements only other ranks hold (a ModuleList's experts
+    under expert parallelism)."""
+    total = sum(p.numel() for p in params) + elsewhere
     if not total:
         return None
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     return local / total
+
+
+def _elsewhere(module: nn.Module) -> int:
+    return sum(getattr(m, "elements_elsewhere", 0) for m in module.modules())
 
 
 def _parts(module: nn.Module, prefix: str = "") -> list[tuple[str, float]]:
@@ -138,7 +144,7 @@ def _parts(module: nn.Module, prefix: str = "") -> list[tuple[str, float]]:
         parts.append((f"{prefix}(own)", _local_share(own)))
     for name, child in module.named_children():
         params = list(child.parameters())
-        share = _local_share(params)
+        share = _local_share(params, _elsewhere(child))
         if share is None:
             continue
         shares = {round(_local_share([p]), 4) for p in params}
@@ -165,7 +171,7 @@ def coverage_lines(blocks: list[nn.Module]) -> list[str]:
         parts = _parts(members[0])
         split = [f"{n} {s:.0%}/rank" for n, s in parts if s < 1]
         whole = [n for n, s in parts if s >= 1]
-        share = _local_share(list(members[0].parameters()))
+        share = _local_share(list(members[0].parameters()), _elsewhere(members[0]))
         lines.append(
             f"{cls.__name__} x{len(members)} ({share:.0%} of its parameters on this rank): "
             + (", ".join(split) or "nothing split")
