@@ -61,6 +61,7 @@ COLUMNS = {  # layout names of the test modules -> table column
     "ac_selective": "AC selective",
     "ac_full": "AC full",
     "zero_auto": "ZeRO auto",
+    "deepspeed_zero3": "DeepSpeed ZeRO-3",  # tests/zoo/test_deepspeed_zoo.py
     # context parallelism (tests/strategies/test_context_parallel_parity.py)
     "cp2": "CP2 ring",
     "cp2_zero3": "CP2 ring",
@@ -90,6 +91,7 @@ def cells() -> dict[str, set[str]]:
     from tests.strategies import test_pipeline_tuples
     from tests.zoo import (
         test_attention_variants,
+        test_deepspeed_zoo,
         test_hybrid_blocks,
         test_hybrid_tensor_parallel,
         test_more_architectures,
@@ -138,6 +140,7 @@ def cells() -> dict[str, set[str]]:
     tested["reference"].update(f"AC {mode}" for mode in ("selective", "full") if mode in modes)
     pairs = list(test_context_parallel_parity.CASES)
     pairs += test_expert_parallel_parity.CELLS
+    pairs += [(layout, m) for layout in test_deepspeed_zoo.LAYOUTS for m in test_deepspeed_zoo.MODELS]
     for layout, model in pairs:
         tested.setdefault(model, set()).add(COLUMNS[layout])
     return tested
