@@ -1,7 +1,7 @@
 """Mixture-of-experts layers as the rest of the package finds them: by structure, not by model name.
 
 An experts module keeps an int ``num_experts`` and holds its expert weights itself, stacked with experts first and
-at least one 3-D (Hugging Face transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3NaiveMoe``,
+at least one 3-D, or is a ``ModuleList`` of identical modules named like experts (litgpt's ``LLaMAMoE``) (Hugging Face transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3NaiveMoe``,
 the reference model's :class:`~lightning_llm.models.moe.Experts`). Expert and tensor parallelism split them, the
 planner divides them by the expert-parallel size, and FLOP accounting counts only the ``top_k`` of them a token uses.
 """
@@ -14,6 +14,21 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+CONFIG_TOP_K_NAMES = ("num_experts_per_tok", "n_expert_per_token")  # Hugging Face's, litgpt's
+
+
+def is_expert_list(module: nn.Module) -> bool:
+    """A ``ModuleList`` of at least two modules of one class with the same parameter names and shapes."""
+    if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        return False
+    shapes = [(type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]) for m in module.children()]
+    return bool(shapes[0][1]) and all(s == shapes[0] for s in shapes)
+
+
+def named_like_experts(name: str) -> bool:
+    """A module name whose last part says routed experts (``experts``, ``moe_experts``; not ``shared_experts``)."""
+    leaf = name.rpartition(".")[2]
+    return "expert" in leaf and "shared" not in leaf
 
 
 def expert_count(module: nn.Module) -> int | None:
@@ -39,11 +54,11 @@ def routed_top_k(root: nn.Module, experts_name: str) -> int | None:
         for attr in TOP_K_NAMES:
             if isinstance(getattr(module, attr, None), int):
                 return getattr(module, attr)
-    for module in root.modules():
+    for module in [parent, *root.modules()]:
         config = getattr(module, "config", None)
-        value = getattr(config, "num_experts_per_tok", None)
-        if isinstance(value, int):
-            return value
+        for attr in CONFIG_TOP_K_NAMES:
+            if isinstance(getattr(config, attr, None), int):
+                return getattr(config, attr)
     return None
 
 
@@ -59,12 +74,14 @@ def inactive_expert_parameters(root: nn.Module) -> int:
     """
     inactive = 0
     for name, module in root.named_modules():
-        count = expert_count(module)
+        count, params = expert_count(module), list(module.parameters(recurse=False))
+        if count is None and is_expert_list(module) and named_like_experts(name):  # one module per expert
+            count, params = len(module), list(module.parameters())
         if count is None or not name:
             continue
         k = routed_top_k(root, name)
         if k is None:
             log.warning("MoE layer %r: no top_k / num_experts_per_tok found; FLOPs count all its experts", name)
             continue
-        inactive += sum(p.numel() for p in module.parameters(recurse=False)) * (count - min(k, count)) // count
+        inactive += sum(p.numel() for p in params) * (count - min(k, count)) // count
     return inactive

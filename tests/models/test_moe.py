@@ -156,3 +156,25 @@ def test_the_bias_moves_by_the_rate_toward_the_mean_load_of_each_optimizer_step(
             torch.testing.assert_close(biases[step][i], want[i])
             moved |= bool(want[i].abs().sum() > 0)
     assert moved, "the routes were unbalanced enough to move the biases"
+
+
+def test_flops_per_token_count_active_experts_of_a_module_list_moe():
+    """litgpt's LLaMAMoE keeps one module per expert in a ModuleList: the accounting still counts top_k of n_expert
+    (2 of 4) of them per token, as torch's FLOP counter measures on the model's own loop."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        block_size=64, vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=4, n_embd=64, n_query_groups=2,
+        intermediate_size=128, moe_intermediate_size=128, bias=False, rotary_percentage=1.0,
+        parallel_residual=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMoE", n_expert=4,
+        n_expert_per_token=2,
+    )  # fmt: skip
+    model = GPT(config)
+    experts = sum(p.numel() for block in model.transformer.h for p in block.mlp.experts.parameters())
+    assert inactive_expert_parameters(model) == experts // 2
+    tokens = torch.randint(0, 256, (2, 64))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens)
+    counted = 3 * counter.get_total_flops() / tokens.numel()
+    assert ModelShape.of(model).flops_per_token(64) == pytest.approx(counted, rel=5e-3), (ModelShape.of(model).flops_per_token(64), counted)

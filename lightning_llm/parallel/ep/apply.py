@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style, replicate_with_fsdp
-from lightning_llm.modeling.experts import expert_count
-from lightning_llm.parallel.ep.expert_list import is_expert_list, split_expert_list
+from lightning_llm.modeling.experts import expert_count, is_expert_list, named_like_experts
+from lightning_llm.parallel.ep.expert_list import split_expert_list
 from lightning_llm.parallel.ep.mesh import ExpertMeshes
 from lightning_llm.parallel.ep.style import ExpertParallel, routed_arguments
 
@@ -100,7 +100,7 @@ def find_experts(module: nn.Module, plan: dict[str, str] | None = None) -> list[
 def _looks_like_experts(module: nn.Module, name: str = "") -> bool:
     """Stacked experts (by structure), or a ``ModuleList`` of identical modules named like experts."""
     if is_expert_list(module):
-        return "expert" in name.rpartition(".")[2] and "shared" not in name.rpartition(".")[2]
+        return named_like_experts(name)
     return expert_count(module) is not None and routed_arguments(module) is not None
 
 

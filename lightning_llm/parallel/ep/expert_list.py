@@ -33,14 +33,6 @@ from lightning_llm._compat.torch_distributed import all_to_all_single
 END = -1  # the header's expert index at the end of a layer's forward
 
 
-def is_expert_list(module: nn.Module) -> bool:
-    """A ``ModuleList`` of at least two modules of one class with the same parameter names and shapes."""
-    if not isinstance(module, nn.ModuleList) or len(module) < 2:
-        return False
-    shapes = [(type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]) for m in module]
-    return bool(shapes[0][1]) and all(s == shapes[0] for s in shapes)
-
-
 class RemoteExpert(nn.Module):
     """Stands in for an expert held by another EP rank: sends this rank's rows there and returns their outputs."""
 
