@@ -177,4 +177,7 @@ def test_flops_per_token_count_active_experts_of_a_module_list_moe():
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens)
     counted = 3 * counter.get_total_flops() / tokens.numel()
-    assert ModelShape.of(model).flops_per_token(64) == pytest.approx(counted, rel=5e-3), (ModelShape.of(model).flops_per_token(64), counted)
+    assert ModelShape.of(model).flops_per_token(64) == pytest.approx(counted, rel=5e-3), (
+        ModelShape.of(model).flops_per_token(64),
+        counted,
+    )
