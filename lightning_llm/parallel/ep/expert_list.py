@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llm._compat.torch_distributed import all_to_all_single
+from lightning_llm.parallel.ep.style import scale_grad
 
 END = -1  # the header's expert index at the end of a layer's forward
 
@@ -103,19 +104,6 @@ class _Exchange:
         self._counts(END, 0)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient multiplied by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 def split_expert_list(
     name: str, experts: nn.ModuleList, parent: nn.Module, mesh: DeviceMesh, uid: int
 ) -> list[nn.Module]:
@@ -136,7 +124,7 @@ def split_expert_list(
         expert = experts[index]
         expert.ep_owner_group = mesh.get_group()  # set on its parameters after data parallelism wraps them
         expert.register_forward_pre_hook(lambda m, args, i=index: _enter(exchange, i, args))
-        expert.register_forward_hook(lambda m, args, out: exchange.receive(_ScaleGrad.apply(out, 1.0 / exchange.ep)))
+        expert.register_forward_hook(lambda m, args, out: exchange.receive(scale_grad(out, 1.0 / exchange.ep)))
         kept.append(expert)
     parent.register_forward_hook(lambda module, args, output: (exchange.end(), output)[1])
     return kept
@@ -149,4 +137,4 @@ def _enter(exchange: _Exchange, index: int, args: tuple) -> tuple:
             "parallelism over a ModuleList needs experts called as expert(rows)."
         )
     received = exchange.send(index, args[0])
-    return (_ScaleGrad.apply(received, float(exchange.ep)),)
+    return (scale_grad(received, float(exchange.ep)),)

@@ -93,7 +93,7 @@ def _enter(module, signature, names, args, kwargs, mesh, total, scale):
     lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     for name, param in lent.items():
         local = param.to_local()
-        module_parameters(module)[name] = local if scale == 1.0 else _ScaleGrad.apply(local, scale)  # _exit restores
+        module_parameters(module)[name] = local if scale == 1.0 else scale_grad(local, scale)  # _exit restores
     module._ep_calls.append((routing, weights, hidden.dtype, rows, lent))
     return bound.args, bound.kwargs
 
@@ -117,6 +117,16 @@ def _exit(module, output, mesh):
         # single process gives experts no token reached.
         output = output + sum((p.sum() * 0 for p in local), rows.sum() * 0)
     return combine(output, weights, routing, mesh, dtype)
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged in forward; its gradient multiplied by ``scale`` in backward.
+
+    Example::
+
+        local = scale_grad(weight_shard, 1 / ep)  # the shard's gradient sums ep ranks' tokens: make it their mean
+    """
+    return _ScaleGrad.apply(x, scale)
 
 
 class _ScaleGrad(torch.autograd.Function):
