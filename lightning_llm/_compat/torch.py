@@ -248,3 +248,29 @@ register(
         ),
     )
 )
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (2.8 and later). Checked on torch 2.13.0 and 2.11 (CPU)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)``: rows ``offs[i-1]:offs[i]`` of the 2-D ``a`` times the 3-D ``b[i]``,
+    every group in one kernel, differentiable. Checked on torch 2.13.0 and 2.11 (CPU, fp32)."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+register(
+    Private(
+        name="torch._grouped_mm",
+        upstream="torch",
+        accessor="torch.grouped_mm, torch.has_grouped_mm",
+        used_by=("models/grouped_experts.py",),
+        why="every expert's matmul in one kernel on its own rows (the grouped GEMM torchtitan and Hugging Face's "
+        "`grouped_mm` experts use); no public grouped matmul exists",
+        caught_by="`tests/models/test_grouped_experts.py`, `tests/gpu/test_cuda_paths.py`",
+        checked=CHECKED,
+        check=lambda: torch._grouped_mm,
+    )
+)

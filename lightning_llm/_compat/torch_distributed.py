@@ -93,7 +93,7 @@ register(
         name="torch.distributed._functional_collectives.all_to_all_single (and wait_tensor)",
         upstream="torch",
         accessor="torch_distributed.all_to_all_single",
-        used_by=("parallel/tp/fused.py", "parallel/ep/dispatch.py"),
+        used_by=("parallel/tp/fused.py", "parallel/ep/dispatch.py", "parallel/ep/expert_list.py"),
         why="the all-to-all that regroups a fused projection's output per rank, with autograd; torch 2.13 deprecates "
         "the public `torch.distributed.nn.functional.all_to_all_single` and names this one as its replacement",
         caught_by="`tests/parallel/test_fused_projections.py` (float64 gradients)",

@@ -15,13 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_llm._compat.torch import grouped_mm, has_grouped_mm
+
 ALIGN = 16  # rows per expert group: a multiple of 8 for bf16 kernels, 16 for fp8
 
 
 def grouped_mm_supported(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
     """Whether the grouped path runs here: ``torch._grouped_mm`` exists, and on CUDA the inputs are bf16 with
     widths whose rows are 16-byte aligned (the kernel's requirement)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not has_grouped_mm():
         return False
     if hidden.device.type != "cuda":
         return hidden.dtype == torch.float32
@@ -70,7 +72,7 @@ def grouped_swiglu(
     buffer = hidden_states.new_zeros(order.numel() + experts * align, hidden_states.shape[-1])
     buffer = buffer.index_copy(0, rows, hidden_states[tokens[order]])
     offsets = ends.to(torch.int32)
-    gate, up = torch._grouped_mm(buffer, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    out_rows = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)[rows]
+    gate, up = grouped_mm(buffer, gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+    out_rows = grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offsets)[rows]
     out_rows = out_rows * weights[order, None].to(out_rows.dtype)
     return torch.zeros_like(hidden_states).index_add(0, tokens[order], out_rows.to(hidden_states.dtype))
