@@ -1,8 +1,9 @@
 """Mixture-of-experts layers as the rest of the package finds them: by structure, not by model name.
 
 An experts module keeps an int ``num_experts`` and holds its expert weights itself, stacked with experts first and
-at least one 3-D, or is a ``ModuleList`` of identical modules named like experts (litgpt's ``LLaMAMoE``) (Hugging Face transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3NaiveMoe``,
-the reference model's :class:`~lightning_llm.models.moe.Experts`). Expert and tensor parallelism split them, the
+at least one 3-D (Hugging Face transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3NaiveMoe``,
+the reference model's :class:`~lightning_llm.models.moe.Experts`), or is a ``ModuleList`` of identical modules named
+like experts, one per expert (litgpt's ``LLaMAMoE``). Expert and tensor parallelism split them, the
 planner divides them by the expert-parallel size, and FLOP accounting counts only the ``top_k`` of them a token uses.
 """
 

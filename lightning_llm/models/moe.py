@@ -29,7 +29,9 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs stacked in two 3-D weights; runs each route on its expert.
 
     ``implementation``: "loop" (below), "grouped_mm" (:func:`~lightning_llm.models.grouped_experts.grouped_swiglu`)
-    or "auto" (grouped on CUDA where the kernel runs, else the loop). ``top_k_index`` holds expert ids local to this module's weights: under expert or tensor parallelism the
+    or "auto" (grouped on CUDA where the kernel runs, else the loop).
+
+    ``top_k_index`` holds expert ids local to this module's weights: under expert or tensor parallelism the
     weights hold only this rank's experts and the parallel style translates the ids; an id past the local
     experts (tensor parallelism's off-rank sentinel) selects nothing.
 
@@ -48,18 +50,16 @@ class Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        grouped = self.implementation == "grouped_mm" or (
-            self.implementation == "auto"
-            and hidden_states.is_cuda
-            and grouped_mm_supported(hidden_states, self.gate_up_proj, self.down_proj)
-        )
-        if grouped and not grouped_mm_supported(hidden_states, self.gate_up_proj, self.down_proj):
+        supported = grouped_mm_supported(hidden_states, self.gate_up_proj, self.down_proj)
+        if self.implementation == "grouped_mm" and not supported:
             raise ValueError(
                 f"moe_implementation='grouped_mm' does not run on {hidden_states.dtype} {hidden_states.device.type} "
                 f"tensors with torch {torch.__version__} (CUDA needs bf16 and widths that are multiples of 8; CPU fp32). "
                 "Use moe_implementation='auto' or 'loop'."
             )
-        if grouped:
+        if self.implementation == "grouped_mm" or (
+            self.implementation == "auto" and hidden_states.is_cuda and supported
+        ):
             return grouped_swiglu(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         routes = top_k_index.flatten()

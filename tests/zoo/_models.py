@@ -36,6 +36,16 @@ def _hf(config_name: str, model_name: str, **kwargs):
     return model_class(config)
 
 
+_LITGPT_LLAMA = dict(
+    n_query_groups=2,
+    intermediate_size=64,
+    bias=False,
+    rotary_percentage=1.0,
+    parallel_residual=False,
+    norm_class_name="RMSNorm",
+)
+
+
 def _litgpt(**kwargs):
     common = dict(block_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32)
     config = Config(**common, **kwargs)
@@ -80,15 +90,7 @@ BUILDERS = {
         moe_intermediate_size=32,
         decoder_sparse_step=1,
     ),
-    "litgpt_llama": lambda: _litgpt(
-        n_query_groups=2,
-        intermediate_size=64,
-        bias=False,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-    ),
+    "litgpt_llama": lambda: _litgpt(**_LITGPT_LLAMA, mlp_class_name="LLaMAMLP"),
     "litgpt_pythia": lambda: _litgpt(
         n_query_groups=4,
         intermediate_size=128,
@@ -104,16 +106,7 @@ MOE = ["mixtral", "qwen3_moe"]
 # One module per expert in an nn.ModuleList, called by the model's own loop (litgpt's LLaMAMoE): expert
 # parallelism's tests only (tests/strategies/test_expert_parallel_parity.py), not the zoo's layouts.
 BUILDERS["litgpt_moe"] = lambda: _litgpt(
-    n_query_groups=2,
-    intermediate_size=64,
-    bias=False,
-    rotary_percentage=1.0,
-    parallel_residual=False,
-    norm_class_name="RMSNorm",
-    mlp_class_name="LLaMAMoE",
-    n_expert=4,
-    n_expert_per_token=2,
-    moe_intermediate_size=32,
+    **_LITGPT_LLAMA, mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32
 )
 
 

@@ -60,16 +60,18 @@ class _Exchange:
         self.ep, self.rank = mesh.size(), mesh.get_local_rank()
         self.local = count // self.ep
         self._calls: list[tuple[list[int], list[int], torch.Size]] = []  # pushed by send, popped by receive
+        self._device = torch.device("cpu")  # the rows' device (NCCL exchanges device tensors only), for end()
 
     def owner(self, index: int) -> int:
         return index // self.local
 
     def _counts(self, index: int, rows: int) -> list[int]:
         """Every rank's row count for this call, after checking they all call the same expert of the same list."""
-        mine = torch.tensor([self.uid, index, rows], dtype=torch.long)
+        mine = torch.tensor([self.uid, index, rows], dtype=torch.long, device=self._device)
         every = [torch.empty_like(mine) for _ in range(self.ep)]
         dist.all_gather(every, mine, group=self.mesh.get_group())
-        calls = {(int(h[0]), int(h[1])) for h in every}
+        every = torch.stack(every).tolist()  # one host read: the splits are host ints
+        calls = {(h[0], h[1]) for h in every}
         if len(calls) > 1:
             raise RuntimeError(
                 f"expert parallelism over the ModuleList {self.name!r}: the EP ranks called different experts "
@@ -78,11 +80,12 @@ class _Exchange:
                 f"experts hit cannot be split this way). Keep it whole: expert_parallel_plan={{'{self.name}': "
                 "'data_parallel'}."
             )
-        return [int(h[2]) for h in every]
+        return [h[2] for h in every]
 
     def send(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows to expert ``index``'s owner; returns the rows this rank received (all ranks' rows at
         the owner, in rank order; none elsewhere)."""
+        self._device = x.device
         counts = self._counts(index, x.shape[0])
         owner = self.owner(index)
         to_owner = [x.shape[0] if r == owner else 0 for r in range(self.ep)]
