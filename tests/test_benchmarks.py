@@ -1,5 +1,6 @@
 """The MFU benchmark runs on CPU at tiny size through the same code path it uses on GPUs."""
 
+import json
 import os
 import re
 import subprocess
@@ -28,13 +29,18 @@ def _fresh_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARIABLES}
 
 
-def _run_quick(script: str) -> subprocess.CompletedProcess:
-    """``python SCRIPT --quick`` from the repository root in a clean environment; fails on a non-zero exit."""
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS...`` from the repository root in a clean environment; fails on a non-zero exit."""
     result = subprocess.run(
-        [sys.executable, script, "--quick"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=_fresh_env()
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=_fresh_env()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def _run_quick(script: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT --quick``: a benchmark's smoke run."""
+    return _run(script, "--quick")
 
 
 def test_mfu_benchmark_cpu_smoke():
@@ -165,3 +171,11 @@ def test_gpu_suite_writes_its_report_when_stopped_mid_step(tmp_path):
     while subprocess.run(["pgrep", "-f", str(tmp_path / "mfu.md")], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "the step that was running must be stopped with the suite"
         time.sleep(0.5)
+
+
+def test_architecture_sweep_trains_a_named_architecture_against_one_process():
+    result = _run("benchmarks/architecture_sweep.py", "--models", "Olmo3", "--layouts", "tp2")
+    row = re.search(r"\| Olmo3 \| tp2 \| loss (\S+), params (\S+), held (\{.*?\}), differing (\d+) \|", result.stdout)
+    assert row, result.stdout[-2000:]
+    assert float(row[1]) <= 1e-5 and float(row[2]) <= 1e-5 and row[4] == "0", row[0]
+    assert json.loads(row[3])["attention"] <= 0.55, row[0]  # each rank holds about half the attention parameters

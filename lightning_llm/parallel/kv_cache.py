@@ -1,10 +1,12 @@
-"""A Hugging Face KV cache and activation checkpointing do not mix; turn the cache off for training.
+"""A Hugging Face KV cache and activation checkpointing (or pipeline stages) do not mix; turn the cache off.
 
 A Hugging Face decoder called the ordinary way (``model(input_ids)``, ``use_cache`` at its config's
 default ``True``) appends each block's keys and values to a cache object inside the block. A
 checkpointed block runs twice, so its recomputation appends again and sees different tensors than
 the forward did: torch then reports a "nondeterministic" region (selective) or the attention shapes
-disagree (full). Hugging Face's own ``gradient_checkpointing_enable`` sets ``config.use_cache = False``
+disagree (full). Under pipeline parallelism a stage runs some blocks only, and a hybrid model's cache (Zamba2's,
+one entry per layer of its own kind) is handed blocks it does not hold. Hugging Face's own
+``gradient_checkpointing_enable`` sets ``config.use_cache = False``
 for the same reason; :func:`disable_kv_cache` does the same for any model holding such configs, and
 :func:`refuse_cache_argument` stops a block that is handed a cache anyway, before any backward runs.
 """
@@ -24,7 +26,9 @@ CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 CACHE_OBJECT_ARGUMENTS = ("cache", "cache_params")
 
 
-def disable_kv_cache(module: nn.Module) -> list[str]:
+def disable_kv_cache(
+    module: nn.Module, who: str = "Activation checkpointing", why: str = "a KV cache cannot be recomputed"
+) -> list[str]:
     """Set ``config.use_cache = False`` on every submodule's config that has it on; return those modules' names.
 
     Example::
@@ -41,7 +45,7 @@ def disable_kv_cache(module: nn.Module) -> list[str]:
             config.use_cache = False
             changed.append(name or type(submodule).__name__)
     if changed:
-        log.info(f"Activation checkpointing: set config.use_cache=False on {changed} (a KV cache cannot be recomputed)")
+        log.info(f"{who}: set config.use_cache=False on {changed} ({why})")
     return changed
 
 

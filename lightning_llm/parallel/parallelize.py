@@ -44,6 +44,7 @@ from lightning_llm.parallel.tp.apply import (
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage
 from lightning_llm.parallel.tp.float8 import fp8_tp_exclusions
+from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
 
 
 @dataclass
@@ -185,6 +186,7 @@ def plan_tensor_parallel(
         module_plan=module_plan,
         replicate=replicate,
     )
+    plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)

@@ -18,7 +18,18 @@ from tests.parallel._tp_models import HF_SOURCES
 
 # (zoo model, Hugging Face experts implementation): the eager loop and batched_mm run the routes differently; the
 # reference model's experts (lightning_llm.models.moe, dense first block, a shared expert) have one implementation.
-CASES = [("mixtral", "eager"), ("mixtral", "batched_mm"), ("qwen3_moe", "eager"), ("reference_moe", "loop")]
+# Llama 4's experts take the tokens repeated once per expert (every expert runs on every token, scaled by its score).
+CASES = [
+    ("mixtral", "eager"),
+    ("mixtral", "batched_mm"),
+    ("qwen3_moe", "eager"),
+    ("reference_moe", "loop"),
+    ("llama4", "rows"),
+]
+
+# Llama 4 computes its rotary embedding (complex float32) and its router's sigmoid in float32 whatever the model's
+# dtype, so one process and tp2 agree to float32 rounding there (measured: loss 7.8e-11, gradients <= 1.1e-7).
+FLOAT32_INSIDE = {"llama4": (1e-9, 1e-5)}
 
 
 def _experts(model: nn.Module) -> list[nn.Module]:
@@ -71,8 +82,10 @@ def test_experts_that_cannot_be_split_exactly_are_refused():
 def _build(name: str, implementation: str) -> nn.Module:
     from tests.zoo._models import ZooLM
     from tests.zoo._models_hybrid import register
+    from tests.zoo._models_more import register as register_more
 
     register()
+    register_more()
     module = ZooLM(name)
     for experts in _experts(module):  # grouped_mm, the default, has no float64 kernel on CPU
         if hasattr(experts, "config"):
@@ -143,9 +156,10 @@ def fp64_results():
 @pytest.mark.parametrize("name, implementation", CASES)
 def test_experts_are_exact_in_float64(fp64_results, name, implementation, sp):
     loss_error, errors, _, _, _, lent_back = fp64_results[(name, implementation, sp)]
-    assert loss_error < 1e-12
+    loss_tolerance, tolerance = FLOAT32_INSIDE.get(name, (1e-12, 1e-10))
+    assert loss_error < loss_tolerance
     for key, error in errors.items():
-        assert error < 1e-10, f"{name}/{implementation} sp={sp}: gradient of {key} off by {error:.1e}"
+        assert error < tolerance, f"{name}/{implementation} sp={sp}: gradient of {key} off by {error:.1e}"
     assert lent_back, "the experts' parameters must be DTensors again after the forward"
 
 

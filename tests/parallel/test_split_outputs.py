@@ -56,3 +56,36 @@ def test_heads_pass_and_the_watch_leaves_after_the_first_forward():
     x = torch.randn(2, 5, 8)
     torch.testing.assert_close(block(x), _Mixer.forward(block, x))
     assert not block._forward_hooks and not block._forward_pre_hooks and not block.in_proj._forward_hooks
+
+
+class _Differential(nn.Module):
+    """DiffLlama's value path: heads from a column-split projection, then the heads cut into two halves (which
+    pairs head i with head i + n/2: under a split by heads a rank would pair its own heads instead)."""
+
+    def __init__(self, cut_heads: bool) -> None:
+        super().__init__()
+        self.v_proj, self.cut_heads = nn.Linear(8, 16), cut_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.v_proj(x).view(*x.shape[:-1], 4, 4).transpose(1, 2).contiguous()  # (batch, heads, seq, head_dim)
+        if self.cut_heads:
+            v = torch.cat([v.new_zeros(*v.shape[:2], 0, 4), v], dim=2)  # a KV cache appends along the sequence
+            first, second = torch.chunk(v, 2, dim=1)
+            return (first - second).sum((1, 3))[..., None].expand(*x.shape)
+        rope, rest = v.split([2, 2], dim=-1)  # a head's own columns (latent attention's rope | nope): fine
+        return (rope * rest).sum((1, 3))[..., None].expand(*x.shape)
+
+
+def test_heads_cut_into_groups_are_refused_and_a_heads_own_columns_pass():
+    block = _Differential(cut_heads=True)
+    watch_first_forward(block, ["v_proj"], "model.layers.2")
+    with pytest.raises(
+        RuntimeError,
+        match=r"model\.layers\.2\.v_proj is split column-wise by heads \(this rank holds 4 of them\), but the model cuts its heads into groups \(chunk along the head axis",
+    ) as raised:
+        block(torch.randn(2, 5, 8))
+    assert "tensor_parallel_replicate=['model.layers.*']" in str(raised.value)
+    fine = _Differential(cut_heads=False)
+    watch_first_forward(fine, ["v_proj"], "model.layers.2")
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(fine(x), _Differential.forward(fine, x))

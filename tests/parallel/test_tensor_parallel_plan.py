@@ -390,3 +390,73 @@ def test_a_long_printed_plan_is_cut_but_keeps_the_missing_entry():
     lines = printed.splitlines()
     assert lines[-3:] == ["    # ... 10 more", "    'layers.*.mix': STYLE,  # <- the missing entry", "}"]
     assert "'layers.39.q'" in printed and "'layers.40.q'" not in printed
+
+
+def test_a_router_inside_a_gate_module_beside_the_experts_stays_whole():
+    # HunYuan-MoE: mlp.gate.wg (dim -> experts) sits one level below the experts' sibling. Split column-wise it
+    # would give each rank the scores of half the experts, and top-k over them trains silently wrong.
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 128, 32))
+            self.down_proj = nn.Parameter(torch.zeros(4, 32, 64))
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wg = nn.Linear(32, 4, bias=False)
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = Gate(), Experts()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.mlp = nn.Linear(32, 64), nn.Linear(64, 32), Moe()
+
+    module = nn.Module()
+    module.layers = nn.ModuleList(Block() for _ in range(2))
+    plan = infer_plan(module, "layers", module.layers)
+    assert plan["layers.*.mlp.gate.wg"] == "replicate"
+    assert plan["layers.*.mlp.experts"] == "experts" and plan["layers.*.up"] == "colwise"
+
+
+def test_first_forward_stops_a_norm_over_all_heads_before_it_runs():
+    # BitNet's attn_sub_norm: RMSNorm over all heads' outputs, between the split projections. On one rank's
+    # half of the heads (emulated here by a q of half the width) it cannot run; the stop names the fix.
+    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o, self.sub_norm = nn.Linear(8, 4), nn.Linear(4, 8), nn.RMSNorm(8)
+
+        def forward(self, x):
+            return self.o(self.sub_norm(self.q(x)))
+
+    attn = Attn()
+    verify_on_first_forward(attn, {"q": "colwise", "o": "rowwise", "sub_norm": "replicate_grad_sum"}, "layers.3")
+    with pytest.raises(RuntimeError, match=r"layers\.3\.sub_norm has 8-wide .* 4 columns.*tensor_parallel_replicate"):
+        attn(torch.randn(2, 8))
+
+
+def test_first_forward_stops_a_whole_layer_that_mixes_all_heads_before_it_runs():
+    # Doge's dt_proj reads every value head to make one gate per head; on one rank's half it cannot run.
+    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v, self.o, self.dt_proj = nn.Linear(8, 4), nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            v = self.v(x)
+            return self.o(v * self.dt_proj(v).sum(-1, keepdim=True))
+
+    attn = Attn()
+    verify_on_first_forward(attn, {"v": "colwise", "o": "rowwise", "dt_proj": "replicate_grad_sum"}, "layers.0")
+    with pytest.raises(RuntimeError, match=r"layers\.0\.dt_proj has 8-wide parameters but runs on this rank's 4"):
+        attn(torch.randn(2, 8))

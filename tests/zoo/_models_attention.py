@@ -117,8 +117,8 @@ ATTENTION = {
 }
 
 PLANS = {
-    # Merged with inference: only what cannot be told from widths and config is named.
-    "bloom_alibi": {"model.transformer.h.*.self_attention.query_key_value": "colwise"},  # [q0 k0 v0 | q1 ...]
+    # Merged with inference: only what neither widths, config nor the forward's use of an output tell is named.
+    # (Bloom's [q0 k0 v0 | q1 ...] query_key_value is read off its view into heads: no entry.)
     # 'experts' expects forward(hidden_states, top_k_index, top_k_weights) and marks off-rank routes with the id
     # num_local_experts, which GptOss's one_hot(router_indices, num_experts) cannot take: its experts stay whole.
     "gpt_oss_sinks": {"model.model.layers.*.mlp.experts": "replicate"},

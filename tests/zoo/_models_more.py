@@ -6,7 +6,7 @@ boundaries were built); :func:`register` adds them to :data:`tests.zoo._models.B
 
 from __future__ import annotations
 
-from tests.zoo._models import _DENSE, BUILDERS, _hf
+from tests.zoo._models import _DENSE, BUILDERS, VOCAB, _hf
 
 MORE = {
     "olmoe": lambda: _hf("OlmoeConfig", "OlmoeForCausalLM", **_DENSE, num_experts=4, num_experts_per_tok=2),
@@ -47,6 +47,49 @@ MORE = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
         full_attention_interval=2,
+    ),
+    # Held out in a later round: its router is a Linear inside a gate module beside the experts (mlp.gate.wg).
+    "hunyuan_moe": lambda: _hf(
+        "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", **_DENSE, head_dim=8, num_experts=4, moe_topk=2
+    ),
+    # Mamba-2 mixers (beside attention; within each block beside attention for Falcon-H1): kept whole on every
+    # rank without a plan entry, found by their depthwise convolution, and reported as replicated.
+    "bamba": lambda: _hf(
+        "BambaConfig",
+        "BambaForCausalLM",
+        **_DENSE,
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        attn_layer_indices=[1],
+    ),
+    "falcon_h1": lambda: _hf(
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        **_DENSE,
+        head_dim=8,
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_ssm=64,
+    ),
+    # Llama 4's experts run every expert on every token (scaled by the router's scores) and take the rows alone.
+    "llama4": lambda: _hf(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        **dict(_DENSE, intermediate_size=32),
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=64,
+        interleave_moe_layer_step=1,
+    ),
+    # A fused projection of no known layout, read off the forward's use of its output: MPT's Wqkv is [q | k | v],
+    # cut by chunk(3). (Bloom's, each head's q, k, v together, is read off its view into heads: attention zoo.)
+    "mpt": lambda: _hf(
+        "MptConfig", "MptForCausalLM", vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64
     ),
 }
 MORE_MODELS = list(MORE)

@@ -3,9 +3,10 @@
 Jamba (Mamba blocks with MoE feed-forwards beside attention blocks), DeepSeek-V3 (latent attention; a dense block
 then MoE blocks) and a user's ``nn.Sequential`` of convolution and attention blocks train under tp2 and tp2+SP
 against one process (fp32, per-step loss and every parameter within 1e-5, every parameter identical on the ranks
-holding it). The mixers inference cannot split (Mamba's one input projection cut into five parts, a gated
-convolution's ``chunk``-ed projection) are refused at setup with the entry that keeps them whole; with that entry
-given they stay whole, sequence parallelism gathers the sequence around them, and everything else is split: each
+holding it), with no plan entry. Jamba's Mamba mixers (one input projection cut into five parts, a depthwise
+convolution) and the user's gated convolution blocks are kept whole and reported as replicated; the user's fused
+``[k | v]`` projection is split per part, its layout read off the ``chunk`` in its forward. The mixers kept whole
+see the whole sequence under sequence parallelism, and everything else is split: each
 rank holds at most 55% of the attention and of the expert parameters (DeepSeek-V3's latent attention keeps its
 low-rank down-projections whole; see tests/zoo/test_attention_variants.py for its share at realistic ranks).
 """
@@ -23,13 +24,6 @@ from tests.zoo._models import ZooLM
 from tests.zoo._models_hybrid import register
 
 MODELS = ["jamba", "deepseek_v3", "user_sequential"]
-OPTIONS = {
-    "jamba": {"tensor_parallel_replicate": ["*.mamba"]},
-    "user_sequential": {
-        "tensor_parallel_plan": {"model.layers.*.kv_proj": "fused_colwise:2"},  # [k | v], chunk(2) in the forward
-        "tensor_parallel_replicate": ["model.layers.0", "model.layers.2"],  # the convolution blocks
-    },
-}
 # Parameter groups whose largest per-rank share is asserted (DeepSeek-V3's tiny latent ranks: see the docstring).
 CHECKED_SHARES = {"jamba": ("attention", "experts"), "deepseek_v3": ("experts",), "user_sequential": ()}
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}}
@@ -50,7 +44,7 @@ def _train_all(layouts: list[str], models: list[str]) -> dict:
     results: dict = {}
     for layout in layouts:
         for name in models:
-            strategy = LLMParallelStrategy(**LAYOUTS[layout], **OPTIONS.get(name, {}))
+            strategy = LLMParallelStrategy(**LAYOUTS[layout])
             try:
                 results[(layout, name)] = (train(name, strategy, devices=2), strategy.tensor_parallel_coverage)
             except Exception as error:
@@ -88,18 +82,21 @@ def test_hybrid_stack_under_tensor_parallel_matches_single_process(layout, name)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "name, refused, keep",
-    [
-        ("jamba", "model.model.layers.*.mamba.in_proj", "['model.model.layers.*.mamba']"),
-        ("user_sequential", "model.layers.*.in_proj", "['model.layers.0', 'model.layers.2']"),
-    ],
-)
-def test_a_mixer_inference_cannot_split_is_refused_naming_what_keeps_it_whole(name, refused, keep):
+def test_a_user_stack_needs_no_plan_entry_convolution_blocks_whole_and_a_fused_kv_read_off_its_chunk():
     register()
-    module = ZooLM(name)
+    module = ZooLM("user_sequential")
     blocks_name, blocks = find_blocks(module)
-    with pytest.raises(ValueError) as error:
-        plan_tensor_parallel(module, tp=2, blocks_name=blocks_name, blocks=blocks, user_plan=None)
-    message = str(error.value)
-    assert f"would leave {refused!r}" in message and f"tensor_parallel_replicate={keep}" in message, message
+    plan, _ = plan_tensor_parallel(module, tp=2, blocks_name=blocks_name, blocks=blocks, user_plan=None)
+    assert plan["model.layers.*.kv_proj"] == "fused_colwise:32,32"  # [k | v], chunk(2, dim=-1) in the forward
+    for part in ("in_proj", "conv", "out_proj"):  # the gated convolution blocks (0 and 2) stay whole
+        assert plan[f"model.layers.*.{part}"] == "replicate"
+
+
+@pytest.mark.timeout(120)
+def test_state_space_mixers_inside_blocks_are_kept_whole_without_a_plan_entry():
+    register()
+    module = ZooLM("jamba")
+    blocks_name, blocks = find_blocks(module)
+    plan, _ = plan_tensor_parallel(module, tp=2, blocks_name=blocks_name, blocks=blocks, user_plan=None)
+    assert plan["model.model.layers.*.mamba"] == "replicate"
+    assert not any(name.startswith("model.model.layers.*.mamba.") for name in plan), plan

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm._compat.torch import module_parameters
 from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
+from lightning_llm.parallel.kv_cache import disable_kv_cache
 from lightning_llm.parallel.pipeline.block_outputs import BlockOutputs, probe
 
 
@@ -190,7 +191,15 @@ class _Gate:
         block = block_modules(self)[start]
         if state.received is not None:
             args, kwargs = _replace_hidden(args, kwargs, self.__dict__["_hidden_names"][start], state.received)
-        return block, probe(block, args, kwargs)
+        try:
+            return block, probe(block, args, kwargs)
+        except Exception as error:
+            raise RuntimeError(
+                f"Pipeline parallelism: to learn what {self.__dict__['_block_names'][start]} returns, it ran on the "
+                f"arguments of a block before it on another stage and failed ({type(error).__name__}: {error}). Its "
+                "blocks take per-layer arguments they cannot share (Zamba2's shared transformer looks up its layer "
+                "index). Train this model with ZeRO instead of pipeline parallelism."
+            ) from error
 
     def __iter__(self):
         return iter(self._calls())
@@ -217,6 +226,10 @@ class _ZeroEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
         self.embedding_dim, self.dtype = embedding.embedding_dim, embedding.weight.dtype
+        # Models read the embedding's device off its weight (Llama 4: input_ids.to(embed_tokens.weight.device)):
+        # an empty stand-in that follows the module's device and is in no checkpoint.
+        empty = torch.empty(0, self.embedding_dim, dtype=self.dtype, device=embedding.weight.device)
+        self.register_buffer("weight", empty, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
@@ -294,6 +307,7 @@ def install_gates(
     module: nn.Module, blocks_name: str, blocks: BlockStack, owned_outer: dict[str, list], state: PipelineState
 ) -> None:
     """Make the block list and the embeddings follow ``state`` (the stage boundaries described above)."""
+    disable_kv_cache(module, "Pipeline parallelism", "a training forward needs no KV cache; a stage holds some layers")
     modules = block_modules(blocks)
     hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in modules]
     names = block_names(blocks_name, blocks)

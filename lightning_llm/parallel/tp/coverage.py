@@ -70,7 +70,7 @@ def check_coverage(
             why = unknown.get(name)
             if own / total > MAX_WHOLE_SHARE or (why and _has_split_sibling(block, rel, plan, block_name)):
                 refusal = _refusal(name, _whole_part(name, rel, module, same_class), own / total, why, tp)
-                raise ValueError(refusal + _plan_so_far(plan, _wildcard(name)))
+                raise ValueError(refusal + _plan_so_far(plan, wildcard_index(name)))
 
 
 def _has_split_sibling(block: nn.Module, rel: str, plan: dict[str, str], block_name: str) -> bool:
@@ -84,18 +84,18 @@ def _whole_part(name: str, rel: str, module: nn.Module, same_class: list[str]) -
     """What to keep whole with ``name``: the part holding a leaf layer (its siblings must not be split without it);
     the blocks of its class when it sits directly in the block."""
     if any(True for _ in module.children()):
-        return [_wildcard(name)]
+        return [wildcard_index(name)]
     if "." in rel:
-        return [_wildcard(name.rpartition(".")[0])]
-    return same_class if len(same_class) < 8 else [_wildcard(same_class[0])]
+        return [wildcard_index(name.rpartition(".")[0])]
+    return same_class if len(same_class) < 8 else [wildcard_index(same_class[0])]
 
 
 def _refusal(name: str, keep: list[str], share: float, why: str | None, tp: int) -> str:
     return (
-        f"tensor_parallel_size={tp} would leave {_wildcard(name)!r} ({share:.0%} of its block's parameters) whole on "
+        f"tensor_parallel_size={tp} would leave {wildcard_index(name)!r} ({share:.0%} of its block's parameters) whole on "
         f"every rank: no tensor-parallel plan names it"
         + (f" and inference cannot split it ({why})" if why else "")
-        + f". Split it with a tensor_parallel_plan entry for {_wildcard(name)!r}, or keep it whole on purpose "
+        + f". Split it with a tensor_parallel_plan entry for {wildcard_index(name)!r}, or keep it whole on purpose "
         f"with tensor_parallel_replicate={keep!r} (the whole part; parts of a module split and parts whole "
         "would compute something else), or use pipeline_parallel_size / zero_stage instead of tensor parallelism."
     )
@@ -113,7 +113,8 @@ def _plan_so_far(plan: dict[str, str], missing: str, limit: int = 40) -> str:
     )
 
 
-def _wildcard(name: str) -> str:
+def wildcard_index(name: str) -> str:
+    """``model.layers.3.self_attn`` -> ``model.layers.*.self_attn``: the first index made a wildcard."""
     parts = name.split(".")
     for k, part in enumerate(parts):
         if part.isdigit():

@@ -19,6 +19,10 @@ Why the pieces:
   expert id, the way expert parallelism's dispatch hands them over without the all-to-all; the rows are added
   back onto their tokens after. The module never sees an expert it does not hold, so no transformers release's
   handling of an off-rank sentinel id is relied on.
+- Llama 4's experts take the tokens repeated once per expert, expert-major, already scaled by the router's
+  scores, and the MoE block sums their output over experts: each rank runs its experts' blocks of rows, sums
+  them per token, and the all-reduced sum comes back in the first expert's rows (zeros in the others), so the
+  block's own reshape-and-sum gives the total.
 - The shared inputs (tokens, routing weights) get their gradient summed over the tp group: each rank
   backpropagates through its own experts only. The router before them therefore sees the full
   gradient on every rank and stays replicated without any gradient correction.
@@ -61,11 +65,21 @@ def check_experts(name: str, module: nn.Module, tp: int) -> None:
             f"whole experts. Use a tensor_parallel_size that divides {count}."
         )
     missing = [n for n in INPUTS if n not in inspect.signature(module.forward).parameters]
-    if missing:
+    if missing and not takes_expert_rows(module):
         raise ValueError(
             f"{name!r}'s forward has no argument(s) {missing}; 'experts' expects Hugging Face's experts call "
-            f"forward(hidden_states, top_k_index, top_k_weights). Keep it whole: tensor_parallel_plan={{'{name}': 'replicate', ...}}."
+            "forward(hidden_states, top_k_index, top_k_weights), or forward(hidden_states) on the tokens repeated once "
+            f"per expert (Llama 4). Keep it whole: tensor_parallel_plan={{'{name}': 'replicate', ...}}."
         )
+
+
+def takes_expert_rows(module: nn.Module) -> bool:
+    """Whether the experts' forward takes one tensor, the tokens repeated once per expert, expert-major (Llama 4's
+    ``experts(routed_in)``, each block of rows already scaled by its expert's routing score), and returns one
+    row per input row, which the MoE block sums over the experts."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    required = [p for p in parameters if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
+    return len(required) == 1 and not any(n in inspect.signature(module.forward).parameters for n in INPUTS[1:])
 
 
 class ExpertsParallel(ParallelStyle):
@@ -81,6 +95,10 @@ class ExpertsParallel(ParallelStyle):
         distribute_module(module, device_mesh, partition_fn=_shard_experts)
         module.num_experts = count // tp
         first = device_mesh.get_local_rank() * module.num_experts
+        if takes_expert_rows(module):
+            module.register_forward_pre_hook(lambda m, args: _enter_rows(m, args, device_mesh, first, tp))
+            module.register_forward_hook(lambda m, args, output: _exit_rows(m, output, device_mesh), always_call=True)
+            return module
         signature = inspect.signature(module.forward)
         module.register_forward_pre_hook(
             lambda m, args, kwargs: _enter(m, signature, args, kwargs, device_mesh, first), with_kwargs=True
@@ -109,16 +127,42 @@ def _enter(module, signature, args, kwargs, mesh, first):
     bound.arguments["top_k_weights"] = _sum_grad(weights, mesh)[tokens, slots][:, None]
     bound.arguments["hidden_states"] = _sum_grad(hidden, mesh)[tokens]
     module._routes = (tokens, hidden.shape[0])
-    module._lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    for name, param in module._lent.items():
-        module_parameters(module)[name] = param.to_local()  # lent for this call; the hook below puts the DTensor back
+    _lend(module)
     return bound.args, bound.kwargs
 
 
-def _exit(module, output, mesh):
+def _lend(module) -> None:
+    module._lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for name, param in module._lent.items():
+        module_parameters(module)[name] = param.to_local()  # lent for this call; the exit hook puts the DTensor back
+
+
+def _enter_rows(module, args, mesh, first, tp):
+    # Expert-major rows, one block of tokens per expert: this rank's experts' blocks go in.
+    rows = _sum_grad(args[0], mesh)
+    local = module.num_experts
+    module._rows = (rows.shape[0] // (local * tp), rows.shape[0])
+    _lend(module)
+    return (rows.unflatten(0, (local * tp, -1))[first : first + local].flatten(0, 1), *args[1:])
+
+
+def _exit_rows(module, output, mesh):
+    _return_lent(module)
+    tokens, count = module._rows
+    # This rank's experts summed per token, then over tp: the MoE block's sum over experts sees it in the first
+    # expert's rows and zeros in the others, so its own reshape-and-sum gives the total.
+    summed = _sum(output.unflatten(0, (-1, tokens)).sum(0), mesh)
+    return torch.cat([summed, summed.new_zeros(count - tokens, *summed.shape[1:])])
+
+
+def _return_lent(module) -> None:
     for name, param in getattr(module, "_lent", {}).items():
         module_parameters(module)[name] = param
     module._lent = {}
+
+
+def _exit(module, output, mesh):
+    _return_lent(module)
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"'experts' expects the experts module to return one tensor, got {type(output).__name__}.")
     tokens, count = module._routes

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, distinct_blocks
-from lightning_llm.modeling.experts import expert_count
+from lightning_llm.modeling.experts import expert_count, is_expert_list
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
 from lightning_llm.parallel.tp.fused import projection_dims
 
@@ -45,7 +45,7 @@ _COLWISE = re.compile(
 _ROWWISE = re.compile(
     r"^(o|wo|out|o_proj|out_proj|to_out|proj|down|w2|down_proj|fc2|fc_out|c_proj|dense_4h_to_h|dense)$"
 )
-_FUSED = re.compile(r"^(qkv|wqkv|qkv_proj|c_attn|query_key_value|in_proj|gate_up_proj|w13|w12|kv|kv_proj)$")
+FUSED_NAME = re.compile(r"^(qkv|wqkv|qkv_proj|c_attn|query_key_value|in_proj|gate_up_proj|w13|w12|kv|kv_proj)$")
 
 
 @dataclass
@@ -91,6 +91,8 @@ def infer_styles(
             name = f"{block_name}.{rel}"
             if covered(name) or _under_covered(name, block_name, covered):
                 continue
+            if style == "replicate" and _covered_inside(block, rel, name, covered):
+                continue  # a mixer whose insides another plan splits
             if style is not None:
                 per_part.setdefault((rel, style), []).append(block_name)
             elif not any(n.endswith("." + rel) for n in result.unknown):
@@ -158,15 +160,23 @@ def _under_covered(name: str, block_name: str, covered: Callable[[str], bool]) -
     return any(covered(f"{block_name}.{'.'.join(parts[:k])}") for k in range(1, len(parts)))
 
 
+def _covered_inside(block: nn.Module, rel: str, name: str, covered: Callable[[str], bool]) -> bool:
+    """Whether a plan names a module inside ``name`` (a mixer another plan splits is not kept whole here)."""
+    return any(covered(f"{name}.{sub}") for sub, _ in block.get_submodule(rel).named_modules() if sub)
+
+
 def _block_styles(block: nn.Module, label: str) -> dict[str, tuple[str | None, str | None]]:
     """Relative module name -> (inferred style, None), or (None, why it is left whole), for one block."""
     styles: dict[str, tuple[str | None, str | None]] = {}
     experts = {n: expert_count(m) for n, m in block.named_modules() if n and expert_count(m)}
+    whole = experts.keys() | convolution_mixers(block)
     for name, module in block.named_modules():
-        if not name or any(name.startswith(e + ".") for e in experts):
+        if not name or any(name.startswith(e + ".") for e in whole):
             continue
         if name in experts:
             styles[name] = ("experts", None)
+        elif name in whole:
+            styles[name] = ("replicate", None)
         elif projection_dims(module) is not None:
             is_router = _is_router(name, module, block)
             styles[name] = (
@@ -175,12 +185,32 @@ def _block_styles(block: nn.Module, label: str) -> dict[str, tuple[str | None, s
     return styles
 
 
+def convolution_mixers(block: nn.Module) -> set[str]:
+    """The modules of ``block`` that run a depthwise ``Conv1d`` over the sequence: state-space (Mamba),
+    gated delta-net and short-convolution mixers. Their input projections are cut into parts of
+    different widths and their heads are grouped in ways a column split does not follow, so they are
+    kept whole on every rank (and reported as replicated) unless a plan names what is inside them. A block
+    that is such a mixer itself (its own child is the convolution) gives each of its children."""
+    owners = {
+        name.rpartition(".")[0]
+        for name, module in block.named_modules()
+        if isinstance(module, nn.Conv1d) and module.groups > 1 and module.groups == module.in_channels
+    }
+    if "" in owners:  # the block itself: every part of it stays whole
+        owners = (owners - {""}) | {name for name, _ in block.named_children()}
+    return owners
+
+
 def _is_router(name: str, module: nn.Module, block: nn.Module) -> bool:
-    """A layer beside a set of experts (3-D weights or a list of expert modules) with one output per expert:
-    it routes tokens, and splitting it would give each rank the scores of some experts only."""
-    parent_name = name.rpartition(".")[0]
-    siblings = block.get_submodule(parent_name).children() if parent_name else block.children()
-    counts = {expert_count(s) or (len(s) if isinstance(s, nn.ModuleList) else None) for s in siblings}
+    """A layer with one output per expert beside a set of experts (3-D weights or a list of expert modules),
+    itself or inside a module beside them (HunYuan's ``mlp.gate.wg`` next to ``mlp.experts``): it routes
+    tokens, and splitting it would give each rank the scores of some experts only."""
+    parts = name.split(".")
+    counts = set()
+    for depth in range(len(parts)):  # the layer's own siblings, then its parent's, up to the block's children
+        owner = block.get_submodule(".".join(parts[:depth])) if depth else block
+        for sibling in owner.children():
+            counts.add(expert_count(sibling) or (len(sibling) if is_expert_list(sibling) else None))
     return projection_dims(module)[1] in counts - {None, 1}
 
 
@@ -193,7 +223,7 @@ def _classify_linear(full_name: str, name: str, linear: nn.Module, block: nn.Mod
     leaf = leaf.lower()
     in_features, out_features = projection_dims(linear)
     pattern = pattern_of(full_name)
-    if _FUSED.match(leaf):
+    if FUSED_NAME.match(leaf):
         return None, (
             f"{full_name!r} looks like a fused projection ({in_features} -> {out_features}) of a layout this package "
             "does not know; a plain column split would give each rank a slice mixing q/k/v (or gate/up) of different "

@@ -20,6 +20,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.parallel.tp.coverage import wildcard_index
+from lightning_llm.parallel.tp.fused import projection_dims
+
 OPENS = ("colwise", "colwise_replicated_input")
 CLOSES = ("rowwise",)
 
@@ -89,35 +92,57 @@ def _between(block: nn.Module, owner: str, name: str, styles: dict[str, str]) ->
 
 
 def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str) -> None:
-    """Check, in ``block``'s first forward, that exactly the modules run inside the region sum their gradients.
+    """Check, in ``block``'s first forward, that exactly the modules run inside the region sum their gradients,
+    and that none of them normalizes over the full width of the split heads (BitNet's ``attn_sub_norm``).
 
-    Raises RuntimeError (before any optimizer step) naming the module and the plan entry that fixes it.
+    Each module is checked as it is called, before it runs, so a wrong layout stops with the module's name
+    rather than a shape error inside it. Raises RuntimeError (before any optimizer step) naming the module
+    and the plan entry that fixes it.
     """
-    events: list[tuple[str, str]] = []
+    inside = False
     handles = []
+
+    def enter(name: str, kind: str, module: nn.Module, args: tuple) -> None:
+        nonlocal inside
+        if kind == "open":
+            inside = True
+        elif kind == "close":
+            inside = False
+        elif inside and kind in ("plain", "replicate_grad_sum"):
+            _check_width(label, name, module, args)
+            if kind == "plain" and _owns_plain_params(module):
+                raise RuntimeError(_message(label, name, "runs on head-sharded activations", "replicate_grad_sum"))
+        elif not inside and kind == "replicate_grad_sum":
+            raise RuntimeError(_message(label, name, "runs on activations that are whole on every rank", "replicate"))
+
     for name, module in block.named_modules():
         style = styles.get(name)
         if opens(style) or style in CLOSES or (name and _has_params(module)):
             kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: events.append((n, k))))
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: enter(n, k, m, a)))
 
-    def check(module, args, output):
+    def done(module, args, output):
         for handle in handles:
             handle.remove()
-        inside = False
-        for name, kind in events:
-            if kind == "open":
-                inside = True
-            elif kind == "close":
-                inside = False
-            elif inside and kind == "plain" and _owns_plain_params(block.get_submodule(name)):
-                raise RuntimeError(_message(label, name, "runs on head-sharded activations", "replicate_grad_sum"))
-            elif not inside and kind == "replicate_grad_sum":
-                raise RuntimeError(
-                    _message(label, name, "runs on activations that are whole on every rank", "replicate")
-                )
 
-    handles.append(block.register_forward_hook(check))
+    handles.append(block.register_forward_hook(done))
+
+
+def _check_width(label: str, name: str, module: nn.Module, args: tuple) -> None:
+    """Parameters wider than the activation they read: a norm over all heads (BitNet's ``attn_sub_norm``), or a
+    whole layer mixing all heads (Doge's ``dt_proj`` over every value head), run on this rank's heads."""
+    width = args[0].shape[-1] if args and hasattr(args[0], "shape") and args[0].dim() else None
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters(recurse=False)]
+    dims = projection_dims(module)  # a layer reads its input width; a norm or scale, its vectors' width
+    sizes = {dims[0]} if dims else {p.shape[0] for p in local if p.dim() == 1}
+    if width is not None and sizes and width not in sizes and max(sizes) > width:
+        owner = name.rpartition(".")[0] or name
+        raise RuntimeError(
+            f"Tensor parallelism: {label}.{name} has {max(sizes)}-wide parameters but runs on this rank's "
+            f"{width} columns of the split heads: it mixes (or normalizes) all heads, which no rank holds. "
+            f"Keep the part around it whole: tensor_parallel_replicate=['{wildcard_index(f'{label}.{owner}')}'], or use "
+            "pipeline parallelism or ZeRO for this model instead of tensor parallelism."
+        )
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -154,24 +154,28 @@ class GatherSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._gather(args, kwargs, device_mesh), with_kwargs=True
+            lambda m, args, kwargs: self._gather(m, args, kwargs, device_mesh), with_kwargs=True
         )
-        module.register_forward_hook(lambda m, args, output: self._split(output, device_mesh))
+        module.register_forward_hook(lambda m, args, output: self._split(m, output, device_mesh))
         return module
 
     @staticmethod
-    def _gather(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    def _gather(module: nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
         """The hidden state (the first positional argument, else ``hidden_states=``) as the whole sequence."""
         key = 0 if args else "hidden_states"
         x = args[0] if args else kwargs[key]
         if _plain_tensor(x):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         x = x.redistribute(mesh, [Replicate()]).to_local()
+        module._sequence_shape = x.shape[:2]  # (batch, sequence): to re-split a token-flattened output
         return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, key: x})
 
     @staticmethod
-    def _split(output, mesh: DeviceMesh):
+    def _split(module: nn.Module, output, mesh: DeviceMesh):
         first = output[0] if isinstance(output, tuple) else output
+        batch, length = module._sequence_shape
+        if first.dim() == 2 and first.shape[0] == batch * length:  # tokens flattened (Llama 4's MoE): (b, s, d) back
+            first = first.unflatten(0, (batch, length))
         first = DTensor.from_local(first, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
         return (first, *output[1:]) if isinstance(output, tuple) else first
 

@@ -1,0 +1,166 @@
+"""Any Hugging Face causal LM, built tiny from its config class, under the strategy's layouts against one process.
+
+What a new user does with an architecture nobody here named: a tiny config built in code (hidden 32, 2 layers,
+4 heads, 2 KV heads, vocab 128; MoE models 4 experts, top 2; nothing downloaded), the plainest LightningModule
+(``model(input_ids)``, shifted cross entropy, AdamW: the zoo's ``ZooLM``), 4 steps on 2 CPU ranks under each
+layout, no plan entry. Per cell: the largest relative per-step loss difference and per-parameter error against
+one process, whether the ranks holding a parameter agree, and the largest share of the attention and expert
+parameters any rank holds; or the first line of the error the strategy raised. Each model runs in its own
+process group (a rank failing alone cannot stall the others) with a timeout.
+
+    python benchmarks/architecture_sweep.py --models Cohere2 Olmo3 HunYuanMoEV1 --layouts tp2 tp2_sp pp2
+    python benchmarks/architecture_sweep.py --float64 --models Glm4 --layouts tp2   # rounding, or a real gap?
+
+``--models`` takes the names before ``ForCausalLM`` in transformers (``Llama4`` builds ``Llama4TextConfig``);
+:data:`OVERRIDES` holds the few config fields some architectures need to build tiny (MLA ranks, Mamba heads,
+jitter and dropout off so both sides draw no random numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.zoo's harness
+
+from lightning_llm.testing import run_distributed
+from tests.zoo._models import _DENSE, BUILDERS
+
+COMMON = dict(
+    _DENSE,
+    head_dim=8,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+    residual_dropout=0.0,
+    hidden_dropout=0.0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+_MLA = dict(
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4
+)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
+_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+# Architecture -> (config fields to drop from COMMON, fields to set).
+OVERRIDES = {
+    "DeepseekV2": (("head_dim",), dict(_MLA, topk_method="greedy")),
+    "MiniCPM3": (("head_dim",), _MLA),
+    "Glm4MoeLite": (("head_dim",), _MLA),
+    "Mistral4": (("head_dim",), _MLA),
+    "Youtu": (("head_dim",), _MLA),
+    "Qwen3_5": ((), dict(_LINEAR, layer_types=["linear_attention", "full_attention"])),
+    "Qwen3_5Moe": ((), dict(_LINEAR, layer_types=["linear_attention", "full_attention"])),
+    "Bamba": ((), dict(_MAMBA2, attn_layer_indices=[1])),
+    "GraniteMoeHybrid": ((), dict(_MAMBA2, layer_types=["mamba", "attention"])),
+    "Zamba2": (
+        (),
+        dict(
+            layer_types=["mamba", "hybrid"],
+            hybrid_layer_ids=[1],
+            mamba_headdim=8,
+            mamba_d_state=8,
+            n_mamba_heads=8,
+            num_mem_blocks=1,
+        ),
+    ),
+    "Llama4": ((), dict(intermediate_size_mlp=64, interleave_moe_layer_step=2)),
+    "CodeGen": ((), dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
+    "GPTJ": ((), dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
+    "Phimoe": ((), dict(router_jitter_noise=0.0, input_jitter_noise=0.0)),
+    "Dbrx": (
+        (),
+        dict(
+            d_model=32,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32, "ffn_act_fn": {"name": "silu"}},
+        ),
+    ),
+}
+LAYOUTS = ("tp2", "tp2_sp", "pp2", "dp2_zero3", "ac_selective")
+
+
+def builder(architecture: str):
+    """A function building the tiny ``<architecture>ForCausalLM`` (seeded), for the zoo's ``ZooLM``."""
+    import transformers
+
+    config_name = next(n for n in (f"{architecture}Config", f"{architecture}TextConfig") if hasattr(transformers, n))
+    drop, extra = OVERRIDES.get(architecture, ((), {}))
+
+    def build():
+        config = getattr(transformers, config_name)(**{k: v for k, v in COMMON.items() if k not in drop}, **extra)
+        model_class = getattr(transformers, f"{architecture}ForCausalLM")
+        torch.manual_seed(0)
+        return model_class(config)
+
+    return build
+
+
+def _register(architecture: str, float64: bool) -> str:
+    if float64:
+        torch.set_default_dtype(torch.float64)
+    BUILDERS[architecture] = builder(architecture)
+    return architecture
+
+
+def _ranks(architecture: str, layouts: list[str], float64: bool):
+    from tests.zoo._harness import train_zoo
+
+    return train_zoo(layouts, [_register(architecture, float64)])
+
+
+def cells(architecture: str, layouts: list[str], float64: bool, timeout: float) -> dict[str, str]:
+    """Layout -> one line: the differences from one process, or the error."""
+    from tests.zoo._harness import train
+
+    try:
+        runs = run_distributed(_ranks, 2, architecture, layouts, float64, timeout=timeout)[0]
+    except Exception as error:  # a rank died, or the group hung: every cell says so
+        return dict.fromkeys(layouts, f"group failed: {str(error).strip().splitlines()[-1][:200]}")
+    reference, lines = None, {}
+    for layout in layouts:
+        result = runs[layout][architecture]
+        if isinstance(result, str):
+            lines[layout] = "refused/failed: " + result.strip().splitlines()[0][:240]
+            continue
+        reference = reference or train(_register(architecture, float64))
+        losses, params, differing, _, held = result
+        loss = max(abs(a - b) / abs(b) for a, b in zip(losses, reference[0]))
+        error = max(((params[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in reference[1].items())
+        shares = json.dumps({k: round(v, 3) for k, v in held.items()})
+        lines[layout] = f"loss {loss:.1e}, params {error:.1e}, held {shares}, differing {len(differing)}"
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", required=True, help="names before ForCausalLM, e.g. Cohere2 Olmo3")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--float64", action="store_true", help="train in float64 (rounding vanishes, bugs stay)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model's process group")
+    args = parser.parse_args()
+    print("| model | layout | result |\n| --- | --- | --- |")
+    for architecture in args.models:
+        for layout, line in cells(architecture, args.layouts, args.float64, args.timeout).items():
+            print(f"| {architecture} | {layout} | {line} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The layout of a fused projection inference cannot name, read off what the model does with its output.
+
+A layer whose name says "fused" (``qkv``, ``Wqkv``, ``query_key_value``) but whose owner is not in
+:data:`.infer.KNOWN_FUSED` may store ``[q | k | v]`` (MPT, DBRX), heads one after another with each head's q, k
+and v together (Persimmon, MiniMax, Bloom), or parts of unequal widths. Names and widths cannot tell these
+apart; the model's own forward can. One forward of the model on fake tensors (nothing computed or allocated,
+a model on the meta device included) follows each such layer's output through element-wise ops (a clamp, an
+activation) to the op that consumes it:
+
+* ``split``/``chunk`` along the last dimension into parts whose widths divide by tp: the parts are stored one
+  after another, each split per head: ``fused_colwise:A,B,...`` (each rank gets its share of every part);
+* a ``view``/``reshape`` of the last dimension into (heads, ...) with a head count of the model's config that
+  tp divides: heads are stored one after another: ``colwise`` (each rank gets whole heads, every part of them).
+
+Anything else (a slice, a matmul, a forward that cannot run on fake tensors) leaves the layer unknown, and
+:mod:`.coverage` refuses it with the entry that splits it, as before. The forward stops as soon as every
+watched layer is decided, before the routed experts' data-dependent ops most MoE models run later.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_llm.modeling.fake import fake_parameters
+from lightning_llm.modeling.log_redirect import redirected_log
+from lightning_llm.parallel.tp.fused import KV_ATTRS, QUERY_ATTRS
+from lightning_llm.parallel.tp.infer import FUSED_NAME, pattern_of
+
+log = logging.getLogger(__name__)
+
+_CUTS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes}
+_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten, torch.unflatten}
+_TOKENS = 8  # a fake batch of one sequence this long
+
+
+class _Decided(Exception):
+    """Every watched layer has its layout: the rest of the forward is not needed."""
+
+
+class _Follow(TorchFunctionMode):
+    """Follows each watched output to the op that consumes it and records the layout that op implies."""
+
+    def __init__(self, names: list[str], heads: set[int], tp: int) -> None:
+        super().__init__()
+        self.pending, self.heads, self.tp = set(names), heads, tp
+        self.tracked: dict[int, tuple[weakref.ref, str]] = {}
+        self.found: dict[str, str] = {}
+
+    def watch(self, name: str, output) -> None:
+        if name in self.pending and isinstance(output, torch.Tensor):
+            self.tracked[id(output)] = (weakref.ref(output), name)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        ref, name = self.tracked.get(id(x), (None, None))
+        result = func(*args, **kwargs)
+        if ref is None or ref() is not x or name not in self.pending:
+            return result
+        if isinstance(result, torch.Tensor) and result.shape == x.shape and func not in _VIEWS:
+            self.tracked[id(result)] = (weakref.ref(result), name)  # element-wise: follow the output on
+            return result
+        if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype: not a use of the values
+            return result
+        self._decide(name, _layout(func, args, kwargs, x, result, self.heads, self.tp))
+        return result
+
+    def _decide(self, name: str, style: str | None) -> None:
+        self.pending.discard(name)
+        if style is not None:
+            self.found[name] = style
+        if not self.pending:
+            raise _Decided
+
+
+def _layout(func, args, kwargs, x: torch.Tensor, result, heads: set[int], tp: int) -> str | None:
+    """The style the consuming op implies, or ``None`` when it says nothing this package can split by."""
+    width = x.shape[-1]
+    if func in _CUTS:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
+            return None
+        sizes = [part.shape[-1] for part in result]
+        if len(sizes) > 1 and sum(sizes) == width and all(size % tp == 0 for size in sizes):
+            return f"fused_colwise:{','.join(map(str, sizes))}"
+        return None
+    if func in _VIEWS and isinstance(result, torch.Tensor) and result.dim() in (x.dim() + 1, x.dim() + 2):
+        count = result.shape[x.dim() - 1]
+        if result.shape[: x.dim() - 1] == x.shape[:-1] and count in heads and count % tp == 0:
+            return "colwise"
+    return None
+
+
+def with_traced_layouts(
+    module: nn.Module, blocks_name: str, plan: dict[str, str], unknown: dict[str, str], tp: int
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``plan`` with entries for the unknown fused layers a fake forward shows the layout of; the rest unknown.
+
+    Example::
+
+        plan, unknown = with_traced_layouts(module, "model.layers", plan, unknown, tp=2)
+    """
+    fused = [name for name in unknown if FUSED_NAME.match(name.rpartition(".")[2].lower())]
+    found = trace_fused_layouts(module, blocks_name, fused, tp) if fused else {}
+    for name, style in found.items():
+        log.info("tensor parallel: %s is split as %r, read off the model's use of its output", name, style)
+    traced = {pattern_of(name): style for name, style in found.items()}
+    return {**plan, **traced}, {n: why for n, why in unknown.items() if n not in found}
+
+
+def trace_fused_layouts(module: nn.Module, blocks_name: str, names: list[str], tp: int) -> dict[str, str]:
+    """Module name -> style for the fused ``names`` (inside the blocks) whose layout one fake forward shows.
+
+    The forward is the first of these that reaches the blocks: the modules on the path to them, innermost
+    first, each called with token ids (a Hugging Face ``ForCausalLM``, litgpt's ``GPT``, a user's model taking
+    ``ids``). When the first block is called, the blocks holding ``names`` are called with its inputs instead
+    and the forward stops: no earlier block's experts (data-dependent routing fake tensors cannot run) stand
+    in the way. Example::
+
+        trace_fused_layouts(lightning_module, "model.transformer.blocks", ["model.transformer.blocks.0.attn.Wqkv"], 2)
+        # {"model.transformer.blocks.0.attn.Wqkv": "fused_colwise:32,32,32"}
+    """
+    heads = _head_counts(module)
+    parts = blocks_name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        runner = module.get_submodule(".".join(parts[:depth])) if depth else module
+        follow = _Follow(names, heads, tp)
+        if _run(module, runner, blocks_name, follow):
+            return follow.found
+    return {}
+
+
+class _Stop(Exception):
+    """The blocks holding the watched layers have run: the model's own forward is not needed further."""
+
+
+def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow) -> bool:
+    """Run ``runner`` on fake token ids under ``follow``; whether it reached the blocks."""
+    device = next(module.parameters()).device
+    ids = torch.zeros(1, _TOKENS, dtype=torch.long, device="cpu" if device.type == "meta" else device)
+    blocks = module.get_submodule(blocks_name)
+    holders = sorted({int(n[len(blocks_name) + 1 :].split(".")[0]) for n in follow.pending})
+    hooks = [
+        module.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: follow.watch(n, out))
+        for n in follow.pending
+    ]
+
+    def at_first_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
+        for handle in block_hooks:
+            handle.remove()
+        for index in holders:
+            try:
+                blocks[index](*args, **kwargs)
+            except (_Decided, _Stop):
+                raise
+            except Exception as error:  # this block's forward cannot run on fake tensors, or on these inputs
+                log.debug("tracing fused layouts: block %d stopped: %s", index, error)
+        raise _Stop
+
+    block_hooks = [b.register_forward_pre_hook(at_first_block, with_kwargs=True) for b in blocks.children()]
+
+    def forward() -> None:
+        with follow:
+            runner(ids)
+
+    try:
+        with redirected_log(module), torch.no_grad():
+            fake_parameters(module, forward, device=ids.device)
+    except (_Decided, _Stop):
+        return True
+    except Exception as error:  # a forward that cannot run on fake tensors, or on token ids alone
+        log.debug("tracing fused layouts through %s stopped: %s", type(runner).__name__, error)
+    finally:
+        for hook in hooks + block_hooks:
+            hook.remove()
+    return False
+
+
+def _head_counts(module: nn.Module) -> set[int]:
+    """Every head count a config or attention module of ``module`` states (query and key/value heads)."""
+    counts = set()
+    for sub in module.modules():
+        for owner in (sub, getattr(sub, "config", None)):
+            for attr in (*QUERY_ATTRS, *KV_ATTRS):
+                value = getattr(owner, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                    counts.add(value)
+    return counts
