@@ -101,11 +101,12 @@ def builder(architecture: str):
     """A function building the tiny ``<architecture>ForCausalLM`` (seeded), for the zoo's ``ZooLM``."""
     import transformers
 
-    config_name = next(n for n in (f"{architecture}Config", f"{architecture}TextConfig") if hasattr(transformers, n))
+    # The text-only config where there is one (Llama4Config, Qwen3_5Config are the multimodal models').
+    config_name = next(n for n in (f"{architecture}TextConfig", f"{architecture}Config") if hasattr(transformers, n))
     drop, extra = OVERRIDES.get(architecture, ((), {}))
 
     def build():
-        config = getattr(transformers, config_name)(**{k: v for k, v in COMMON.items() if k not in drop}, **extra)
+        config = getattr(transformers, config_name)(**{**{k: v for k, v in COMMON.items() if k not in drop}, **extra})
         model_class = getattr(transformers, f"{architecture}ForCausalLM")
         torch.manual_seed(0)
         return model_class(config)
