@@ -71,6 +71,13 @@ def test_experts_that_cannot_be_split_exactly_are_refused():
 
     with pytest.raises(ValueError, match=r"no argument\(s\) \['hidden_states', 'top_k_index', 'top_k_weights'\]"):
         check_experts("other", Other(), 2)
+
+    class RoutedByKeywords(Other):  # GptOss: optional routing arguments are not the one-tensor (Llama 4) form
+        def forward(self, hidden_states, router_indices=None, routing_weights=None):
+            return hidden_states
+
+    with pytest.raises(ValueError, match=r"no argument\(s\)"):
+        check_experts("gpt_oss_like", RoutedByKeywords(), 2)
     with pytest.raises(ValueError, match="int `num_experts`"):
         check_experts("linear", nn.Linear(4, 4), 2)
     with_norm = _experts(ZooLM("mixtral"))[0]

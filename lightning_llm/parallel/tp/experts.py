@@ -65,7 +65,7 @@ def check_experts(name: str, module: nn.Module, tp: int) -> None:
             f"whole experts. Use a tensor_parallel_size that divides {count}."
         )
     missing = [n for n in INPUTS if n not in inspect.signature(module.forward).parameters]
-    if missing and not takes_expert_rows(module):
+    if missing and not takes_expert_rows(module):  # GptOss's forward(hidden, router_indices=None, ...) is neither
         raise ValueError(
             f"{name!r}'s forward has no argument(s) {missing}; 'experts' expects Hugging Face's experts call "
             "forward(hidden_states, top_k_index, top_k_weights), or forward(hidden_states) on the tokens repeated once "
@@ -74,12 +74,15 @@ def check_experts(name: str, module: nn.Module, tp: int) -> None:
 
 
 def takes_expert_rows(module: nn.Module) -> bool:
-    """Whether the experts' forward takes one tensor, the tokens repeated once per expert, expert-major (Llama 4's
-    ``experts(routed_in)``, each block of rows already scaled by its expert's routing score), and returns one
-    row per input row, which the MoE block sums over the experts."""
-    parameters = inspect.signature(module.forward).parameters.values()
-    required = [p for p in parameters if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD]
-    return len(required) == 1 and not any(n in inspect.signature(module.forward).parameters for n in INPUTS[1:])
+    """Whether the experts' forward takes one tensor and nothing else: the tokens repeated once per expert,
+    expert-major (Llama 4's ``experts(routed_in)``, each block of rows already scaled by its expert's routing
+    score), returning one row per input row, which the MoE block sums over the experts. A forward with any other
+    argument, even an optional one (GptOss's ``router_indices=None``), routes tokens some other way."""
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    return len(parameters) == 1 and parameters[0].kind in (
+        parameters[0].POSITIONAL_ONLY,
+        parameters[0].POSITIONAL_OR_KEYWORD,
+    )
 
 
 class ExpertsParallel(ParallelStyle):
@@ -141,6 +144,12 @@ def _enter_rows(module, args, mesh, first, tp):
     # Expert-major rows, one block of tokens per expert: this rank's experts' blocks go in.
     rows = _sum_grad(args[0], mesh)
     local = module.num_experts
+    if rows.shape[0] % (local * tp):
+        raise RuntimeError(
+            f"Tensor parallelism: {type(module).__name__} takes one tensor of {rows.shape[0]} rows, not one block of "
+            f"tokens per expert ({local * tp} experts), so its rows cannot be split by expert. Keep it whole: "
+            "tensor_parallel_plan={'<its name>': 'replicate', ...}."
+        )
     module._rows = (rows.shape[0] // (local * tp), rows.shape[0])
     _lend(module)
     return (rows.unflatten(0, (local * tp, -1))[first : first + local].flatten(0, 1), *args[1:])
