@@ -23,6 +23,22 @@ def test_all_reduce_on_two_ranks():
     assert run_distributed(_all_reduce_rank_plus_one, 2, timeout=60) == [(3.0, "1", 1), (3.0, "1", 1)]
 
 
+def _environment_and_directory():
+    return os.environ.get("LIGHTNING_LLM_TEST_VALUE"), os.environ.get("RANK"), os.getcwd()
+
+
+def test_ranks_see_the_callers_environment_and_directory_as_of_the_call(tmp_path, monkeypatch):
+    run_distributed(_environment_and_directory, 2)  # the forkserver is running before the variable is set
+    monkeypatch.setenv("LIGHTNING_LLM_TEST_VALUE", "set after the first call")
+    monkeypatch.chdir(tmp_path)
+    assert run_distributed(_environment_and_directory, 2) == [
+        ("set after the first call", "0", str(tmp_path)),
+        ("set after the first call", "1", str(tmp_path)),
+    ]
+    monkeypatch.delenv("LIGHTNING_LLM_TEST_VALUE")
+    assert [value for value, _, _ in run_distributed(_environment_and_directory, 2)] == [None, None]
+
+
 def _fail_on_rank_one():
     if int(os.environ["RANK"]) == 1:
         raise ValueError("boom on rank one")
