@@ -70,8 +70,9 @@ OVERRIDES = {
     "Zamba2": (
         (),
         dict(
-            layer_types=["mamba", "hybrid"],
-            hybrid_layer_ids=[1],
+            num_hidden_layers=3,  # two hybrid layers calling one shared transformer, as Zamba2 does
+            layer_types=["mamba", "hybrid", "hybrid"],
+            hybrid_layer_ids=[1, 2],
             mamba_headdim=8,
             mamba_d_state=8,
             n_mamba_heads=8,

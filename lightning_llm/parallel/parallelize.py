@@ -91,19 +91,19 @@ def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack 
 def shared_between_blocks(blocks_name: str, blocks, dims: ParallelDims) -> list[nn.Module]:
     """The modules several blocks call (sharded once, as units of their own); refused where a layout splits blocks.
 
-    Tensor parallelism splits each block's modules and divides its head counts block by block, and pipeline
-    parallelism puts blocks on different ranks: a module called from several blocks would be split twice or be needed
+    Tensor parallelism splits a shared module once (its heads too: :func:`.tp.apply.apply_tensor_parallel`);
+    pipeline parallelism puts blocks on different ranks, where a module called from several blocks would be needed
     on two stages.
     """
     names = list(blocks.names) if isinstance(blocks, BlockSet) else [f"{blocks_name}.{i}" for i in range(len(blocks))]
     shared = modules_shared_by_blocks(list(blocks), names)
-    if shared and (dims.tp > 1 or dims.pp > 1):
+    if shared and dims.pp > 1:
         module, places = shared[0]
         raise ValueError(
             f"{places[0]} ({type(module).__name__}) is one module called from {len(places)} blocks ({places}); "
-            f"tensor_parallel_size={dims.tp} / pipeline_parallel_size={dims.pp} split blocks one by one and cannot "
-            "split a shared module once. Train this model with data parallelism (ZeRO 0-3), which shards a shared "
-            "module once, as a unit of its own."
+            f"pipeline_parallel_size={dims.pp} puts blocks on different ranks, and the module would be needed on "
+            "two stages. Train this model with tensor or data parallelism (ZeRO 0-3), which split or shard a "
+            "shared module once."
         )
     if shared and (dims.dp * dims.cp > 1) and (isinstance(blocks, BlockSet) or "." not in blocks_name):
         raise ValueError(
@@ -178,7 +178,7 @@ def plan_tensor_parallel(
         check_attention_variants(block, tp, config, where=name)
     hook = getattr(module, "tensor_parallel_plan", None)
     module_plan = hook() if callable(hook) else None
-    plan, source, unknown = resolve_plan(
+    plan, source, unknown, contested = resolve_plan(
         module,
         blocks_name=blocks_name,
         blocks=blocks,
@@ -186,7 +186,7 @@ def plan_tensor_parallel(
         module_plan=module_plan,
         replicate=replicate,
     )
-    plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp)
+    plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)

@@ -41,7 +41,7 @@ def test_hf_moe_plan_splits_experts_and_drops_their_weight_entries():
 
     for name in ("mixtral", "qwen3_moe"):
         module = ZooLM(name)
-        plan, source, _ = resolve_plan(module, blocks_name="model.model.layers", blocks=module.model.model.layers)
+        plan, source, *_ = resolve_plan(module, blocks_name="model.model.layers", blocks=module.model.model.layers)
         assert source in HF_SOURCES
         assert plan["model.model.layers.*.mlp.experts"] == "experts"
         assert not any(p.endswith(("gate_up_proj", "experts.down_proj")) for p in plan), plan

@@ -65,14 +65,14 @@ def test_known_fused_layouts_are_planned_and_hf_gathered_plans_become_splits():
     from tests.zoo._models import ZooLM
 
     gpt2 = ZooLM("gpt2")
-    plan, source, _ = resolve_plan(gpt2, blocks_name="model.transformer.h", blocks=gpt2.model.transformer.h)
+    plan, source, *_ = resolve_plan(gpt2, blocks_name="model.transformer.h", blocks=gpt2.model.transformer.h)
     assert source == "inferred"
     assert plan["model.transformer.h.*.attn.c_attn"] == "fused_colwise:32,32,32"
     assert (
         plan["model.transformer.h.*.attn.c_proj"] == "rowwise" and plan["model.transformer.h.*.mlp.c_fc"] == "colwise"
     )
     phi3 = ZooLM("phi3")  # HF plan: qkv_proj / gate_up_proj gathered, o_proj / down_proj rowwise_split_input
-    plan, source, _ = resolve_plan(phi3, blocks_name="model.model.layers", blocks=phi3.model.model.layers)
+    plan, source, *_ = resolve_plan(phi3, blocks_name="model.model.layers", blocks=phi3.model.model.layers)
     assert source in HF_SOURCES
     assert plan["model.model.layers.*.self_attn.qkv_proj"] == "fused_colwise:32,16,16"
     assert plan["model.model.layers.*.self_attn.o_proj"] == "rowwise"

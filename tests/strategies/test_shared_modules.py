@@ -2,10 +2,11 @@
 
 The model: a user-style GPT of 3 blocks whose attention is one module object called from every block, each block
 keeping its own norms and MLP (the per-layer adapters). Under data parallelism the shared module becomes an FSDP2
-unit of its own, gathered for each call; trained for 10 steps in fp32 on 2 gloo ranks under ZeRO 0, ZeRO 3 and ZeRO 3
-with full activation checkpointing it must match one process (per-step loss and every parameter within 1e-5).
-Layouts that split blocks one by one (tensor, pipeline parallelism), blocks without a model holding them, and one
-tensor held by two blocks' own modules are refused before training, by name.
+unit of its own, gathered for each call; under tensor parallelism it is split once (its head count divided once).
+Trained in fp32 on 2 gloo ranks under ZeRO 0, ZeRO 3, ZeRO 3 with full activation checkpointing, tp2 and tp2 + SP it
+must match one process (per-step loss and every parameter within 1e-5). Pipeline parallelism (blocks on different
+ranks), blocks without a model holding them, and one tensor held by two blocks' own modules are refused before
+training, by name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ LAYOUTS = {
     "zero0": {"zero_stage": 0},
     "zero3": {"zero_stage": 3},
     "zero3_ac_full": {"zero_stage": 3, "activation_checkpointing": "full"},
+    "tp2": {"tensor_parallel_size": 2},
+    "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
 }
 
 
@@ -54,9 +57,12 @@ def _train(layouts: list[str]) -> dict:
     results = {}
     for layout in layouts:
         strategy = LLMParallelStrategy(**LAYOUTS[layout])
-        results[layout] = _parity.train("user", strategy, devices=2, dp=2, model=SharedAttentionLM())
+        dp = 2 // LAYOUTS[layout].get("tensor_parallel_size", 1)
+        model = SharedAttentionLM()
+        losses, params = _parity.train("user", strategy, devices=2, dp=dp, model=model)
+        results[layout] = (losses, params, {block.attn.num_heads for block in model.model.blocks})
     for label, kwargs, dp, model in (
-        ("tp2", {"tensor_parallel_size": 2}, 1, SharedAttentionLM()),
+        ("pp2", {"pipeline_parallel_size": 2, "num_microbatches": 2}, 1, SharedAttentionLM()),
         ("no model attribute", {"zero_stage": 3}, 2, SharedAttentionLM(hold_model=False)),
     ):
         try:
@@ -79,8 +85,11 @@ def _results() -> dict:
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_shared_module_is_sharded_once_and_trains_as_one_process(layout):
-    losses, params = _results()[layout]
-    want = _parity.train("user", model=SharedAttentionLM())
+    losses, params, heads = _results()[layout]
+    model = SharedAttentionLM()
+    # Split once under tensor parallelism: each rank runs half the heads (divided twice it would run a quarter).
+    assert heads == {model.model.blocks[0].attn.num_heads // LAYOUTS[layout].get("tensor_parallel_size", 1)}
+    want = _parity.train("user", model=model)
     assert torch.equal(want[1]["model.blocks.0.attn.query.weight"], want[1]["model.blocks.2.attn.query.weight"])
     _parity.assert_parity((losses, params), want, f"shared attention {layout}", rtol=1e-5)
 
@@ -88,8 +97,8 @@ def test_a_shared_module_is_sharded_once_and_trains_as_one_process(layout):
 @pytest.mark.timeout(450)
 def test_layouts_that_cannot_shard_it_once_are_refused_by_name():
     results = _results()
-    assert "model.blocks.0.attn (_UserAttention) is one module called from 3 blocks" in results["tp2"], results
-    assert "Train this model with data parallelism (ZeRO 0-3)" in results["tp2"]
+    assert "model.blocks.0.attn (_UserAttention) is one module called from 3 blocks" in results["pp2"], results
+    assert "Train this model with tensor or data parallelism (ZeRO 0-3)" in results["pp2"]
     assert "Hold the model in one attribute of the LightningModule" in results["no model attribute"], results
 
 

@@ -143,15 +143,20 @@ def apply_tensor_parallel(
         adapt_block_parts(blocks, tp_mesh, skip=styled)
     names, config = {id(m): n for n, m in model.named_modules()}, model_config(model)
     heads = 0
+    # A module several blocks call (Zamba's shared transformer) is styled once above (named_modules lists it once);
+    # its heads are split and its counts divided once, at its first block.
+    split, divided, explained = set(), set(), set()
     for block in blocks:
         name = names[id(block)]
         local = local_styles(name, block, plan)
-        shard_attention_heads(block, local, tp_mesh, config)  # per-head parameters, ALiBi: before counts are divided
+        shard_attention_heads(block, local, tp_mesh, config, split)  # per-head parameters, ALiBi: before the counts
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
-            heads += divide_head_counts([block], tp, region_owners(local) or None)
+            heads += divide_head_counts([block], tp, region_owners(local) or None, divided)
             for owner in sorted(region_owners(local) or {""}):
                 part = block.get_submodule(owner) if owner else block
-                explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
+                if id(part) not in explained:
+                    explained.add(id(part))
+                    explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
         verify_on_first_forward(block, local, label=name)
         watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
     log.info(

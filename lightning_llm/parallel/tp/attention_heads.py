@@ -45,17 +45,22 @@ def _splits_heads(name: str, styles: dict[str, str]) -> bool:
     return any(n.startswith(prefix) and (opens(s) or s in OPENING) for n, s in styles.items())
 
 
-def shard_attention_heads(block: nn.Module, styles: dict[str, str], mesh: DeviceMesh, config=None) -> list[str]:
+def shard_attention_heads(
+    block: nn.Module, styles: dict[str, str], mesh: DeviceMesh, config=None, seen: set[int] | None = None
+) -> list[str]:
     """Split the per-head state of every attention module in ``block`` whose projections ``styles`` split.
 
     ``styles`` maps module names inside ``block`` to plan styles; an attention module named there itself
-    is left to its style. Call before head counts are divided (the global count is read here). Returns
-    what was done, one line per module.
+    is left to its style. Call before head counts are divided (the global count is read here). ``seen``
+    holds the ids of attention modules already split (one called from several blocks is split once); this
+    call adds to it. Returns what was done, one line per module.
     """
     done = []
+    seen = set() if seen is None else seen
     for name, module in block.named_modules():
-        if not is_attention(module) or name in styles or not _splits_heads(name, styles):
+        if not is_attention(module) or name in styles or not _splits_heads(name, styles) or id(module) in seen:
             continue
+        seen.add(id(module))
         heads = head_count(module, config)
         tp, rank = mesh.size(), mesh.get_local_rank()
         lo, hi = rank * heads // tp, (rank + 1) * heads // tp

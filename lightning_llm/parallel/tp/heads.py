@@ -79,7 +79,9 @@ def _largest_divisor(values: list[int], tp: int) -> int:
     return max(d for d in range(1, tp + 1) if all(v % d == 0 for v in values))
 
 
-def divide_head_counts(blocks: list[nn.Module], tp: int, owners: set[str] | None = None) -> int:
+def divide_head_counts(
+    blocks: list[nn.Module], tp: int, owners: set[str] | None = None, done: set[int] | None = None
+) -> int:
     """Divide the head counts that the attention code of each block reads by ``tp``; return how many changed.
 
     Attention code that reshapes or slices with a stored head count must see the local count once
@@ -89,14 +91,19 @@ def divide_head_counts(blocks: list[nn.Module], tp: int, owners: set[str] | None
     read from module attributes (``self.num_heads``), from a config object the module holds (litgpt's
     ``self.config.n_head``, Phi-3's ``self.config.num_attention_heads``: the module gets its own copy
     of the config with the local counts, so the model's own config is unchanged), and from the
-    per-rank widths some classes keep (:data:`WIDTH_ATTRS`).
+    per-rank widths some classes keep (:data:`WIDTH_ATTRS`). ``done`` holds the ids of modules already divided
+    (one module called from several blocks, Zamba's shared transformer, is divided once); this call adds to it.
     """
     changed = 0
     copies: dict[int, object] = {}
+    done = set() if done is None else done
     for block_idx, block in enumerate(blocks):
         for name, module in block.named_modules():
             if owners is not None and name and not any(name == o or name.startswith(o + ".") or not o for o in owners):
                 continue
+            if id(module) in done:
+                continue
+            done.add(id(module))
             where = f"{name or 'block'}.{{}} in block {block_idx}"
             changed += _divide(module, _counts(module), tp, where)
             changed += _divide(

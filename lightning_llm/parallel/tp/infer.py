@@ -54,6 +54,9 @@ class Inferred:
 
     plan: dict[str, str] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)  # module name -> why it is left whole
+    # Plan pattern -> a module it names: split row-wise by shape, named like an input projection (Zamba2's q_proj
+    # reads twice the block's width and writes it): :mod:`.traced_layouts` reads the model's use of its output.
+    contested: dict[str, str] = field(default_factory=dict)
 
 
 def known_fused_style(owner: nn.Module, leaf: str) -> str | None:
@@ -99,10 +102,10 @@ def infer_styles(
                 result.unknown[name] = why
     holders = {rel: [n for n, b in owned if _has(b, rel)] for rel, _ in per_part}
     for (rel, style), members in per_part.items():
-        if members == holders[rel]:
-            result.plan[f"{blocks_name}.*.{rel}"] = style
-        else:
-            result.plan.update({f"{member}.{rel}": style for member in members})
+        patterns = [f"{blocks_name}.*.{rel}"] if members == holders[rel] else [f"{m}.{rel}" for m in members]
+        result.plan.update(dict.fromkeys(patterns, style))
+        if style == "rowwise" and _COLWISE.match(rel.rpartition(".")[2].lower()):
+            result.contested.update({pattern: f"{members[0]}.{rel}" for pattern in patterns})
     result.plan.update(_outer_styles(model, blocks_name, covered))
     return result
 

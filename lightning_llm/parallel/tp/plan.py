@@ -105,6 +105,7 @@ class ResolvedPlan(NamedTuple):
     plan: dict[str, str]
     source: str
     unknown: dict[str, str]
+    contested: dict[str, str]  # see :class:`.infer.Inferred`
 
 
 def resolve_plan(
@@ -125,7 +126,7 @@ def resolve_plan(
 
     Example::
 
-        plan, source, unknown = resolve_plan(module, blocks_name="model.layers", blocks=module.model.layers)
+        plan, source, unknown, _ = resolve_plan(module, blocks_name="model.layers", blocks=module.model.layers)
     """
     user = {**(user_plan or {}), **dict.fromkeys(replicate, "replicate")}
     hf_translated, hf_refused = hf_plan_entries(model) or ({}, {})
@@ -141,7 +142,8 @@ def resolve_plan(
     _refuse_hf_entries(model, merged, inferred.plan, hf_translated, hf_refused)
     plan, more = merge_plans(model, [("merged", merged), ("inferred", inferred.plan)])
     used += [s for s in more if s != "merged"]
-    return ResolvedPlan(resolve_fused_styles(model, plan), " + ".join(used) or "inferred", inferred.unknown)
+    source = " + ".join(used) or "inferred"
+    return ResolvedPlan(resolve_fused_styles(model, plan), source, inferred.unknown, inferred.contested)
 
 
 def _refuse_hf_entries(model, merged, inferred, translated, refused) -> None:

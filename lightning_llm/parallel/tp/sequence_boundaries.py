@@ -79,13 +79,14 @@ def adapt_block_parts(blocks: list[nn.Module], mesh: DeviceMesh, skip: set[int])
 
         adapt_block_parts(owned_blocks, tp_mesh, skip={id(m) for m in styled_modules})
     """
-    count = 0
+    count, skip = 0, set(skip)
     for block in blocks:
         # A block kept whole is one part: its insides see the whole sequence, as in one process.
         parts = block.children() if _holds_shards(block) else [block]
         for part in parts:
             if id(part) in skip or not any(True for _ in part.parameters()):
                 continue
+            skip.add(id(part))  # a part several blocks call is hooked once
             boundary = _PartBoundary(mesh, gather_input=not _holds_shards(part))
             part.register_forward_pre_hook(boundary.before, with_kwargs=True)
             part.register_forward_hook(boundary.after, with_kwargs=True)

@@ -13,12 +13,18 @@ activation) to the op that consumes it:
   tp divides: heads are stored one after another: ``colwise`` (each rank gets whole heads, every part of them).
 
 Anything else (a slice, a matmul, a forward that cannot run on fake tensors) leaves the layer unknown, and
-:mod:`.coverage` refuses it with the entry that splits it, as before. The forward stops as soon as every
+:mod:`.coverage` refuses it with the entry that splits it, as before.
+
+The same forward settles the layers shapes and names disagree on (:attr:`.infer.Inferred.contested`): one
+named like an input projection that writes the block's width from another width reads as row-wise by shape.
+Zamba2's ``q_proj`` reads the residual and the embeddings side by side (twice the width) and writes one width
+of heads: when the forward views its output into heads it is split column-wise; otherwise shape decides. The forward stops as soon as every
 watched layer is decided, before the routed experts' data-dependent ops most MoE models run later.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 
@@ -97,19 +103,28 @@ def _layout(func, args, kwargs, x: torch.Tensor, result, heads: set[int], tp: in
 
 
 def with_traced_layouts(
-    module: nn.Module, blocks_name: str, plan: dict[str, str], unknown: dict[str, str], tp: int
+    module: nn.Module,
+    blocks_name: str,
+    plan: dict[str, str],
+    unknown: dict[str, str],
+    tp: int,
+    contested: dict[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """``plan`` with entries for the unknown fused layers a fake forward shows the layout of; the rest unknown.
+    """``plan`` with entries for the unknown fused layers a fake forward shows the layout of (the rest stay
+    unknown), and the ``contested`` patterns (pattern -> a module it names) set to what the forward shows.
 
     Example::
 
         plan, unknown = with_traced_layouts(module, "model.layers", plan, unknown, tp=2)
     """
+    contested = contested or {}
     fused = [name for name in unknown if FUSED_NAME.match(name.rpartition(".")[2].lower())]
-    found = trace_fused_layouts(module, blocks_name, fused, tp) if fused else {}
+    names = fused + sorted(set(contested.values()) - set(fused))
+    found = trace_fused_layouts(module, blocks_name, names, tp) if names else {}
     for name, style in found.items():
         log.info("tensor parallel: %s is split as %r, read off the model's use of its output", name, style)
-    traced = {pattern_of(name): style for name, style in found.items()}
+    traced = {pattern_of(name): style for name, style in found.items() if name in fused}
+    traced |= {pattern: found[name] for pattern, name in contested.items() if name in found}
     return {**plan, **traced}, {n: why for n, why in unknown.items() if n not in found}
 
 
@@ -131,6 +146,12 @@ def trace_fused_layouts(module: nn.Module, blocks_name: str, names: list[str], t
         runner = module.get_submodule(".".join(parts[:depth])) if depth else module
         follow = _Follow(names, heads, tp)
         if _run(module, runner, blocks_name, follow):
+            if follow.pending and "use_cache" in inspect.signature(runner.forward).parameters:
+                # Again without a KV cache for what is left: a hybrid model's cache holds one kind of layer per
+                # index (Zamba2's), and the holders run with the first block's inputs, its cache included.
+                again = _Follow(sorted(follow.pending), heads, tp)
+                _run(module, runner, blocks_name, again, use_cache=False)
+                return {**follow.found, **again.found}
             return follow.found
     return {}
 
@@ -139,8 +160,8 @@ class _Stop(Exception):
     """The blocks holding the watched layers have run: the model's own forward is not needed further."""
 
 
-def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow) -> bool:
-    """Run ``runner`` on fake token ids under ``follow``; whether it reached the blocks."""
+def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow, **kwargs) -> bool:
+    """Run ``runner`` on fake token ids (and ``kwargs``) under ``follow``; whether it reached the blocks."""
     device = next(module.parameters()).device
     ids = torch.zeros(1, _TOKENS, dtype=torch.long, device="cpu" if device.type == "meta" else device)
     blocks = module.get_submodule(blocks_name)
@@ -166,7 +187,7 @@ def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow
 
     def forward() -> None:
         with follow:
-            runner(ids)
+            runner(ids, **kwargs)
 
     try:
         with redirected_log(module), torch.no_grad():
