@@ -10,6 +10,8 @@ process group (a rank failing alone cannot stall the others) with a timeout.
 
     python benchmarks/architecture_sweep.py --models Cohere2 Olmo3 HunYuanMoEV1 --layouts tp2 tp2_sp pp2
     python benchmarks/architecture_sweep.py --float64 --models Glm4 --layouts tp2   # rounding, or a real gap?
+    python benchmarks/architecture_sweep.py --models Zamba2 --layouts tp2 \
+        --replicate "model.model.layers.*.shared_transformer.feed_forward"        # the entry a refusal names
 
 ``--models`` takes the names before ``ForCausalLM`` in transformers (``Llama4`` builds ``Llama4TextConfig``);
 :data:`OVERRIDES` holds the few config fields some architectures need to build tiny (MLA ranks, Mamba heads,
@@ -122,18 +124,23 @@ def _register(architecture: str, float64: bool) -> str:
     return architecture
 
 
-def _ranks(architecture: str, layouts: list[str], float64: bool):
-    from tests.zoo._harness import train_zoo
+def _ranks(architecture: str, layouts: list[str], float64: bool, replicate: list[str]):
+    from tests.zoo import _harness
 
-    return train_zoo(layouts, [_register(architecture, float64)])
+    for layout in layouts:  # the modules the user keeps whole on purpose, under the layouts with tensor parallelism
+        if replicate and "tensor_parallel_size" in _harness.LAYOUTS[layout][1]:
+            _harness.LAYOUTS[layout][1]["tensor_parallel_replicate"] = replicate
+    return _harness.train_zoo(layouts, [_register(architecture, float64)])
 
 
-def cells(architecture: str, layouts: list[str], float64: bool, timeout: float) -> dict[str, str]:
+def cells(
+    architecture: str, layouts: list[str], float64: bool, timeout: float, replicate: list[str] = ()
+) -> dict[str, str]:
     """Layout -> one line: the differences from one process, or the error."""
     from tests.zoo._harness import train
 
     try:
-        runs = run_distributed(_ranks, 2, architecture, layouts, float64, timeout=timeout)[0]
+        runs = run_distributed(_ranks, 2, architecture, layouts, float64, list(replicate), timeout=timeout)[0]
     except Exception as error:  # a rank died, or the group hung: every cell says so
         return dict.fromkeys(layouts, f"group failed: {str(error).strip().splitlines()[-1][:200]}")
     reference, lines = None, {}
@@ -157,10 +164,11 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--float64", action="store_true", help="train in float64 (rounding vanishes, bugs stay)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model's process group")
+    parser.add_argument("--replicate", nargs="*", default=[], help="tensor_parallel_replicate patterns under tp")
     args = parser.parse_args()
     print("| model | layout | result |\n| --- | --- | --- |")
     for architecture in args.models:
-        for layout, line in cells(architecture, args.layouts, args.float64, args.timeout).items():
+        for layout, line in cells(architecture, args.layouts, args.float64, args.timeout, args.replicate).items():
             print(f"| {architecture} | {layout} | {line} |", flush=True)
 
 
