@@ -55,7 +55,7 @@ class Inferred:
     plan: dict[str, str] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)  # module name -> why it is left whole
     # Plan pattern -> a module it names: split row-wise by shape, named like an input projection (Zamba2's q_proj
-    # reads twice the block's width and writes it): :mod:`.traced_layouts` reads the model's use of its output.
+    # reads twice the block's width and writes one width of heads); :mod:`.traced_layouts` decides it.
     contested: dict[str, str] = field(default_factory=dict)
 
 

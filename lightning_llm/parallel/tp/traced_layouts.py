@@ -18,8 +18,10 @@ Anything else (a slice, a matmul, a forward that cannot run on fake tensors) lea
 The same forward settles the layers shapes and names disagree on (:attr:`.infer.Inferred.contested`): one
 named like an input projection that writes the block's width from another width reads as row-wise by shape.
 Zamba2's ``q_proj`` reads the residual and the embeddings side by side (twice the width) and writes one width
-of heads: when the forward views its output into heads it is split column-wise; otherwise shape decides. The forward stops as soon as every
-watched layer is decided, before the routed experts' data-dependent ops most MoE models run later.
+of heads: when the forward views its output into heads it is split column-wise; otherwise shape decides.
+
+The forward stops as soon as every watched layer is decided, before the routed experts' data-dependent ops most
+MoE models run later.
 """
 
 from __future__ import annotations
