@@ -15,10 +15,12 @@ test's time), and still from a clean interpreter, not a copy of the caller. Else
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -56,7 +58,10 @@ def _context():
     return ctx
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, env, args, kwargs) -> None:
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, env, crash_log, args, kwargs) -> None:
+    # A rank killed by a signal (a segfault in a native library) reports nothing through ``results``: its Python
+    # stack goes to a file the caller reads, since a forked rank's stderr is the server's, not the caller's.
+    faulthandler.enable(open(crash_log, "w"))  # noqa: SIM115 (open until the process ends)
     # A forked rank has the server's environment, from when it started: the caller's is the one that counts.
     os.environ.clear()
     os.environ.update(env)
@@ -109,19 +114,39 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, env, args, kwargs), daemon=False)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        return _collect(procs, results, world_size, timeout)
-    finally:
+    with tempfile.TemporaryDirectory(prefix="run_distributed-") as logs:
+        crash_logs = [os.path.join(logs, f"rank{rank}.crash") for rank in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, results, env, crash_logs[rank], args, kwargs),
+                daemon=False,
+            )
+            for rank in range(world_size)
+        ]
         for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
+            proc.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        except DistributedTestError as err:
+            raise DistributedTestError(f"{err}{_native_crashes(procs, crash_logs)}") from err.__cause__
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(timeout=10)
+
+
+def _native_crashes(procs, crash_logs: list[str]) -> str:
+    """The Python stacks faulthandler wrote for ranks a signal killed, as text to append to an error."""
+    out = []
+    for rank, (proc, path) in enumerate(zip(procs, crash_logs, strict=True)):
+        if not proc.is_alive() and proc.exitcode < 0 and os.path.exists(path):
+            with open(path) as f:
+                stack = f.read().strip()
+            if stack:
+                out.append(f"\n\nRank {rank} was killed by signal {-proc.exitcode}; its stack:\n{stack}")
+    return "".join(out)
 
 
 def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:

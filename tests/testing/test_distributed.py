@@ -1,3 +1,4 @@
+import ctypes
 import os
 import time
 
@@ -64,6 +65,20 @@ def test_the_root_cause_is_shown_first_not_the_peer_that_lost_its_connection():
     first, _, rest = str(raised.value).partition("Rank 1 also failed")
     assert first.startswith("Rank 0 of 2 failed") and "ValueError: the root cause on rank zero" in first
     assert rest, "rank 1's own error is summarised after the root cause"
+
+
+def _segfault_on_rank_one():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash inside a native library would
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_reports_its_python_stack():
+    with pytest.raises(DistributedTestError) as raised:
+        run_distributed(_segfault_on_rank_one, 2, timeout=60)
+    crash = str(raised.value).partition("Rank 1 was killed by signal 11; its stack:")[2]
+    assert "Segmentation fault" in crash and "in _segfault_on_rank_one" in crash
 
 
 def _hang_in_collective():
