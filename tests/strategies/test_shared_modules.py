@@ -4,12 +4,16 @@ The model: a user-style GPT of 3 blocks whose attention is one module object cal
 keeping its own norms and MLP (the per-layer adapters). Under data parallelism the shared module becomes an FSDP2
 unit of its own, gathered for each call; under tensor parallelism it is split once (its head count divided once).
 Trained in fp32 on 2 gloo ranks under ZeRO 0, ZeRO 3, ZeRO 3 with full activation checkpointing, tp2 and tp2 + SP it
-must match one process (per-step loss and every parameter within 1e-5). Pipeline parallelism (blocks on different
+must match one process (per-step loss and every parameter within 1e-5); saved mid-run under ZeRO 3 and tp2 and
+resumed in a fresh model, it must continue as the straight run (within 1e-6). Pipeline parallelism (blocks on different
 ranks), blocks without a model holding them, and one tensor held by two blocks' own modules are refused before
 training, by name.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +57,7 @@ class SharedAttentionLM(_NextTokenModule):
         return self.model(tokens) if hasattr(self, "model") else self._forward(self, tokens)
 
 
-def _train(layouts: list[str]) -> dict:
+def _train(layouts: list[str], root: str) -> dict:
     results = {}
     for layout in layouts:
         strategy = LLMParallelStrategy(**LAYOUTS[layout])
@@ -61,6 +65,17 @@ def _train(layouts: list[str]) -> dict:
         model = SharedAttentionLM()
         losses, params = _parity.train("user", strategy, devices=2, dp=dp, model=model)
         results[layout] = (losses, params, {block.attn.num_heads for block in model.model.blocks})
+    for layout in RESUMED:  # saved at step SAVE_AT from inside the loop, resumed in a fresh model to the end
+        dp = 2 // LAYOUTS[layout].get("tensor_parallel_size", 1)
+        path = Path(root) / f"{layout}.ckpt"
+        first, _ = _parity.train(
+            "user", LLMParallelStrategy(**LAYOUTS[layout]), 2, dp, model=SharedAttentionLM(), steps=SAVE_AT,
+            save_to=path,
+        )  # fmt: skip
+        rest, params = _parity.train(
+            "user", LLMParallelStrategy(**LAYOUTS[layout]), 2, dp, model=SharedAttentionLM(), resume_from=path
+        )
+        results[f"{layout} resumed"] = (first + rest, params)
     for label, kwargs, dp, model in (
         ("pp2", {"pipeline_parallel_size": 2, "num_microbatches": 2}, 1, SharedAttentionLM()),
         ("no model attribute", {"zero_stage": 3}, 2, SharedAttentionLM(hold_model=False)),
@@ -73,12 +88,15 @@ def _train(layouts: list[str]) -> dict:
     return results
 
 
+RESUMED = ["zero3", "tp2"]
+SAVE_AT = 4
 _runs: list = []
 
 
 def _results() -> dict:
     if not _runs:
-        _runs.append(run_distributed(_train, 2, list(LAYOUTS), timeout=400)[0])
+        with tempfile.TemporaryDirectory() as root:
+            _runs.append(run_distributed(_train, 2, list(LAYOUTS), root, timeout=400)[0])
     return _runs[0]
 
 
@@ -92,6 +110,14 @@ def test_a_shared_module_is_sharded_once_and_trains_as_one_process(layout):
     want = _parity.train("user", model=model)
     assert torch.equal(want[1]["model.blocks.0.attn.query.weight"], want[1]["model.blocks.2.attn.query.weight"])
     _parity.assert_parity((losses, params), want, f"shared attention {layout}", rtol=1e-5)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("layout", RESUMED)
+def test_a_shared_module_saved_and_resumed_continues_as_the_straight_run(layout):
+    """Saved once in the checkpoint although reached through every block, loaded back into the one module."""
+    straight, resumed = _results()[layout][:2], _results()[f"{layout} resumed"]
+    _parity.assert_parity(resumed, straight, f"shared attention {layout} resumed at step {SAVE_AT}", rtol=1e-6)
 
 
 @pytest.mark.timeout(450)
