@@ -129,7 +129,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         try:
             return _collect(procs, results, world_size, timeout)
         except DistributedTestError as err:
-            raise DistributedTestError(f"{err}{_native_crashes(procs, crash_logs)}") from err.__cause__
+            raise DistributedTestError(f"{err}{_native_crashes(procs, crash_logs)}") from None
         finally:
             for proc in procs:
                 if proc.is_alive():

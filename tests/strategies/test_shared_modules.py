@@ -115,7 +115,8 @@ def test_a_shared_module_is_sharded_once_and_trains_as_one_process(layout):
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("layout", RESUMED)
 def test_a_shared_module_saved_and_resumed_continues_as_the_straight_run(layout):
-    """Saved once in the checkpoint although reached through every block, loaded back into the one module."""
+    """Saved under every block's path (``state_dict`` lists a shared module at each), loaded back into the one
+    module."""
     straight, resumed = _results()[layout][:2], _results()[f"{layout} resumed"]
     _parity.assert_parity(resumed, straight, f"shared attention {layout} resumed at step {SAVE_AT}", rtol=1e-6)
 
