@@ -212,7 +212,7 @@ def test_grouped_experts_match_the_loop_in_bf16_on_cuda():
         ("bf16 grouped", grouped, torch.bfloat16),
     ]:
         module = module.to(dtype)
-        x = hidden.to(dtype).requires_grad_()
+        x = hidden.to(dtype).detach().requires_grad_()  # a leaf in every dtype: fp32's .to() is `hidden` itself
         out = module(x, ids, weights.to(dtype))
         out.float().square().sum().backward()
         outs[name] = (out.float(), x.grad.float(), module.gate_up_proj.grad.float())
