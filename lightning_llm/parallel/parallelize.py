@@ -39,6 +39,7 @@ from lightning_llm.parallel.tp.apply import (
     head_split_parts,
     resolve_plan,
     validate_plan,
+    with_per_head_lists,
     with_region_parameters,
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
@@ -187,6 +188,7 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
+    plan = with_per_head_lists(plan, blocks_name, blocks)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)

@@ -17,12 +17,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 from lightning_llm.modeling.tied import tied_parameter_names
-from lightning_llm.parallel.tp.attention_heads import shard_attention_heads
+from lightning_llm.parallel.tp.attention_heads import shard_attention_heads, splits_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
 from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.local_widths import explain_first_forward
+from lightning_llm.parallel.tp.per_head import per_head_lists
 from lightning_llm.parallel.tp.plan import (
     STYLES,
     _matches,
@@ -52,6 +53,7 @@ __all__ = [
     "infer_plan",
     "resolve_plan",
     "validate_plan",
+    "with_per_head_lists",
     "with_region_parameters",
 ]
 
@@ -88,6 +90,25 @@ def head_split_parts(plan: dict[str, str], blocks_name: str, blocks) -> list[tup
         owners = region_owners(local) or {""}
         parts += [(f"{name}.{o}" if o else name, block.get_submodule(o) if o else block) for o in sorted(owners)]
     return parts
+
+
+def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
+    """``plan`` plus ``per_head`` for each list of one module per head inside attention whose heads ``plan`` splits.
+
+    Per distinct block class, like :func:`with_region_parameters`; entries the plan already has win.
+    """
+    plan = dict(plan)
+    representatives = _class_representatives(blocks_name, blocks)
+    for name, block, members in representatives:
+        local = local_styles(name, block, plan)
+        for part in per_head_lists(block, lambda attention, local=local: splits_heads(attention, local)):
+            if any(_matches(f"{name}.{part}", p) for p in plan):
+                continue
+            if len(representatives) == 1:
+                plan[f"{blocks_name}.*.{part}"] = "per_head"
+            else:
+                plan.update({f"{member}.{part}": "per_head" for member in members})
+    return plan
 
 
 def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:

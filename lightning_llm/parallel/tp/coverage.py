@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 
 MAX_WHOLE_SHARE = 0.05
-_WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence")
+_WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence", "per_head")
 
 
 def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
@@ -31,7 +31,7 @@ def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
     inherited = [
         s
         for p, s in plan.items()
-        if s in ("experts", "expert_parallel", "replicate")
+        if s in ("experts", "expert_parallel", "replicate", "per_head")
         for k in range(1, len(parts))
         if fnmatch.fnmatchcase(".".join(parts[:k]), p)
     ]

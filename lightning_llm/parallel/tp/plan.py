@@ -49,9 +49,10 @@ STYLES = (
     "colwise_replicated_input",
     "replicate_shared",
     "replicate_shared:N",
+    "per_head",
 )
 # Styles whose module's insides belong to the entry: nothing under it is planned by another source.
-_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate")
+_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate", "per_head")
 
 
 def is_fused_style(style: str) -> bool:
@@ -274,7 +275,7 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
                 for p, s in plan.items()
                 if _matches(f"{name}.{n}", p)
             ]
-            split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel")]
+            split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel", "per_head")]
             planned_itself = any(_matches(name, p) for p in plan)  # never replace an entry the plan already has
             if (
                 split

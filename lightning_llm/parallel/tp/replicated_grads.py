@@ -32,6 +32,11 @@ def opens(style: str | None) -> bool:
     return style in OPENS or (style or "").startswith("fused_colwise:")
 
 
+def _lent_per_head(name: str, styles: dict[str, str]) -> bool:
+    """Whether ``name`` is inside a list the plan runs per head (each rank its own entries, see :mod:`.per_head`)."""
+    return any(s == "per_head" and name.startswith(n + ".") for n, s in styles.items())
+
+
 def _owns_plain_params(module: nn.Module) -> bool:
     return any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
@@ -63,7 +68,7 @@ def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str
     owners = region_owners(styles)
     found = []
     for name, module in block.named_modules():
-        if not name or name in styles or not any(True for _ in module.parameters(recurse=False)):
+        if not name or name in styles or not _has_params(module) or _lent_per_head(name, styles):
             continue
         # The block itself is never a region owner here: its own norms see whole activations.
         inside = [o for o in owners if o and name.startswith(o + ".") and _between(block, o, name, styles)]
@@ -117,6 +122,8 @@ def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str
 
     for name, module in block.named_modules():
         style = styles.get(name)
+        if _lent_per_head(name, styles):
+            continue
         if opens(style) or style in CLOSES or (name and _has_params(module)):
             kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: enter(n, k, m, a)))

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
-from lightning_llm.parallel.tp.experts import ExpertsParallel, _sum_grad
+from lightning_llm.parallel.tp.experts import ExpertsParallel, sum_grad
 from lightning_llm.parallel.tp.float8 import float8_parallel_style, is_float8_linear
 from lightning_llm.parallel.tp.fused import (
     FUSED_PREFIX,
@@ -116,9 +116,9 @@ class ReplicateShared(ParallelStyle):
         if shared == 0:
             return output
         if shared == output.shape[-1]:
-            return _sum_grad(output, mesh)
+            return sum_grad(output, mesh)
         kept, heads = output.split([output.shape[-1] - shared, shared], dim=-1)
-        return torch.cat([kept, _sum_grad(heads, mesh)], dim=-1)
+        return torch.cat([kept, sum_grad(heads, mesh)], dim=-1)
 
 
 class OwnLocalOutput(ParallelStyle):
