@@ -6,13 +6,17 @@ LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.modeling.structure import TracedBlocks, traced_blocks
 from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_back
@@ -25,7 +29,9 @@ from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipeline_routing import check_microbatches
 from lightning_llm.strategies.pipelined_steps import build_pipelined_steps
 from lightning_llm.strategies.run_state import RunState
-from lightning_llm.strategies.zero_auto import decide_and_report, first_batch_shape, planning_inputs
+from lightning_llm.strategies.zero_auto import decide_and_report, example_batch, first_batch_shape, planning_inputs
+
+log = logging.getLogger(__name__)
 
 
 def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
@@ -42,14 +48,36 @@ def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
     )
 
 
+def read_blocks(trainer, module, device: torch.device) -> TracedBlocks | None:
+    """The blocks the model's forward runs on the first training batch (see :mod:`lightning_llm.modeling.structure`),
+    or ``None`` where no batch can be read or the forward cannot run on fake tensors (the container search then
+    decides, as it does for ``blocks=``-less models outside a fit)."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    try:
+        batch = example_batch(trainer, device)
+    except (ValueError, TypeError, AttributeError, IndexError) as error:
+        log.debug("The blocks are found by the container search: no example batch (%s)", error)
+        return None
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), redirected_log(module):  # the trace draws no number of the run's
+        try:
+            return traced_blocks(module, lambda to_meta: module.training_step(to_meta(batch), 0))
+        except Exception as error:  # the user's step on fake tensors: any failure leaves the search to decide
+            log.debug("The blocks are found by the container search: the traced forward failed (%s)", error)
+            return None
+
+
 def parallelize_module(trainer, module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
     """Read the model's shape, plan, then split, shard and (from the meta device) materialize ``module`` in place."""
     parallel, planning = options.parallel, options.planning
     on_meta = any(p.is_meta for p in module.parameters())
     if not on_meta:
         module.to(device)
+    traced = read_blocks(trainer, module, device) if parallel.blocks is None else None
+    blocks = parallel.blocks if traced is None else traced.override(module)
     try:  # read before the model is cut into shards and stages; MFUMonitor uses it
-        state.model_shape = ModelShape.of(module, parallel.blocks)
+        state.model_shape = ModelShape.of(module, blocks)
     except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
         state.model_shape = None
     resolve_microbatches(trainer, options, state, device)
@@ -60,7 +88,7 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
     state.ac_policies, checkpointing = plan_checkpointing(
         trainer,
         module,
-        find_blocks(module, parallel.blocks)[1],
+        find_blocks(module, blocks)[1],
         mode=planning.activation_checkpointing,
         options=planning.ac_options,
         tp=parallel.tensor_parallel_size,
@@ -82,7 +110,9 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         sequence_parallel=parallel.sequence_parallel,
         tensor_parallel_plan=parallel.tensor_parallel_plan,
         tensor_parallel_replicate=parallel.tensor_parallel_replicate,
-        blocks=parallel.blocks,
+        blocks=blocks,
+        block_calls=traced.bypassed() if traced is not None else None,
+        called=traced.called if traced is not None else None,
         cpu_offload=state.cpu_offload,
         compile_blocks=parallel.compile_blocks,
         pipeline=state.pipeline if pipelined else None,

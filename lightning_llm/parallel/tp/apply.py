@@ -15,12 +15,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, entry_modules, has_own_forward
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.tp.attention_heads import shard_attention_heads, splits_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
-from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, whole_copy
+from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.local_widths import explain_first_forward
 from lightning_llm.parallel.tp.per_head import per_head_lists
@@ -136,9 +137,15 @@ def apply_tensor_parallel(
     blocks: list[nn.Module],
     sequence_parallel: bool,
     blocks_name: str = "",
+    entries: dict[int, list[nn.Module]] | None = None,
+    check_parts: bool = True,
 ) -> list[str]:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated).
 
+    ``entries``: block (by id) -> the modules it is entered through where the model does not call it as a whole
+    (:func:`~lightning_llm.modeling.blocks.entry_modules`); the first-forward checks watch those. ``check_parts``:
+    compare each split part's first forward with the part computed whole (off under context parallelism, where a
+    part sees a shard of the sequence and its attention reaches the other shards through the ring).
     Returns the coverage report of this rank's blocks (see :func:`.coverage.coverage_lines`).
     """
     tp = tp_mesh.size()
@@ -158,6 +165,7 @@ def apply_tensor_parallel(
             if _matches(name, pattern) and (torch_style := parallel_style(style, sp_here, module)) is not None:
                 explicit[name] = torch_style
                 styled.add(id(module))
+    wholes = _whole_parts(model, plan, blocks) if check_parts else {}  # the split parts, copied before the split
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
     if sequence_parallel:
@@ -171,6 +179,7 @@ def apply_tensor_parallel(
         name = names[id(block)]
         local = local_styles(name, block, plan)
         shard_attention_heads(block, local, tp_mesh, config, split)  # per-head parameters, ALiBi: before the counts
+        whole_counts = block_head_counts(block)
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None, divided)
             for owner in sorted(region_owners(local) or {""}):
@@ -178,8 +187,14 @@ def apply_tensor_parallel(
                 if id(part) not in explained:
                     explained.add(id(part))
                     explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
-        verify_on_first_forward(block, local, label=name)
-        watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
+        counts, entered = (whole_counts, block_head_counts(block)), _entered(block, (entries or {}).get(id(block)))
+        verify_on_first_forward(block, local, label=name, last=entered[-1][1])
+        for rel, unit in entered:
+            styles = _relative(local, rel)
+            label = f"{name}.{rel}" if rel else name
+            watch_first_forward(unit, [n for n, s in styles.items() if s == "colwise"], label=label, heads=counts)
+    for label, (part, whole) in wholes.items():
+        check_first_forward(part, whole, label)
     log.info(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
         tp,
@@ -188,6 +203,39 @@ def apply_tensor_parallel(
         heads,
     )
     return coverage_lines(blocks)
+
+
+def _whole_parts(model: nn.Module, plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, tuple]:
+    """Label -> (part, its copy) for the split parts of the first block of each kind (see :mod:`.first_forward_parity`):
+    the region owners, and PyTorch's ``nn.MultiheadAttention`` split whole."""
+    names, parts, kinds = {id(m): n for n, m in model.named_modules()}, {}, set()
+    for block in blocks:
+        if block_kind(block) in kinds:
+            continue
+        kinds.add(block_kind(block))
+        name = names[id(block)]
+        local = local_styles(name, block, plan)
+        owners = {o for o in region_owners(local)} | {n for n, s in local.items() if s == "multihead_attention"}
+        for owner in sorted(owners):
+            part = block.get_submodule(owner) if owner else block
+            if has_own_forward(part):
+                parts[f"{name}.{owner}" if owner else name] = (part, whole_copy(part))
+    return parts
+
+
+def _entered(block: nn.Module, units: list[nn.Module] | None) -> list[tuple[str, nn.Module]]:
+    """(name inside ``block``, module) of the modules the block is entered through (the block itself by default)."""
+    units = units or entry_modules(block)
+    names = {id(m): n for n, m in block.named_modules()}
+    return [(names[id(unit)], unit) for unit in units]
+
+
+def _relative(styles: dict[str, str], rel: str) -> dict[str, str]:
+    """``styles`` (names inside a block) as names inside its submodule ``rel``."""
+    if not rel:
+        return styles
+    prefix = rel + "."
+    return {("" if n == rel else n[len(prefix) :]): s for n, s in styles.items() if n == rel or n.startswith(prefix)}
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:

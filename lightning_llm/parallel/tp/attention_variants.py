@@ -174,6 +174,9 @@ def attention_plan(block: nn.Module, config: object | None = None) -> dict[str, 
     """
     plan = {}
     for name, module in block.named_modules():
+        if isinstance(module, nn.MultiheadAttention):  # PyTorch's own: q/k/v in one Parameter, its own style
+            plan[name] = "multihead_attention"
+            continue
         variant = recognise(module, config) if is_attention(module) else None
         if variant is not None:
             plan.update({f"{name}.{child}" if name else child: s for child, s in variant.entries.items()})

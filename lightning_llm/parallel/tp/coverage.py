@@ -31,7 +31,7 @@ def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
     inherited = [
         s
         for p, s in plan.items()
-        if s in ("experts", "expert_parallel", "replicate", "per_head")
+        if s in ("experts", "expert_parallel", "replicate", "per_head", "multihead_attention")
         for k in range(1, len(parts))
         if fnmatch.fnmatchcase(".".join(parts[:k]), p)
     ]

@@ -110,7 +110,7 @@ def qkv_style(attention: nn.Module, out_features: int, where: str) -> str:
     return f"{FUSED_PREFIX}{query * head_dim},{kv * head_dim},{kv * head_dim}"
 
 
-def _exchange(
+def regroup_exchange(
     sizes: tuple[int, ...], tp: int, rank: int, shared: tuple[bool, ...] = ()
 ) -> tuple[list[int], list[int], list[int]]:
     """(local output columns in send order, input split sizes, output split sizes) of the regrouping all-to-all.
@@ -178,12 +178,14 @@ class FusedColwise(ParallelStyle):
         colwise.src_data_rank = self.src_data_rank
         apply_parallel_style(colwise, module, device_mesh)
         if len(self.sizes) > 1:
-            send, input_splits, output_splits = _exchange(self.sizes, tp, device_mesh.get_local_rank(), self.shared)
-            module.register_forward_hook(_Regroup(send, input_splits, output_splits, device_mesh))
+            send, input_splits, output_splits = regroup_exchange(
+                self.sizes, tp, device_mesh.get_local_rank(), self.shared
+            )
+            module.register_forward_hook(Regroup(send, input_splits, output_splits, device_mesh))
         return module
 
 
-class _Regroup:
+class Regroup:
     """Forward hook: all-to-all a colwise layer's local output columns so each rank holds its share of every part."""
 
     def __init__(self, send: list[int], input_splits: list[int], output_splits: list[int], mesh: DeviceMesh) -> None:

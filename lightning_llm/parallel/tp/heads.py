@@ -75,6 +75,20 @@ def check_head_counts(
             )
 
 
+def block_head_counts(block: nn.Module) -> set[int]:
+    """Every head count a module of ``block`` (or a config one holds) states, as the block's forward reads them now.
+
+    Example::
+
+        block_head_counts(model.layers[0])   # {32, 8}: query and key/value heads
+    """
+    counts = set()
+    for module in block.modules():
+        for owner in (module, getattr(module, "config", None)):
+            counts.update(_counts(owner).values() if owner is not None else ())
+    return counts
+
+
 def _largest_divisor(values: list[int], tp: int) -> int:
     return max(d for d in range(1, tp + 1) if all(v % d == 0 for v in values))
 
@@ -101,7 +115,7 @@ def divide_head_counts(
         for name, module in block.named_modules():
             if owners is not None and name and not any(name == o or name.startswith(o + ".") or not o for o in owners):
                 continue
-            if id(module) in done:
+            if id(module) in done or getattr(type(module), "heads_divided", False):
                 continue
             done.add(id(module))
             where = f"{name or 'block'}.{{}} in block {block_idx}"
@@ -120,8 +134,10 @@ def divide_head_counts(
     return changed
 
 
-# Widths (not head counts) that some attention classes keep and slice with: GPT-2 splits c_attn's output by split_size.
-WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim")}
+# Widths (not head counts) that some classes keep and slice with: GPT-2 splits c_attn's output by split_size; a
+# GroupNorm inside the split attention (RetNet's, one group per head over the merged heads) normalizes this rank's
+# heads, so its groups and channels are this rank's too.
+WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim"), "GroupNorm": ("num_groups", "num_channels")}
 
 
 def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:

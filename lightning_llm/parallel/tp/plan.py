@@ -27,6 +27,7 @@ from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
 from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head, variant_plan
+from lightning_llm.parallel.tp.multihead_attention import check_multihead_attention
 
 __all__ = ["STYLES", "check_style", "infer_plan", "resolve_plan", "validate_plan"]
 
@@ -50,9 +51,10 @@ STYLES = (
     "replicate_shared",
     "replicate_shared:N",
     "per_head",
+    "multihead_attention",
 )
 # Styles whose module's insides belong to the entry: nothing under it is planned by another source.
-_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate", "per_head")
+_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate", "per_head", "multihead_attention")
 
 
 def is_fused_style(style: str) -> bool:
@@ -318,6 +320,11 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
 def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
     if style == "experts":
         check_experts(name, module, tp)
+        return
+    if style == "multihead_attention":
+        if not isinstance(module, nn.MultiheadAttention):
+            raise ValueError(f"{name!r} is given 'multihead_attention', but it is a {type(module).__name__}.")
+        check_multihead_attention(name, module, tp)
         return
     if style.startswith(FUSED_PREFIX):
         dims = projection_dims(module)

@@ -96,9 +96,14 @@ def _between(block: nn.Module, owner: str, name: str, styles: dict[str, str]) ->
     return bool(opened and closed) and min(opened) < index(name) < max(closed)
 
 
-def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str) -> None:
+def verify_on_first_forward(
+    block: nn.Module, styles: dict[str, str], label: str, last: nn.Module | None = None
+) -> None:
     """Check, in ``block``'s first forward, that exactly the modules run inside the region sum their gradients,
     and that none of them normalizes over the full width of the split heads (BitNet's ``attn_sub_norm``).
+
+    ``last``: the module whose call ends the block's first forward, where the model does not call the block itself
+    (its parts called one by one); the block by default.
 
     Each module is checked as it is called, before it runs, so a wrong layout stops with the module's name
     rather than a shape error inside it. Raises RuntimeError (before any optimizer step) naming the module
@@ -132,7 +137,7 @@ def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str
         for handle in handles:
             handle.remove()
 
-    handles.append(block.register_forward_hook(done))
+    handles.append((last or block).register_forward_hook(done))
 
 
 def _check_width(label: str, name: str, module: nn.Module, args: tuple) -> None:

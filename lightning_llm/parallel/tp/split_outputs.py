@@ -63,9 +63,11 @@ def _slices_last_dim(x: torch.Tensor, index) -> bool:
 
 
 class _WatchCuts(TorchFunctionMode):
-    def __init__(self, watched: dict[int, tuple[weakref.ref, str]], label: str) -> None:
+    def __init__(
+        self, watched: dict[int, tuple[weakref.ref, str]], label: str, heads: tuple[set[int], set[int]] = (set(), set())
+    ) -> None:
         super().__init__()
-        self.watched, self.label = watched, label
+        self.watched, self.label, self.heads = watched, label, heads
         self.headed: dict[int, tuple[weakref.ref, str, int]] = {}  # views of watched outputs -> their head axis
         self.pieces: dict[int, tuple[weakref.ref, _Piece]] = {}  # one head's slice of a headed tensor, and after
 
@@ -86,7 +88,10 @@ class _WatchCuts(TorchFunctionMode):
         merged = self._merge(func, args, kwargs, pieces) if len({p.index for p in pieces}) > 1 else None
         result = func(*args, **kwargs)
         if name is not None:
-            self._follow(result, name, _heads_axis(func, x, result))
+            axis = _heads_axis(func, x, result)
+            if axis is not None:
+                self._check_count(name, x, result.shape[axis])
+            self._follow(result, name, axis)
         elif cut:
             for index, piece in enumerate(result):
                 self._track(piece, _Piece(head_name, heads, index, x.shape[heads]))
@@ -99,6 +104,21 @@ class _WatchCuts(TorchFunctionMode):
         elif func in _CATS and isinstance(x, (list, tuple)):
             self._follow_cat(x, kwargs.get("dim", args[1] if len(args) > 1 else 0), result)
         return result
+
+    def _check_count(self, name: str, x: torch.Tensor, count: int) -> None:
+        """A split layer's output viewed into the model's whole head count, not this rank's: the count is written
+        into the forward (an einops pattern ``h=8``, a closure), where the plan could not divide it."""
+        whole, local = self.heads
+        if count in whole and count not in local:
+            owner = name.rpartition(".")[0]
+            owner = f"{self.label}.{owner}" if owner else self.label
+            raise RuntimeError(
+                f"Tensor parallelism: {self.label}.{name} is split column-wise (this rank holds {x.shape[-1]} of its "
+                f"columns), but the model views them as {count} heads, its whole head count, not this rank's "
+                f"({sorted(local)}): the head count is written into the forward (an einops pattern, a closure), where "
+                f"tensor parallelism cannot divide it. Keep the attention whole: "
+                f"tensor_parallel_replicate=['{wildcard_index(owner)}'], or use ZeRO or pipeline parallelism."
+            )
 
     def _merge(self, func, args, kwargs, pieces: list[_Piece]) -> tuple[str, int]:
         """Heads cut one by one and computed apart may only come back together in order along the head axis
@@ -233,8 +253,13 @@ def _message(label: str, name: str, x: torch.Tensor, how: str) -> str:
     )
 
 
-def watch_first_forward(block: nn.Module, colwise: list[str], label: str) -> None:
+def watch_first_forward(
+    block: nn.Module, colwise: list[str], label: str, heads: tuple[set[int], set[int]] = (set(), set())
+) -> None:
     """Watch the outputs of ``colwise`` (names inside ``block``) during ``block``'s first forward.
+
+    ``heads``: the head counts the block stated before the plan divided them, and after; a view of a split output
+    into a count of the first set that is not in the second is refused.
 
     Example::
 
@@ -249,7 +274,7 @@ def watch_first_forward(block: nn.Module, colwise: list[str], label: str) -> Non
             watched[id(out)] = (weakref.ref(out), name)
 
     handles = [block.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: record(n, out)) for n in colwise]
-    mode = _WatchCuts(watched, label)
+    mode = _WatchCuts(watched, label, heads)
 
     def enter(module, args):
         mode.__enter__()

@@ -33,6 +33,7 @@ from lightning_llm.parallel.tp.fused import (
     projection_dims,
     shared_parts,
 )
+from lightning_llm.parallel.tp.multihead_attention import MultiheadAttentionParallel
 
 SHARED_PREFIX = "replicate_shared:"
 
@@ -230,6 +231,10 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
         return ReplicateGradSum()
     if style == "experts":
         return ExpertsParallel()
+    if style == "multihead_attention":
+        return MultiheadAttentionParallel(
+            parallel_style("rowwise", sequence_parallel, getattr(module, "out_proj", None))
+        )
     if style == "gather_sequence":  # a module that needs the whole sequence inside a sequence-parallel model
         if not sequence_parallel:
             return None
