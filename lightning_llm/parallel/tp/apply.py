@@ -35,13 +35,13 @@ from lightning_llm.parallel.tp.plan import (
     validate_plan,
 )
 from lightning_llm.parallel.tp.replicated_grads import (
-    opens,
     region_owners,
     sharded_region_modules,
     verify_on_first_forward,
 )
 from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
 from lightning_llm.parallel.tp.split_outputs import watch_first_forward
+from lightning_llm.parallel.tp.style_kinds import opens
 from lightning_llm.parallel.tp.styles import parallel_style
 
 __all__ = [

@@ -35,16 +35,15 @@ from lightning_llm.parallel.tp.attention_variants import (
     recognise,
 )
 from lightning_llm.parallel.tp.per_head import lend_per_head_lists
-from lightning_llm.parallel.tp.replicated_grads import opens
+from lightning_llm.parallel.tp.style_kinds import opens
 
-OPENING = ("colwise_replicated_input",)
 MQA_WIDTH_ATTRS = ("embed_dim", "split_size", "hidden_size")
 
 
 def splits_heads(name: str, styles: dict[str, str]) -> bool:
     """Whether ``styles`` (module names inside a block -> style) split a projection under the module ``name``."""
     prefix = f"{name}." if name else ""
-    return any(n.startswith(prefix) and (opens(s) or s in OPENING) for n, s in styles.items())
+    return any(n.startswith(prefix) and opens(s) for n, s in styles.items())
 
 
 def shard_attention_heads(

@@ -22,14 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm.parallel.tp.coverage import wildcard_index
 from lightning_llm.parallel.tp.fused import projection_dims
-
-OPENS = ("colwise", "colwise_replicated_input")
-CLOSES = ("rowwise",)
-
-
-def opens(style: str | None) -> bool:
-    """Whether ``style`` starts a head-sharded region (a column split, fused or not)."""
-    return style in OPENS or (style or "").startswith("fused_colwise:")
+from lightning_llm.parallel.tp.style_kinds import closes, opens
 
 
 def _lent_per_head(name: str, styles: dict[str, str]) -> bool:
@@ -53,7 +46,7 @@ def region_owners(styles: dict[str, str]) -> set[str]:
         parts = name.split(".")
         for cut in range(len(parts) - 1, -1, -1):
             owner = ".".join(parts[:cut])
-            if any(styles.get(n) in CLOSES and (not owner or n.startswith(owner + ".")) for n in styles):
+            if any(closes(styles.get(n)) and (not owner or n.startswith(owner + ".")) for n in styles):
                 owners.add(owner)
                 break
     return owners
@@ -92,7 +85,7 @@ def _between(block: nn.Module, owner: str, name: str, styles: dict[str, str]) ->
         return position[n[len(prefix) :].split(".")[0]]
 
     opened = [index(n) for n, s in styles.items() if n.startswith(prefix) and opens(s)]
-    closed = [index(n) for n, s in styles.items() if n.startswith(prefix) and s in CLOSES]
+    closed = [index(n) for n, s in styles.items() if n.startswith(prefix) and closes(s)]
     return bool(opened and closed) and min(opened) < index(name) < max(closed)
 
 
@@ -129,8 +122,8 @@ def verify_on_first_forward(
         style = styles.get(name)
         if _lent_per_head(name, styles):
             continue
-        if opens(style) or style in CLOSES or (name and _has_params(module)):
-            kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
+        if opens(style) or closes(style) or (name and _has_params(module)):
+            kind = "open" if opens(style) else "close" if closes(style) else style or "plain"
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: enter(n, k, m, a)))
 
     def done(module, args, output):

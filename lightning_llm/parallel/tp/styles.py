@@ -34,8 +34,7 @@ from lightning_llm.parallel.tp.fused import (
     shared_parts,
 )
 from lightning_llm.parallel.tp.multihead_attention import MultiheadAttentionParallel
-
-SHARED_PREFIX = "replicate_shared:"
+from lightning_llm.parallel.tp.style_kinds import SHARED_PREFIX as SHARED_PREFIX
 
 
 class ReplicateGradSum(ParallelStyle):
