@@ -13,7 +13,6 @@ One 2-rank job runs the distributed cases; the tests read its results.
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 
@@ -21,19 +20,11 @@ from lightning_llm.callbacks import CheckpointRotation, ResumeChecks
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.testing import cpu_trainer, run_distributed
 from tests._optional import HAS_DEEPSPEED, requires_deepspeed
-from tests.strategies._parity import data
+from tests.strategies._parity import GlobalLoss, data
 
 pytestmark = pytest.mark.timeout(900)
 SAVED = "step=00000002.ckpt"
 UNTIED_INTO_TIED = "which this model ties (one tensor, e.g. tie_embeddings=True): it was saved from a model with untied"
-
-
-class _Steps(L.Callback):
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def on_train_batch_start(self, *args) -> None:
-        self.steps += 1
 
 
 def _model(tied: bool) -> CausalLM:
@@ -53,32 +44,50 @@ def _strategy(path: str):
     return LLMParallelStrategy(zero_stage=3, save_distributed_checkpoint=path == "zero3 sharded")
 
 
-def _resume(root: str, path: str, saved_tied: bool, devices: int = 2, callbacks=()) -> tuple[str | None, int]:
-    """Train 2 steps with ``saved_tied``, save, resume into the other tying: (the refusal or None, steps run)."""
-    save = CheckpointRotation(dirpath=f"{root}/{path}-{saved_tied}", every_n_train_steps=2)
+def _resume(
+    root: str, path: str, saved_tied: bool, resumed_tied: bool, devices: int = 2, callbacks=()
+) -> tuple[str | None, list[float]]:
+    """Train 2 steps with ``saved_tied``, save, resume with ``resumed_tied``: (the refusal or None, resumed losses)."""
+    save = CheckpointRotation(dirpath=f"{root}/{path}-{saved_tied}-{resumed_tied}", every_n_train_steps=2)
     # CheckpointRotation is a ModelCheckpoint: checkpointing enabled
     kwargs = dict(devices=devices, default_root_dir=root, limit_val_batches=0, enable_checkpointing=True)
     cpu_trainer(max_steps=2, callbacks=[save], strategy=_strategy(path), **kwargs).fit(_model(saved_tied), data(4))
-    steps = _Steps()
-    trainer = cpu_trainer(max_steps=3, callbacks=[steps, *callbacks], strategy=_strategy(path), **kwargs)
+    losses = GlobalLoss()
+    trainer = cpu_trainer(max_steps=3, callbacks=[losses, *callbacks], strategy=_strategy(path), **kwargs)
     try:
-        trainer.fit(_model(not saved_tied), data(4), ckpt_path=f"{save.dirpath}/{SAVED}")
+        trainer.fit(_model(resumed_tied), data(4), ckpt_path=f"{save.dirpath}/{SAVED}")
     except ValueError as err:
-        return str(err), steps.steps
-    return None, steps.steps
+        return str(err), losses.losses
+    return None, losses.losses
 
 
-CASES = {
-    "zero3 sharded, untied into tied": ("zero3 sharded", False, ()),
-    "zero3 single file, untied into tied": ("zero3 single file", False, ()),
-    "zero3 sharded, tied into untied": ("zero3 sharded", True, ()),
-    "ddp with ResumeChecks, untied into tied": ("ddp", False, (ResumeChecks(),)),
-    **({"deepspeed zero3, untied into tied": ("deepspeed zero3", False, ())} if HAS_DEEPSPEED else {}),
+def _straight(path: str) -> list[float]:
+    """The tied model's 3 steps without a break: the oracle of a tied checkpoint resumed."""
+    losses = GlobalLoss()
+    trainer = cpu_trainer(devices=2, max_steps=3, callbacks=[losses], strategy=_strategy(path), limit_val_batches=0)
+    trainer.fit(_model(True), data(4))
+    return losses.losses
+
+
+CASES = {  # name: (resume path, saved tied, resumed tied, callbacks of the resumed run)
+    "zero3 sharded, untied into tied": ("zero3 sharded", False, True, ()),
+    "zero3 single file, untied into tied": ("zero3 single file", False, True, ()),
+    "zero3 sharded, tied into untied": ("zero3 sharded", True, False, ()),
+    "ddp with ResumeChecks, untied into tied": ("ddp", False, True, (ResumeChecks(),)),
+    **({"deepspeed zero3, untied into tied": ("deepspeed zero3", False, True, ())} if HAS_DEEPSPEED else {}),
+    # The same model on both sides resumes (the checks pass a tied checkpoint).
+    "zero3 sharded, tied into tied": ("zero3 sharded", True, True, ()),
+    "zero3 single file, tied into tied": ("zero3 single file", True, True, ()),
+    "ddp with ResumeChecks, tied into tied": ("ddp", True, True, (ResumeChecks(),)),
 }
 
 
 def _every_case(root: str) -> dict:
-    return {name: _resume(root, path, tied, callbacks=extra) for name, (path, tied, extra) in CASES.items()}
+    results = {
+        name: _resume(root, path, saved, resumed, callbacks=extra)
+        for name, (path, saved, resumed, extra) in CASES.items()
+    }
+    return {**results, "straight zero3": _straight("zero3 sharded"), "straight ddp": _straight("ddp")}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +105,8 @@ def refusals(tmp_path_factory) -> dict:
     ],
 )
 def test_an_untied_checkpoint_is_refused_by_a_tied_model(refusals, case):
-    error, steps = refusals[case]
-    assert error is not None and steps == 0, refusals[case]
+    error, losses = refusals[case]
+    assert error is not None and losses == [], refusals[case]
     assert f"{SAVED} holds different values for model.tok_embeddings.weight and model.output.weight" in error
     assert UNTIED_INTO_TIED in error and "tie_embeddings=False" in error  # the fix
 
@@ -105,22 +114,34 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(refusals, case):
 @requires_deepspeed
 @pytest.mark.distributed
 def test_an_untied_deepspeed_checkpoint_is_refused_by_a_tied_model(refusals):
-    error, steps = refusals["deepspeed zero3, untied into tied"]
-    assert error is not None and steps == 0, error
+    error, losses = refusals["deepspeed zero3, untied into tied"]
+    assert error is not None and losses == [], error
     assert "holds model.tok_embeddings.weight and model.output.weight as separate parameters" in error
     assert UNTIED_INTO_TIED in error
 
 
 @pytest.mark.distributed
 def test_a_tied_checkpoint_into_an_untied_model_names_the_optimizer_state_it_lacks(refusals):
-    error, steps = refusals["zero3 sharded, tied into untied"]
-    assert error is not None and steps == 0, error
+    error, losses = refusals["zero3 sharded, tied into untied"]
+    assert error is not None and losses == [], error
     assert f"{SAVED} holds no optimizer state for 1 (model.output.weight)" in error and "strict_loading" in error
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "case, straight",
+    [("zero3 sharded", "zero3"), ("zero3 single file", "zero3"), ("ddp with ResumeChecks", "ddp")],
+)
+def test_a_tied_checkpoint_resumes_into_the_same_tied_model_as_the_straight_run(refusals, case, straight):
+    """The checks let the same model through; its step 3 is the straight run's (the single file's tied optimizer
+    state crashed the first step before: it was keyed by the tied parameter's second name)."""
+    error, losses = refusals[f"{case}, tied into tied"]
+    assert error is None and losses == pytest.approx(refusals[f"straight {straight}"][2:], rel=1e-6)
 
 
 @pytest.mark.parametrize("callback", [ResumeChecks, lambda: CheckpointRotation(every_n_train_steps=100)])
 def test_single_device_refuses_an_untied_checkpoint_for_a_tied_model(tmp_path, callback):
     """Lightning's single-device strategy: ResumeChecks or CheckpointRotation's verified load refuse it."""
-    error, steps = _resume(str(tmp_path), "auto", False, devices=1, callbacks=(callback(),))
-    assert error is not None and steps == 0
+    error, losses = _resume(str(tmp_path), "auto", False, True, devices=1, callbacks=(callback(),))
+    assert error is not None and losses == []
     assert UNTIED_INTO_TIED in error and SAVED in error
