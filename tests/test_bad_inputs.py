@@ -268,7 +268,7 @@ FIT_CASES = {
     "ids beyond the sidecar's vocabulary": (
         lambda d: {"source": "tokens", "path": _file_beyond_its_sidecar(d)},
         None,
-        ("other.bin hold token id 249", "vocab_size=100", "Prepare the data again"),
+        ("other.bin holds token id 249, but its sidecar says vocab_size=100", "Prepare the data again"),
     ),
 }
 

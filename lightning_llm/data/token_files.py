@@ -172,8 +172,12 @@ def check_ids_fit_sidecar(paths: list[str], info: TokenFileInfo | None, max_toke
     """Refuse token files holding an id beyond the vocabulary their own sidecars record (ids from other data, or a
     file read with the wrong dtype)."""
     if info is not None and max_token_id >= info.vocab_size:
+        files, holds = (
+            (f"{paths[0]} holds", "its sidecar says")
+            if len(paths) == 1
+            else (f"{', '.join(paths)} hold", "their sidecars say")
+        )
         raise ValueError(
-            f"{', '.join(map(str, paths))} hold token id {max_token_id}, but their sidecar says vocab_size="
-            f"{info.vocab_size}: the files and their sidecars do not belong together (or token_dtype is wrong). "
-            "Prepare the data again with `lightning-llm prepare`."
+            f"{files} token id {max_token_id}, but {holds} vocab_size={info.vocab_size}: the data and the sidecar "
+            "do not belong together (or token_dtype is wrong). Prepare the data again with `lightning-llm prepare`."
         )
