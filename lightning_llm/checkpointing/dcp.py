@@ -32,10 +32,11 @@ from lightning_llm._compat.lightning import METADATA_FILENAME, unwrap_optimizer
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.checksums import refusal
 from lightning_llm.checkpointing.fs import Location
-from lightning_llm.checkpointing.keys import matching_keys
+from lightning_llm.checkpointing.keys import few, matching_keys
 from lightning_llm.checkpointing.staging import HostCopy, reusable_stager
 from lightning_llm.checkpointing.untrusted import load_torch, refusals_unwrapped, safe_planner
 from lightning_llm.checkpointing.write_gate import BACKGROUND_WRITES, background_writer, resume_background_writes
+from lightning_llm.modeling.tied import differing, merged, refuse_untied, tied_groups
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 MODEL_PREFIX = "state_dict."  # DCP flattens {"state_dict": {name: tensor}} to "state_dict.<name>"
@@ -147,9 +148,9 @@ def sharded_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
     }
 
 
-def file_shapes(path: Location, weights_only: bool | None = None) -> dict[str, tuple[int, ...] | None]:
-    """Name -> shape of the model tensors in a full single-file checkpoint (memory-mapped on a local disk), read
-    weights-only unless ``weights_only=False`` (``ValueError`` naming the file when it holds anything else)."""
+def file_state(path: Location, weights_only: bool | None = None) -> dict[str, Any]:
+    """The model tensors of a full single-file checkpoint (memory-mapped on a local disk), read weights-only unless
+    ``weights_only=False`` (``ValueError`` naming the file when it holds anything else, or no ``state_dict``)."""
     loaded = load_torch(path, mmap=True, weights_only=weights_only)
     state = loaded.get("state_dict") if isinstance(loaded, dict) else None
     if not isinstance(state, dict):
@@ -157,7 +158,50 @@ def file_shapes(path: Location, weights_only: bool | None = None) -> dict[str, t
             f"{path} holds no 'state_dict' entry, so it is not a Lightning checkpoint; pass a checkpoint saved by "
             "trainer.save_checkpoint, ModelCheckpoint or CheckpointRotation."
         )
-    return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()}
+    return state
+
+
+def file_shapes(path: Location, weights_only: bool | None = None) -> dict[str, tuple[int, ...] | None]:
+    """Name -> shape of the model tensors in a full single-file checkpoint (see :func:`file_state`)."""
+    return {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in file_state(path, weights_only).items()}
+
+
+def check_file(model: nn.Module, path: Location, strict: bool, weights_only: bool | None = None) -> None:
+    """Refuse a full checkpoint file that holds more than tensors and plain values (read weights-only), one whose
+    tensors do not match the model's both ways (when ``strict``), and one saved untied for a model that ties.
+    A collective: every rank calls it."""
+    state = file_state(path, weights_only)
+    if strict:
+        matching_keys(
+            model_shapes(model),
+            {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()},
+            strict,
+            str(path),
+        )
+    groups = merged(_on_any_rank([tied_groups(get_model_state_dict(model))]))
+    refuse_untied(differing(groups, state), str(path))
+
+
+def _on_any_rank(found: list) -> list:
+    """What any rank found (every rank then raises alike); a rank whose shards are empty finds nothing itself."""
+    if not dist.is_initialized():
+        return found
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, found)
+    return [item for part in parts for item in part]
+
+
+def refuse_missing_optimizer_state(path: Location, key: str, request: dict[str, Any], saved) -> None:
+    """Refuse a sharded checkpoint whose optimizer ``key`` holds no state for some of this optimizer's parameters
+    (DCP would say only ``Missing key in checkpoint state_dict``), naming them and the way out."""
+    missing = sorted({name.split(".", 1)[1].rsplit(".", 1)[0] for name in request if f"{key}.{name}" not in saved})
+    if missing:
+        raise ValueError(
+            f"Checkpoint {path} holds no optimizer state for {few(missing)} of this model's parameters: the optimizer "
+            "that saved it held other parameters (one tensor for tied weights, say, or another architecture). "
+            "Resume with the model built as the run that saved it, or set `strict_loading = False` on the "
+            "LightningModule to start those parameters' optimizer state afresh."
+        )
 
 
 def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weights_only: bool | None) -> dict[str, Any]:
@@ -177,10 +221,14 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
             "Pass a checkpoint saved by LLMParallelStrategy, or load other weights into the model before fitting."
         )
     keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))
-    model_state = {"state_dict": {k: v for k, v in get_model_state_dict(model).items() if k in keep}}
+    state = {k: v for k, v in get_model_state_dict(model).items() if k in keep}
+    # Tied names read into tensors of their own, so the checkpoint's values can be compared before any is kept.
+    groups = tied_groups(state)
+    model_state = {"state_dict": {**state, **{n: torch.empty_like(state[n]) for g in groups for n in g[1:]}}}
     with refusals_unwrapped():
         dcp.load(model_state, storage_reader=cfs.storage_reader(path), planner=safe_planner(path))
-    set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+    refuse_untied(_on_any_rank(differing(groups, model_state["state_dict"])), str(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
     saved = cfs.storage_reader(path).read_metadata().state_dict_metadata
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
@@ -193,6 +241,8 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
         full = optimizer_state(model, optimizer)
         # Flattened keys are "state.<param>.<field>" and "param_groups.<param>.<field>".
         request = {key: {k: v for k, v in full.items() if strict or k.split(".", 1)[1].rsplit(".", 1)[0] in keep}}
+        if strict:
+            refuse_missing_optimizer_state(path, key, request[key], saved)
         planner = safe_planner(path, allow_partial_load=not strict)
         with refusals_unwrapped():
             dcp.load(request, storage_reader=cfs.storage_reader(path), planner=planner)

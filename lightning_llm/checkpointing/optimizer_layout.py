@@ -111,7 +111,11 @@ def named_by_position(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         named = named_by_position(module, optimizer, checkpoint["optimizer_states"][0])
         set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
     """
-    name_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    name_of: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        # A tied parameter goes by its first name, the one torch's state-dict functions key it by (the later one
+        # matches no parameter there, and its state would be left a plain tensor beside a sharded parameter).
+        name_of.setdefault(id(param), name)
     live = [p for group in optimizer.param_groups for p in group["params"]]
     saved = [i for group in state["param_groups"] for i in group["params"]]
     sizes = [len(g["params"]) for g in state["param_groups"]], [len(g["params"]) for g in optimizer.param_groups]

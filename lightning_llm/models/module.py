@@ -142,8 +142,11 @@ class CausalLM(L.LightningModule):
         self.log("test_ppl", loss.exp(), sync_dist=True)
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        # Matrices decay, vectors (norms, biases) do not. A DeepSpeed ZeRO-3 parameter built inside fit is an empty
+        # 1-D stand-in whose full shape is `ds_shape`: read by its `dim()`, every parameter would be a vector.
+        matrix = {id(p) for p in self.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2}
+        decay = [p for p in self.parameters() if p.requires_grad and id(p) in matrix]
+        no_decay = [p for p in self.parameters() if p.requires_grad and id(p) not in matrix]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate,

@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_llm._compat import lightning as compat
 from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing import resumed_settings
 from lightning_llm.checkpointing.dcp import refuse_unverified
 from lightning_llm.checkpointing.errors import save_on_every_rank
 from lightning_llm.checkpointing.files import checkpoint_of
@@ -284,9 +285,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
         parallel_setup.log_layout(self.options, state)
         parallel_setup.log_global_batch(trainer, self.options, state)
+        resumed_settings.remember(trainer)  # the configured values, before a checkpoint's state replaces them
 
     @override
     def on_train_start(self) -> None:
+        resumed_settings.report(self.lightning_module.trainer)  # what the checkpoint's state replaced, said once
         # The first step's fp8 weight scales too, from the weights after any checkpoint load: without them FSDP2's
         # fp8 all-gather reduces each weight's amax over the dp axis only, so under TP each tp shard has its own.
         self._precompute_fp8_scales()
@@ -426,7 +429,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
             checkpoint = super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
         finally:
             self.optimizers = held
-        self.checkpoints.load_file_optimizers(self.model, optimizers, checkpoint, strict)
+        self.checkpoints.load_file_optimizers(self.model, optimizers, checkpoint, strict, str(path))
         return checkpoint
 
     def wait_for_checkpoint(self) -> None:

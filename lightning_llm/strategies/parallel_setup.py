@@ -23,6 +23,7 @@ from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_bac
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
 from lightning_llm.parallel.pipeline.microbatches import bubble_warning, default_microbatches
+from lightning_llm.parallel.pipeline.split import check_stages_fit
 from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_options import StrategyOptions
@@ -80,8 +81,11 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         state.model_shape = ModelShape.of(module, blocks)
     except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
         state.model_shape = None
+    check_pipeline_stages(module, options)  # the root cause first: too few blocks, before the micro-batch count
     resolve_microbatches(trainer, options, state, device)
-    check_microbatches(trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches)
+    check_microbatches(
+        trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches, options.pipeline.num_microbatches
+    )
     if state.zero_stage == "auto":
         choose_zero_stage(trainer, module, options, state, device)
     pipelined = parallel.pipeline_parallel_size > 1
@@ -131,6 +135,14 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
             rank_zero_info(f"LLMParallelStrategy: kept {len(written)} tensors configure_model loaded")
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
+
+
+def check_pipeline_stages(module, options: StrategyOptions) -> None:
+    """Refuse more pipeline stages (``pipeline_parallel_size`` x ``virtual_stages``) than the model has blocks."""
+    pp = options.parallel.pipeline_parallel_size
+    if pp > 1 and options.pipeline.split is None:  # an explicit split is checked where it is read
+        blocks = find_blocks(module, options.parallel.blocks)[1]
+        check_stages_fit(pp * options.pipeline.spec().stages_per_rank(), len(blocks))
 
 
 def resolve_microbatches(trainer, options: StrategyOptions, state: RunState, device: torch.device) -> None:

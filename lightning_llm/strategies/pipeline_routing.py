@@ -40,13 +40,18 @@ def backward(steps: PipelinedSteps, module, precision: Precision, closure_loss):
     return closure_loss
 
 
-def check_microbatches(trainer, pipeline_parallel_size: int, num_microbatches: int | None) -> None:
-    """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches."""
+def check_microbatches(
+    trainer, pipeline_parallel_size: int, num_microbatches: int | None, requested: int | None = None
+) -> None:
+    """Refuse, before the first step, a per-rank batch the pipeline cannot cut into equal micro-batches.
+
+    ``requested`` is the user's ``num_microbatches`` (``None``: the count was chosen at setup, which is said)."""
     hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
     batch_size, micro = hparams.get("batch_size"), num_microbatches
     if pipeline_parallel_size > 1 and isinstance(batch_size, int) and batch_size % micro:
+        chosen = "" if requested is not None else " (left unset, so one per pipeline stage)"
         raise ValueError(
-            f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}, so it "
-            f"cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
+            f"batch_size={batch_size} (per data-parallel rank) is not divisible by num_microbatches={micro}{chosen}, "
+            f"so it cannot be cut into equal micro-batches; use a batch_size that is a multiple of {micro}, or a "
             "num_microbatches that divides it."
         )

@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from lightning_llm._compat.lightning import unwrap_optimizer
 from lightning_llm.checkpointing import dcp as dcp_checkpoint
 from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe
-from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.checkpointing.optimizer_layout import from_named_groups, named_by_position
 from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
 from lightning_llm.strategies.parallel_contract import AsyncSave
@@ -53,9 +52,12 @@ class ShardedCheckpoints:
         state = get_optimizer_state_dict(model, unwrap_optimizer(optimizer), options=options)
         return from_named_groups(state) if state else {}
 
-    def load_file_optimizers(self, model, optimizers: list, checkpoint: dict[str, Any], strict: bool) -> None:
+    def load_file_optimizers(
+        self, model, optimizers: list, checkpoint: dict[str, Any], strict: bool, source: str = "checkpoint"
+    ) -> None:
         """Load each optimizer's state from a full checkpoint (``checkpoint["optimizer_states"]``, torch's layout
-        or name-keyed), reading positions in the optimizer's own group order (:func:`named_by_position`)."""
+        or name-keyed), reading positions in the optimizer's own group order (:func:`named_by_position`);
+        ``source`` names the file in a refusal."""
         if optimizers and "optimizer_states" not in checkpoint:
             raise KeyError(
                 "Trying to restore optimizer state but the checkpoint contains only the model. This is probably due "
@@ -65,7 +67,10 @@ class ShardedCheckpoints:
         for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
             optimizer = unwrap_optimizer(optimizer)
             if state.get("state") and isinstance(next(iter(state["state"])), int):
-                state = named_by_position(model, optimizer, state)
+                try:
+                    state = named_by_position(model, optimizer, state)
+                except ValueError as err:
+                    raise ValueError(f"Checkpoint {source}: {err}") from None
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
     def save(self, checkpoint: dict[str, Any], path: str, rank: int, storage_options: Any | None) -> bool:
@@ -84,12 +89,10 @@ class ShardedCheckpoints:
         return False
 
     def check_file(self, model, path, strict: bool, weights_only: bool | None = None) -> None:
-        """Refuse a full checkpoint file that holds more than tensors and plain values (read weights-only), and
-        (when ``strict``) one whose tensors do not match the model's, both ways. ``weights_only=False``: the
-        caller trusts the file (``trainer.fit(..., weights_only=False)``)."""
-        saved = dcp_checkpoint.file_shapes(path, weights_only)
-        if strict:
-            matching_keys(dcp_checkpoint.model_shapes(model), saved, strict, path)
+        """Refuse a full checkpoint file that holds more than tensors and plain values (read weights-only), (when
+        ``strict``) one whose tensors do not match the model's, both ways, and one saved untied for a model that
+        ties. ``weights_only=False``: the caller trusts the file (``trainer.fit(..., weights_only=False)``)."""
+        dcp_checkpoint.check_file(model, path, strict, weights_only)
 
     def load(self, model, optimizers, path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         """Load a DCP checkpoint directory into this layout, whatever layout saved it (DCP reshards by name)."""
