@@ -101,26 +101,73 @@ def module_buffers(module: nn.Module) -> dict[str, Any]:
     return module._buffers
 
 
+def swap_module_entries(module: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
+    """Put ``entries`` in place of ``module._modules`` (a list's entries lent for one call); returns the previous
+    dictionary, to put back. ``nn.ModuleList`` reads its length, order and items from it. Checked on torch 2.13.0."""
+    previous, module._modules = module._modules, entries
+    return previous
+
+
 register(
     Private(
-        name="nn.Module._parameters, nn.Module._buffers",
+        name="nn.Module._parameters, nn.Module._buffers, nn.Module._modules",
         upstream="torch",
-        accessor="torch.module_parameters, torch.module_buffers",
+        accessor="torch.module_parameters, torch.module_buffers, torch.swap_module_entries",
         used_by=(
             "modeling/repeated_blocks.py",
             "parallel/init/zero3_build.py",
             "parallel/pipeline/gates.py",
             "parallel/tp/experts.py",
             "parallel/tp/hf_styles.py",
+            "parallel/tp/per_head.py",
         ),
         why='a module\'s own slots with `None` entries (block signatures, "has parameters"), and swapping a '
         "parameter in place: lend an experts module its local shards for one forward (FSDP2's "
         "`unsafe_setattr_param` and HF's `_use_local_dtensor_params` do the same), put ZeRO-3 partitions in place "
-        "of meta parameters",
+        "of meta parameters; lend a list of one module per head only this rank's heads' entries for one call",
         caught_by="`tests/parallel/test_experts_parallel.py`, `tests/strategies/test_deepspeed_init.py`, "
         "`tests/test_setup_memory.py`",
         checked=CHECKED,
         check=lambda: (nn.Linear(1, 1)._parameters, nn.BatchNorm1d(1)._buffers),
+    )
+)
+
+
+_HOOK_SLOTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def without_hooks(module: nn.Module) -> nn.Module:
+    """``module`` (a copy) with every forward and backward hook of it and its submodules dropped, in place: a copy made
+    to compute alongside the original must not run the original's hooks (a callback's recorder, a split's lending).
+    torch keeps hooks in private per-module dictionaries and offers no way to list or remove them without the
+    handles. Checked on torch 2.13.0."""
+    for sub in module.modules():
+        for slot in _HOOK_SLOTS:
+            hooks = getattr(sub, slot, None)
+            if hooks is not None:
+                hooks.clear()
+    return module
+
+
+register(
+    Private(
+        name="nn.Module._forward_hooks and the other hook dictionaries",
+        upstream="torch",
+        accessor="torch.without_hooks",
+        used_by=("parallel/tp/first_forward_parity.py",),
+        why="a copy of a block part, computed whole beside the split part in its first forward, must not run the "
+        "original's hooks; torch removes hooks only through the handles their owners keep",
+        caught_by="`tests/zoo/test_per_head_modules.py` (hooks counting which norms each rank runs)",
+        checked=CHECKED,
+        check=lambda: [getattr(nn.Linear(1, 1), slot) for slot in _HOOK_SLOTS],
     )
 )
 

@@ -51,8 +51,8 @@ class TracedBlocks:
 
     def whole_container(self, root: nn.Module) -> bool:
         """Whether the blocks are every entry of their container, in the container's order."""
-        if not self.container or self.container == self.caller:
-            return False
+        if not self.container or not _holds_layers(root.get_submodule(self.container)):
+            return False  # blocks held as attributes of their caller
         container = root.get_submodule(self.container)
         return [f"{self.container}.{key}" for key, _ in container.named_children()] == self.names
 
@@ -124,7 +124,8 @@ def _runs(root: nn.Module, calls: list[Call], caller: int | None) -> list[Traced
             current.calls[unit].append(called)  # another slot of the same entry (x-transformers' layers)
             continue
         same = current is not None and current.container == container and unit not in current.names
-        if same and (container != caller_name or _same_class(root, current.names[-1], unit)):
+        attribute = not _holds_layers(root.get_submodule(container))  # blocks held as attributes: of one class
+        if same and (not attribute or _same_class(root, current.names[-1], unit)):
             current.names.append(unit)
             current.calls[unit] = [called]
             continue

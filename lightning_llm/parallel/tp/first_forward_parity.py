@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm._compat.torch import tree_leaves
+from lightning_llm._compat.torch import tree_leaves, without_hooks
 from lightning_llm.parallel.tp.coverage import wildcard_index
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,14 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}  # relative norm of the d
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", "kv_cache", "cache", "cache_params"})
 
 
-def whole_copy(part: nn.Module) -> nn.Module:
-    """A copy of ``part`` taken before tensor parallelism changes it (its parameters' values are not used)."""
-    return copy.deepcopy(part)
+def whole_copy(part: nn.Module) -> nn.Module | None:
+    """A copy of ``part``, without hooks, taken before tensor parallelism changes it (its parameters' values are not
+    used); ``None`` for a part that cannot be copied (its check is then skipped, with a line in the debug log)."""
+    try:
+        return without_hooks(copy.deepcopy(part))
+    except Exception as error:  # an object inside the part that deepcopy refuses (a lock, a compiled kernel)
+        log.debug("tensor parallel: %s cannot be copied, so its first forward is not compared: %s", type(part), error)
+        return None
 
 
 def check_first_forward(part: nn.Module, whole: nn.Module, label: str) -> None:
@@ -45,17 +50,25 @@ def check_first_forward(part: nn.Module, whole: nn.Module, label: str) -> None:
         ...  # split layer.self_attn
         check_first_forward(layer.self_attn, whole, "model.layers.0.self_attn")
     """
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in whole.modules()):
-        log.debug("tensor parallel: %s has dropout; its first forward is not compared with the whole part", label)
+    if whole is None or any(isinstance(m, nn.Dropout) and m.p > 0 for m in whole.modules()):
+        log.debug("tensor parallel: %s is not compared with the whole part (no copy, or dropout)", label)
         return
-    handles = []
+    handles, inputs = [], []
+
+    def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs.append((args, dict(kwargs)))  # before the split's own hooks cut them (ALiBi rows per rank)
 
     def compare(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         for handle in handles:
             handle.remove()
-        expected = _whole_output(module, whole, args, kwargs)
+        try:
+            expected = _whole_output(module, whole, *inputs[0])
+        except Exception as error:  # the copy cannot run on these inputs: the check is skipped, said in the log
+            log.debug("tensor parallel: %s is not compared with the whole part: %s", label, error)
+            return
         _raise_if_apart(label, _first_tensor(output), expected)
 
+    handles.append(part.register_forward_pre_hook(keep, with_kwargs=True, prepend=True))
     handles.append(part.register_forward_hook(compare, with_kwargs=True))
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llm._compat.torch import module_parameters
+from lightning_llm._compat.torch import module_parameters, swap_module_entries
 from lightning_llm.parallel.tp.attention_variants import head_count, is_attention, model_config
 from lightning_llm.parallel.tp.experts import sum_grad
 from lightning_llm.parallel.tp.fused import KV_ATTRS, projection_dims
@@ -118,21 +118,22 @@ class _Lent:
     def lend(self) -> None:
         if self.whole is not None:  # re-entered (a recompute inside the same call): already lent
             return
-        self.whole = self.entries._modules
-        members = list(self.whole.values())
+        members = list(self.entries)
         for slot_name, *column in _parameter_slots(members):
             summed = sum_grad(torch.stack([slots[slot_name] for slots in column]), self.mesh)
             for index in range(self.lo, self.hi):
                 self.slots.append((column[index], slot_name, column[index][slot_name]))
                 column[index][slot_name] = summed[index]
-        self.entries._modules = OrderedDict((str(i), m) for i, m in enumerate(members[self.lo : self.hi]))
+        mine = OrderedDict((str(i), m) for i, m in enumerate(members[self.lo : self.hi]))
+        self.whole = swap_module_entries(self.entries, mine)
 
     def give_back(self) -> None:
         if self.whole is None:
             return
         for slots, slot_name, original in self.slots:
             slots[slot_name] = original
-        self.entries._modules, self.whole, self.slots = self.whole, None, []
+        swap_module_entries(self.entries, self.whole)
+        self.whole, self.slots = None, []
 
 
 def _parameter_slots(members: list[nn.Module]) -> list[tuple]:
