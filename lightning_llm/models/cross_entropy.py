@@ -30,18 +30,25 @@ from torch.distributed.tensor import DTensor
 from lightning_llm.validation import check_choice, check_int
 
 IMPLEMENTATIONS = ("auto", "torch", "liger")
-# Tokens per chunk when none is given: as many as keep one chunk's fp32 logits near this size (512 tokens at a
-# 128256 vocabulary, the whole batch at small ones): large enough for efficient matmuls, small beside the whole logits.
-CHUNK_LOGITS_BYTES = 2**28
+# A chunk's fp32 logits take at most this many bytes when no chunk size is given (see default_chunk_size).
+CHUNK_LOGITS_BYTES = 2**29
 # Mesh axes FSDP2 and replicate shard or copy parameters over: lightning_llm.parallel.mesh's data-parallel axes and
 # Lightning's ModelParallelStrategy's. A head's DTensor weight on any other axis is split by tensor parallelism.
 DATA_PARALLEL_AXES = frozenset({"dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "data_parallel"})
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk whose fp32 logits take about :data:`CHUNK_LOGITS_BYTES` (a multiple of 64 from 64 up)."""
-    tokens = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
-    return tokens - tokens % 64 if tokens >= 64 else tokens
+def default_chunk_size(vocab_size: int, tokens: int) -> int:
+    """Tokens per chunk: all of them where their fp32 logits fit in :data:`CHUNK_LOGITS_BYTES`, else an eighth of
+    them, at most as many as fit (a multiple of 64 from 64 up): 1024 of 8192 tokens at a 128256 vocabulary.
+
+    Chunks are kept large because each one adds a pass over the weight's gradient (vocabulary × dim, fp32) besides
+    its matmuls; an eighth bounds the logits held at once to a small share of the whole.
+    """
+    fit = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+    if tokens <= fit:
+        return tokens
+    size = min(fit, -(-tokens // 8))
+    return size - size % 64 if size >= 64 else size
 
 
 def vocab_parallel(weight: torch.Tensor | None) -> bool:
@@ -73,7 +80,7 @@ def linear_cross_entropy(
         hidden: (..., dim) final hidden states; ``targets`` has the same leading shape.
         weight: (vocab, dim) the output head's weight (no bias).
         ignore_index: targets with this value add no loss and no gradient, as in ``F.cross_entropy``.
-        chunk_size: tokens per chunk; ``None``: :func:`default_chunk_size`.
+        chunk_size: tokens per chunk; ``None``: :func:`default_chunk_size` (1024 of 8192 tokens at a 128K vocabulary).
         implementation: "torch" (this module's chunks), "liger" (Liger-Kernel's fused kernel, CUDA), or "auto":
             Liger on CUDA where ``liger-kernel`` is installed, else "torch".
 
@@ -99,7 +106,7 @@ def linear_cross_entropy(
     if _use_liger(implementation, hidden):
         return _liger(hidden.to(dtype), weight.to(dtype), targets, ignore_index)
     grads = (hidden.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
-    size = chunk_size or default_chunk_size(weight.shape[0])
+    size = chunk_size or default_chunk_size(weight.shape[0], hidden.shape[0])
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, size, dtype, grads)
 
 
@@ -179,41 +186,56 @@ def _loss_and_grads(
     valid = targets != ignore_index
     # 1 / the number of targets that count, as F.cross_entropy's mean; a tensor, so no host sync (nan if none count).
     scale = 1.0 / valid.sum().float()
-    picked = torch.where(valid, targets, 0)
+    picked = torch.where(valid, targets, 0)[:, None]
     w = weight.to(dtype)
     loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
     grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if grads[0] else None
     grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads[1] else None
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h = hidden[rows].to(dtype)
-        logits = (h @ w.T).float()  # (chunk, vocab): the only tensor of that size, modified in place below
-        target_logit = logits.gather(1, picked[rows, None]).squeeze(1)
-        top = logits.amax(1, keepdim=True)
-        total = logits.sub_(top).exp_().sum(1, keepdim=True)  # logits now hold exp(logit - max)
-        loss += ((total.log() + top).squeeze(1) - target_logit).masked_fill(~valid[rows], 0).sum()
+        h = hidden[rows].to(dtype) * valid[rows, None]  # ignored tokens' rows add nothing to the weight's gradient
+        probs, target_logp = _softmax(h @ w.T, picked[rows])  # (chunk, vocab) fp32: the one tensor of that size
+        loss -= target_logp.masked_fill(~valid[rows], 0).sum()
         if any(grads):
-            # d(loss)/d(logits) * count: softmax minus one-hot, zero on ignored targets.
-            logits.div_(total).scatter_add_(1, picked[rows, None], logits.new_full((h.shape[0], 1), -1.0))
-            grad_logits = logits.mul_(valid[rows, None]).to(dtype)
+            # d(loss)/d(logits) * count: softmax minus one-hot.
+            grad_logits = probs.scatter_add_(1, picked[rows], probs.new_full(picked[rows].shape, -1.0)).to(dtype)
+            del probs
             if grads[0]:
-                grad_hidden[rows] = grad_logits @ w
+                grad_hidden[rows] = (grad_logits @ w).masked_fill(~valid[rows, None], 0)
             if grads[1]:
                 _accumulate(grad_weight, grad_logits.T, h)
-            del grad_logits
-        del logits  # before the next chunk's logits are allocated: one chunk alive at a time
+            del grad_logits  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = loss * scale
-    if grad_hidden is not None:
-        grad_hidden.mul_(scale)
-    if grad_weight is not None:
-        grad_weight.mul_(scale)
+    for grad in (grad_hidden, grad_weight):
+        if grad is not None:
+            grad.mul_(scale)
     return loss, grad_hidden, grad_weight
 
 
+def _softmax(logits: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' softmax in fp32 and the log-probability of each row's ``picked`` column.
+
+    fp32 logits are overwritten in place (no second tensor of their size); lower-precision ones go through one
+    ``log_softmax`` kernel computing in fp32, fewer passes over memory than an upcast followed by the steps below.
+    """
+    if logits.dtype != torch.float32:
+        logp = torch.log_softmax(logits, 1, dtype=torch.float32)
+        del logits
+        target = logp.gather(1, picked).squeeze(1)
+        return logp.exp_(), target
+    target = logits.gather(1, picked).squeeze(1)
+    top = logits.amax(1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(1, keepdim=True)
+    return logits.div_(total), target - (total.log() + top).squeeze(1)
+
+
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` with ``total`` in fp32: in place when ``a`` and ``b`` are fp32, else via their product."""
+    """``total += a @ b`` with ``total`` in fp32 and ``a``, ``b`` in the compute dtype, with no rounding of the
+    product to a lower precision: one GEMM writing fp32 where the device has one (CUDA), else via the product."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
+    elif total.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.ops.aten.addmm.dtype_out(total, a, b, torch.float32, out=total)
     else:
         total.add_(a @ b)
 

@@ -23,7 +23,7 @@ LIGER = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, rea
 GPU = [pytest.mark.gpu, CUDA]
 # (device, implementation, tokens, dim, vocab)
 CASES = [
-    pytest.param("cpu", "torch", 512, 64, 8192, id="cpu-torch"),
+    pytest.param("cpu", "torch", 2048, 32, 8192, id="cpu-torch"),
     pytest.param("cuda", "torch", 4096, 256, 128_256, id="cuda-torch", marks=GPU),
     pytest.param("cuda", "liger", 4096, 256, 128_256, id="cuda-liger", marks=[*GPU, LIGER]),
 ]

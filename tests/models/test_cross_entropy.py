@@ -95,10 +95,12 @@ def test_peak_memory_at_a_128k_vocabulary_and_4k_tokens_is_under_a_quarter_of_th
     assert weight.grad.shape == weight.shape and torch.isfinite(weight.grad).all()
 
 
-def test_default_chunks_keep_a_chunk_of_fp32_logits_near_256_mib():
-    assert default_chunk_size(128_256) == 512
-    assert default_chunk_size(32_000) == 2048
-    assert default_chunk_size(10**9) == 1
+def test_default_chunks_are_an_eighth_of_the_tokens_at_most_512_mib_of_fp32_logits_or_all_where_they_fit():
+    assert default_chunk_size(128_256, 8192) == 1024
+    assert default_chunk_size(128_256, 4096) == 512
+    assert default_chunk_size(128_256, 65_536) == 1024  # 1046 fit in 512 MiB, rounded to 64
+    assert default_chunk_size(256, 8192) == 8192  # 8 MiB of logits: one chunk
+    assert default_chunk_size(10**9, 8192) == 1
 
 
 def test_the_head_runs_through_its_own_hooks_and_keeps_its_forward():
