@@ -230,12 +230,10 @@ def _softmax(logits: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` with ``total`` in fp32 and ``a``, ``b`` in the compute dtype, with no rounding of the
-    product to a lower precision: one GEMM writing fp32 where the device has one (CUDA), else via the product."""
+    """``total += a @ b`` with ``total`` in fp32: in place when ``a`` and ``b`` are fp32, else through their product
+    in the compute dtype (rounded once per chunk, as the whole-logits path rounds its one product)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
-    elif total.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        torch.ops.aten.addmm.dtype_out(total, a, b, torch.float32, out=total)
     else:
         total.add_(a @ b)
 
