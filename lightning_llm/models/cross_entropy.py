@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -101,8 +101,7 @@ def linear_cross_entropy(
             f"{tuple(targets.shape)}."
         )
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    dtype = _compute_dtype(hidden)
     if _use_liger(implementation, hidden):
         return _liger(hidden.to(dtype), weight.to(dtype), targets, ignore_index)
     grads = (hidden.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
@@ -129,6 +128,19 @@ def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Ten
         return head(hidden)
 
 
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on for ``hidden``'s device (as ``F.linear`` would use), else its own."""
+    device = hidden.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+def _autocast_off(device: str):
+    """Autocast disabled for ``device``; nothing to disable where it has none (the meta device of measurements)."""
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext()
+
+
 @contextmanager
 def _forward_replaced(module: nn.Module, forward: Callable) -> Iterator[None]:
     """``module.forward`` is ``forward`` inside the block: an instance attribute, so the class and hooks stay."""
@@ -148,7 +160,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype, needs_grads):
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _autocast_off(hidden.device.type):
             loss, grad_hidden, grad_weight = _loss_and_grads(
                 hidden,
                 weight,
