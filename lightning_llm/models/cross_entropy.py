@@ -205,15 +205,17 @@ def _loss_and_grads(
     grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads[1] else None
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h = hidden[rows].to(dtype) * valid[rows, None]  # ignored tokens' rows add nothing to the weight's gradient
+        h = hidden[rows].to(dtype)
         probs, target_logp = _softmax(h @ w.T, picked[rows])  # (chunk, vocab) fp32: the one tensor of that size
-        loss -= target_logp.masked_fill(~valid[rows], 0).sum()
+        ignored = ~valid[rows]
+        loss -= target_logp.masked_fill(ignored, 0).sum()
         if any(grads):
-            # d(loss)/d(logits) * count: softmax minus one-hot.
-            grad_logits = probs.scatter_add_(1, picked[rows], probs.new_full(picked[rows].shape, -1.0)).to(dtype)
+            # d(loss)/d(logits) * count: softmax minus one-hot, zero on ignored targets.
+            probs.scatter_add_(1, picked[rows], probs.new_full(picked[rows].shape, -1.0))
+            grad_logits = probs.to(dtype).masked_fill_(ignored[:, None], 0)
             del probs
             if grads[0]:
-                grad_hidden[rows] = (grad_logits @ w).masked_fill(~valid[rows, None], 0)
+                _product_into(grad_hidden[rows], grad_logits, w)
             if grads[1]:
                 _accumulate(grad_weight, grad_logits.T, h)
             del grad_logits  # before the next chunk's logits are allocated: one chunk alive at a time
@@ -239,6 +241,14 @@ def _softmax(logits: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, 
     top = logits.amax(1, keepdim=True)
     total = logits.sub_(top).exp_().sum(1, keepdim=True)
     return logits.div_(total), target - (total.log() + top).squeeze(1)
+
+
+def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out[:] = a @ b`` for an fp32 ``out``: written in place when ``a`` and ``b`` are fp32 too."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

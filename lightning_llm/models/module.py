@@ -6,6 +6,7 @@ already has, and the strategies must train it unchanged.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import lightning as L
@@ -121,12 +122,22 @@ class CausalLM(L.LightningModule):
         )
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         documents = None if documents is None else documents[:, :-1]
-        # Off a pipeline's last stage the head is a placeholder without weight; the forward stops before it anyway.
-        if self.fused_cross_entropy and not vocab_parallel(getattr(self.model.output, "weight", None)):
-            hidden = self(inputs, documents, return_hidden=True)
+        # Document ids only where there are some: a subclass's forward(tokens) keeps working.
+        args = (inputs,) if documents is None else (inputs, documents)
+        if self._fuses_loss():
+            hidden = self(*args, return_hidden=True)
             return head_cross_entropy(self.model.output, hidden, targets, chunk_size=self.loss_chunk_size)
-        logits = self(inputs, documents)
+        logits = self(*args)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _fuses_loss(self) -> bool:
+        """Whether the chunked loss applies: asked for, the head's vocabulary whole on this rank (off a pipeline's
+        last stage the head is a placeholder without weight, and the forward stops before it anyway), and a
+        ``forward`` that can return hidden states (a subclass's own ``forward`` without ``return_hidden`` keeps the
+        logits path)."""
+        if not self.fused_cross_entropy or vocab_parallel(getattr(self.model.output, "weight", None)):
+            return False
+        return "return_hidden" in inspect.signature(self.forward).parameters
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

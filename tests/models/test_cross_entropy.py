@@ -168,3 +168,20 @@ def test_causal_lm_trains_the_same_with_and_without_the_fused_loss(documents):
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, **TOL)
+
+
+class _OwnForward(CausalLM):
+    def forward(self, tokens, document_ids=None):  # a subclass's forward from before return_hidden
+        return super().forward(tokens, document_ids)
+
+
+def test_a_subclass_forward_without_return_hidden_keeps_the_logits_path():
+    module = _OwnForward("tiny")
+    module.configure_model()
+    batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    logits = module.model(batch[:, :-1])
+    want = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    plain = CausalLM("tiny")
+    plain.configure_model()
+    assert plain._fuses_loss() and not module._fuses_loss()
+    torch.testing.assert_close(module._loss(batch), want, **TOL)
