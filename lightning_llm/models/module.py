@@ -63,8 +63,9 @@ class CausalLM(L.LightningModule):
             where it is installed). The same loss and gradients as ``F.cross_entropy`` on the logits, without the
             largest activation of the step. Not used where tensor parallelism splits the head's vocabulary (its
             gathered logits and ``F.cross_entropy`` then, as with ``False``).
-        loss_chunk_size: tokens per chunk of the fused loss; ``None``: an eighth of the tokens, at most 512 MiB of fp32 logits
-            per chunk, all of them where they fit (:func:`~lightning_llm.models.cross_entropy.default_chunk_size`).
+        loss_chunk_size: tokens per chunk of the fused loss; ``None``: an eighth of the tokens, at most 512 MiB of
+            fp32 logits per chunk, all of them where they fit
+            (:func:`~lightning_llm.models.cross_entropy.default_chunk_size`).
 
     Example::
 
