@@ -135,7 +135,10 @@ def _runs(root: nn.Module, calls: list[Call], caller: int | None) -> list[Traced
 
 
 def _same_class(root: nn.Module, a: str, b: str) -> bool:
-    return type(root.get_submodule(a)) is type(root.get_submodule(b))
+    """Blocks held as attributes: two modules of one class, each made of layers (not two embeddings or Linears)."""
+    first, second = root.get_submodule(a), root.get_submodule(b)
+    composite = all(any(True for _ in m.children()) for m in (first, second))
+    return composite and type(first) is type(second)
 
 
 def _numel(root: nn.Module, names: list[str]) -> int:

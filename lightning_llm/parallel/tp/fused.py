@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_llm._compat.torch_distributed import all_to_all_single, apply_parallel_style
+from lightning_llm.modeling.attributes import int_attribute
 from lightning_llm.parallel.tp.style_kinds import FUSED_PREFIX as FUSED_PREFIX  # the fused styles' prefix, re-exported
 
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
@@ -98,8 +99,8 @@ def fused_sizes(style: str, out_features: int) -> tuple[int, ...]:
 def qkv_style(attention: nn.Module, out_features: int, where: str) -> str:
     """``fused_colwise:Q,K,V`` for a ``[all q | all k | all v]`` projection, sizes from ``attention``'s head counts."""
     owners = [attention, getattr(attention, "config", None)]
-    query = next((getattr(o, a) for o in owners for a in QUERY_ATTRS if isinstance(getattr(o, a, None), int)), None)
-    kv = next((getattr(o, a) for o in owners for a in KV_ATTRS if isinstance(getattr(o, a, None), int)), query)
+    query = int_attribute(owners, QUERY_ATTRS)
+    kv = int_attribute(owners, KV_ATTRS) or query
     if query is None or out_features % (query + 2 * kv):
         raise ValueError(
             f"{where!r} ({out_features} outputs) looks like a fused q|k|v projection, but its head counts "

@@ -13,6 +13,8 @@ import copy
 
 from torch import nn
 
+from lightning_llm.modeling.attributes import attribute, layer_configs
+
 HEAD_ATTRS = (
     "heads",
     "num_heads",
@@ -32,7 +34,7 @@ KV_HEAD_ATTRS = HEAD_ATTRS[4:]
 def _counts(obj: object) -> dict[str, int]:
     found = {}
     for attr in HEAD_ATTRS:
-        value = getattr(obj, attr, None)
+        value = attribute(obj, attr)
         if isinstance(value, int) and not isinstance(value, bool):
             found[attr] = value
     return found
@@ -63,6 +65,11 @@ def check_head_counts(
             if hasattr(m, "config")
         ]
     places += [(f"{name or 'model'}.config", m.config) for name, m in model.named_modules() if hasattr(m, "config")]
+    places += [  # a heterogeneous config's per-layer values (Gemma 4's key/value heads per layer)
+        (f"{where}.per_layer_config[{i}]", layer)
+        for where, config in list(places)
+        for i, layer in enumerate(layer_configs(config))
+    ]
     for where, obj in places:
         counts = _counts(obj)
         bad = {a: v for a, v in counts.items() if v % tp and not (shared_kv and v == 1 and a in KV_HEAD_ATTRS)}

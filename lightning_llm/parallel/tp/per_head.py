@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llm._compat.torch import module_parameters, swap_module_entries
+from lightning_llm.modeling.attributes import int_attribute
 from lightning_llm.parallel.tp.attention_variants import head_count, is_attention, model_config
 from lightning_llm.parallel.tp.experts import sum_grad
 from lightning_llm.parallel.tp.fused import KV_ATTRS, projection_dims
@@ -31,12 +32,7 @@ STYLE = "per_head"
 
 
 def _kv_count(attention: nn.Module, config: object | None) -> int | None:
-    for owner in (attention, getattr(attention, "config", None) or config):
-        for name in KV_ATTRS:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+    return int_attribute([attention, getattr(attention, "config", None) or config], KV_ATTRS)
 
 
 def _is_per_head_list(module: nn.Module, counts: set[int]) -> bool:

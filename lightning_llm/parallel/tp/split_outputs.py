@@ -18,6 +18,7 @@ cache's ``cat``) and refuses a ``split``/``chunk`` of the head axis itself: diff
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import NamedTuple
 
@@ -86,11 +87,16 @@ class _WatchCuts(TorchFunctionMode):
             raise RuntimeError(_heads_message(self.label, head_name, x.shape[heads], func.__name__))
         pieces = [p for t in tree_leaves((args, kwargs)) if (p := _live(self.pieces, t)) is not None]
         merged = self._merge(func, args, kwargs, pieces) if len({p.index for p in pieces}) > 1 else None
-        result = func(*args, **kwargs)
+        result = self._run(func, args, kwargs)
         if name is not None:
             axis = _heads_axis(func, x, result)
             if axis is not None:
                 self._check_count(name, x, result.shape[axis])
+            elif isinstance(result, torch.Tensor) and result.shape == x.shape and func not in _VIEWS:
+                self.watched[id(result)] = (
+                    weakref.ref(result),
+                    name,
+                )  # element-wise (an activation): still its columns
             self._follow(result, name, axis)
         elif cut:
             for index, piece in enumerate(result):
@@ -104,6 +110,24 @@ class _WatchCuts(TorchFunctionMode):
         elif func in _CATS and isinstance(x, (list, tuple)):
             self._follow_cat(x, kwargs.get("dim", args[1] if len(args) > 1 else 0), result)
         return result
+
+    def _run(self, func, args, kwargs):
+        """``func``; where it fails on a split layer's output (its columns meeting a tensor that is not split the
+        same way: Gemma 4's per-layer input gated by a column-split layer), the failure names the layer and the fix."""
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            split = [(t, name) for t in tree_leaves((args, kwargs)) if (name := _live(self.watched, t)) is not None]
+            if not split:
+                raise
+            tensor, name = split[0]
+            raise RuntimeError(
+                f"Tensor parallelism: {self.label}.{name} is split column-wise (this rank holds {tensor.shape[-1]} of "
+                f"its columns), but the model combines its output with a tensor that is not split the same way "
+                f"({getattr(func, '__name__', func)}: {error}). Keep it whole, with the layers that read what it "
+                f"makes: tensor_parallel_replicate=['{wildcard_index(f'{self.label}.{name}')}', ...], or keep the part "
+                "holding them whole."
+            ) from error
 
     def _check_count(self, name: str, x: torch.Tensor, count: int) -> None:
         """A split layer's output viewed into the model's whole head count, not this rank's: the count is written
@@ -281,8 +305,9 @@ def watch_first_forward(
 
     def leave(module, args, output):
         mode.__exit__(None, None, None)
-        for handle in handles:
-            handle.remove()
+        if sys.exc_info()[1] is None:  # on an error torch is iterating the hooks: removing one would mask the error
+            for handle in handles:
+                handle.remove()
 
     # always_call: the mode leaves the stack even when the forward raises (our refusal included).
     handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave, always_call=True)]

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_llm.modeling.attributes import attribute
 from lightning_llm.modeling.blocks import block_modules
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
@@ -267,7 +268,7 @@ def _head_counts(module: nn.Module) -> set[int]:
     for sub in module.modules():
         for owner in (sub, getattr(sub, "config", None)):
             for attr in (*QUERY_ATTRS, *KV_ATTRS):
-                value = getattr(owner, attr, None)
+                value = attribute(owner, attr)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 1:
                     counts.add(value)
     return counts
