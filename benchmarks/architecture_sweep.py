@@ -84,6 +84,7 @@ OVERRIDES = {
     "Llama4": ((), dict(intermediate_size_mlp=64, interleave_moe_layer_step=2)),
     "StableLm": ((), dict(qk_layernorm=True, use_parallel_residual=True)),  # StableLM 2 12B's per-head q/k norms
     "Dots3Note": ((), dict(num_key_value_heads=4)),  # its config requires as many k/v heads as query heads
+    "Zaya": ((), dict(num_experts_per_tok=1)),  # "ZAYA currently supports num_experts_per_tok=1 only"
     "CodeGen": ((), dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
     "GPTJ": ((), dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
     "Phimoe": ((), dict(router_jitter_noise=0.0, input_jitter_noise=0.0)),
