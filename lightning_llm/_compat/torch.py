@@ -12,6 +12,7 @@ from torch import nn
 # re-exported under their own names.
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves as tree_leaves
 
 from lightning_llm._compat.registry import Private, register, resolve
@@ -168,6 +169,28 @@ register(
         caught_by="`tests/zoo/test_per_head_modules.py` (hooks counting which norms each rank runs)",
         checked=CHECKED,
         check=lambda: [getattr(nn.Linear(1, 1), slot) for slot in _HOOK_SLOTS],
+    )
+)
+
+
+def outside_dispatch_modes():
+    """A context in which the dispatch modes active around it (selective activation checkpointing's caching mode,
+    a FLOP counter) do not see the ops run: a check computed beside a block's forward must not be cached as the
+    block's own ops, or the recompute in backward replays the wrong outputs. Checked on torch 2.13.0."""
+    return _disable_current_modes()
+
+
+register(
+    Private(
+        name="torch.utils._python_dispatch._disable_current_modes",
+        upstream="torch",
+        accessor="torch.outside_dispatch_modes",
+        used_by=("parallel/tp/first_forward_parity.py",),
+        why="selective checkpointing caches every op a forward runs under its dispatch mode, whatever the grad mode; "
+        "the first-forward check's extra ops would be replayed as the block's own; no public way to step outside",
+        caught_by="`tests/parallel/test_experts_parallel.py` (experts under tp with activation checkpointing)",
+        checked=CHECKED,
+        check=lambda: resolve("torch.utils._python_dispatch:_disable_current_modes"),
     )
 )
 

@@ -84,11 +84,12 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str, BlockStack]:
-    """The dotted name and the container (``nn.ModuleList`` or ``nn.Sequential``) of transformer blocks in ``module``.
+    """The dotted name and the container (``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``) of blocks in ``module``.
 
     Without ``override`` it is the container of layers holding the most parameters, then the most
     children, then the outermost (``model.layers`` in Llama and Jamba, ``transformer.h`` in GPT-2); its
-    blocks may be of different classes. A container with an ``nn.Embedding`` child holds a whole model,
+    blocks may be of different classes. An ``nn.ModuleDict`` (torchtitan's layout) comes back as a
+    :class:`BlockSet` of its entries in order, naming the dict as its container. A container with an ``nn.Embedding`` child holds a whole model,
     not its blocks, and ``module`` itself is never the blocks. ``override`` is a dotted submodule name
     (as in ``named_modules()``) for models where that guess is wrong; a list of dotted names or a callable
     ``(name, module) -> bool`` picks blocks that share no container. Blocks without a container (given so, or

@@ -78,7 +78,8 @@ def meta_parameters(module: nn.Module, fn: Callable[[], Any]) -> Any:
         return torch.func.functional_call(_Call(module, fn), meta, (), tie_weights=True, strict=False)
 
 
-_SLOTS = ("_parameters", "_buffers", "_modules")  # functional_call puts these back itself
+_SLOTS = ("_parameters", "_buffers", "_modules")
+_TENSOR_SLOTS = ("_parameters", "_buffers")
 
 
 @contextmanager
@@ -87,13 +88,17 @@ def _scrubbed(module: nn.Module, is_ours: Callable[[Any], bool]) -> Iterator[Non
     tables in a shared ``BufferCache``, its model's ``_device`` read off the first parameter) would hand the call's
     tensors and devices to the real run. Every module attribute the call set or replaced gets its old value back
     (or goes), and the ``is_ours`` tensors it put in mappings, lists and objects the modules hold are dropped, to be
-    computed again."""
+    computed again. Parameters and buffers are put back too: ``functional_call`` leaves the swapped-in tensors on
+    a module reached under two names (one attention module called from every block)."""
     before = {id(m): dict(vars(m)) for m in module.modules()}
+    tensors = {id(m): {slot: dict(getattr(m, slot)) for slot in _TENSOR_SLOTS} for m in module.modules()}
     try:
         yield
     finally:
         seen: set[int] = set()
         for m in module.modules():
+            for slot in _TENSOR_SLOTS:
+                getattr(m, slot).update(tensors.get(id(m), {}).get(slot, {}))
             state, old = vars(m), before.get(id(m), {})
             for key in [k for k in state if k not in _SLOTS]:
                 if key not in old:

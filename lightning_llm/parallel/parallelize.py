@@ -300,8 +300,9 @@ def parallelize(
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
-    ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
-    or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
+    ``activation_checkpointing`` is a callable ``(blocks, entries) -> None`` applied between TP and FSDP,
+    or ``None``; ``entries`` maps ``id(block)`` to the modules the block is entered through (the block itself,
+    or its slots when the stack runs them from its own forward), which is what it checkpoints. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
     pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
     the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). ``expert_parallel_size > 1``
     splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`). With ``dims.cp > 1`` every sequence
@@ -384,7 +385,7 @@ def parallelize(
             sequence_parallel=sequence_parallel,
             blocks_name=blocks_name,
             entries=entries,
-            check_parts=dims.cp == 1 and expert_parallel_size == 1,
+            check_parts=dims.cp == 1 and expert_parallel_size == 1 and _first_pipeline_rank(dims),
         )
     if activation_checkpointing is not None:
         activation_checkpointing(owned_blocks, entries)
@@ -416,3 +417,9 @@ def parallelize(
         if dims.tp > 1 and roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
             report.output_guard = OutputViewGuard(dp_roots)
     return report
+
+
+def _first_pipeline_rank(dims: ParallelDims) -> bool:
+    """Whether this rank's blocks see real inputs in their first forward: a later pipeline stage first runs on the
+    empty tensors torch's schedule learns its output shapes from (what the first-forward check would compare)."""
+    return dims.pp == 1 or dims.mesh["pp"].get_local_rank() == 0

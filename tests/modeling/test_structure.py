@@ -144,6 +144,16 @@ def test_a_traced_forward_leaves_the_model_as_it_was():
     assert not out.is_meta and torch.equal(model.layers["0"].table, torch.full((DIM,), 2.0))
 
 
+def test_a_module_called_from_every_block_keeps_its_own_parameters_after_the_trace():
+    model = DictModel(layers=3)
+    for key in ("1", "2"):
+        model.layers[key].mix = model.layers["0"].mix  # one module under three names (Zamba's shared attention)
+    before = {name: (id(t), t.device) for name, t in model.named_parameters(remove_duplicate=False)}
+    assert _trace(model).names == ["layers.0", "layers.1", "layers.2"]
+    after = {name: (id(t), t.device) for name, t in model.named_parameters(remove_duplicate=False)}
+    assert after == before and len(before) == 15  # 2 + 2 + 3 x (2 norm + 1 mix name x 2)
+
+
 @pytest.mark.parametrize("model", [DictModel, SlotModel])
 def test_the_container_search_finds_the_same_blocks_without_a_forward(model):
     traced = _trace(model())

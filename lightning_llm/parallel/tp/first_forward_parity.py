@@ -9,7 +9,8 @@ a split trains, and trains wrong.
 So each part whose heads the plan splits (the smallest module holding a column split and the row split closing it:
 the attention) is computed twice in the first forward: split, as the run does, and whole, on a copy of the part
 made before the split with the live parameters gathered (``DTensor.full_tensor``) and the same inputs. A difference
-beyond rounding stops the run before any optimizer step, naming the part and the entry that keeps it whole. Parts
+beyond rounding stops the run before any optimizer step, naming the part and the entry that keeps it whole. The
+first forward compared is the first with autograd on (a training step's). Parts
 with active dropout are not compared (their random masks differ); the check costs one extra forward of one part per
 block class, once.
 """
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm._compat.torch import tree_leaves, without_hooks
+from lightning_llm._compat.torch import outside_dispatch_modes, tree_leaves, without_hooks
 from lightning_llm.parallel.tp.coverage import wildcard_index
 
 log = logging.getLogger(__name__)
@@ -56,31 +57,37 @@ def check_first_forward(part: nn.Module, whole: nn.Module, label: str) -> None:
     handles, inputs = [], []
 
     def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs.append((args, dict(kwargs)))  # before the split's own hooks cut them (ALiBi rows per rank)
+        # A training forward only: a pipeline stage's first call learns its output shapes on placeholder inputs.
+        if torch.is_grad_enabled():
+            inputs.append((args, dict(kwargs)))  # before the split's own hooks cut them (ALiBi rows per rank)
 
     def compare(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not inputs:
+            return
         for handle in handles:
             handle.remove()
-        try:
-            expected = _whole_output(module, whole, *inputs[0])
-        except Exception as error:  # the copy cannot run on these inputs: the check is skipped, said in the log
-            log.debug("tensor parallel: %s is not compared with the whole part: %s", label, error)
-            return
-        _raise_if_apart(label, _first_tensor(output), expected)
+        # Unseen by activation checkpointing (no autograd, no dispatch mode): what it saved or cached of the check's
+        # ops would be replayed by the recompute as the block's own.
+        with torch.no_grad(), outside_dispatch_modes():
+            try:
+                expected = _whole_output(module, whole, *inputs[0])
+            except Exception as error:  # the copy cannot run on these inputs: the check is skipped, said in the log
+                log.debug("tensor parallel: %s is not compared with the whole part: %s", label, error)
+                return
+            _raise_if_apart(label, _first_tensor(output), expected)
 
     handles.append(part.register_forward_pre_hook(keep, with_kwargs=True, prepend=True))
     handles.append(part.register_forward_hook(compare, with_kwargs=True))
 
 
 def _whole_output(live: nn.Module, whole: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``whole`` run with ``live``'s gathered parameters and buffers on the gathered inputs (no autograd). A KV cache
+    """``whole`` run with ``live``'s gathered parameters and buffers on the gathered inputs. A KV cache
     passed in is left out: the live call has already appended its own (split) keys to it, and in a training forward
     the cache starts empty, so the part's output does not depend on it."""
     state = {n: _full(t).detach() for n, t in [*live.named_parameters(), *live.named_buffers()]}
     args = tuple(None if _is_cache(v) else v for v in args)
     kwargs = {k: None if _is_cache(v) or k in CACHE_ARGUMENTS else v for k, v in kwargs.items()}
-    with torch.no_grad():
-        out = torch.func.functional_call(whole, state, _gathered(args), _gathered(kwargs), strict=False)
+    out = torch.func.functional_call(whole, state, _gathered(args), _gathered(kwargs), strict=False)
     return _first_tensor(out)
 
 
