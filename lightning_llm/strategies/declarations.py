@@ -84,9 +84,16 @@ def _resolved_type(owner: type, field: dataclasses.Field) -> type:
 
 
 def check_each(options_type: type, arguments: dict[str, Any]) -> dict[tuple[str, ...], Any]:
-    """Each option's own check on ``arguments`` (keyword arguments by name), in declaration order: the checked
-    values keyed by their path."""
-    return {d.path: d.check(d.argument, arguments[d.argument]) for d in declarations(options_type)}
+    """Each option's own check on ``arguments`` (every option's argument, by name), in declaration order: the
+    checked values keyed by their path. An argument without a declaration is refused, not dropped."""
+    declared = list(declarations(options_type))
+    names = {d.argument for d in declared}
+    if set(arguments) != names:
+        raise TypeError(
+            f"{options_type.__name__} declares no option {sorted(set(arguments) - names)} and misses "
+            f"{sorted(names - set(arguments))}: declare each argument once with option(...)."
+        )
+    return {d.path: d.check(d.argument, arguments[d.argument]) for d in declared}
 
 
 def build(options_type: type, checked: dict[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> Any:
