@@ -159,6 +159,12 @@ FIELD_CASES = [
     (LLMParallelStrategy, {"seq_len": "2048"}, "seq_len='2048'"),
     (LLMParallelStrategy, {"accumulation_sync": True}, "accumulation_sync=True"),
     (LLMParallelStrategy, {"expert_parallel_plan": "experts"}, "expert_parallel_plan='experts'"),
+    (LLMParallelStrategy, {"expert_parallel_size": 0}, "expert_parallel_size=0"),
+    (LLMParallelStrategy, {"context_parallel_size": "2"}, "context_parallel_size='2'"),
+    (LLMParallelStrategy, {"context_parallel_method": "rings"}, "context_parallel_method='rings'"),
+    (LLMParallelStrategy, {"fp8": "fp4"}, "fp8='fp4'"),
+    (LLMParallelStrategy, {"activation_checkpointing": "partial"}, "activation_checkpointing='partial'"),
+    (LLMParallelStrategy, {"activation_checkpointing_options": {"budgets": 0.3}}, "['budgets']"),
     (LLMDataModule, {"path": "train.bin"}, "path='train.bin'"),
     (LLMDataModule, {"source": "tokens", "path": 3}, "path=3"),
     (LLMDataModule, {"source": "tokens", "path": [3]}, "path=[3]"),
@@ -440,6 +446,16 @@ def test_cli_fit_refuses_before_training(case, tmp_path, monkeypatch, capsys):
         LLMCLI(args=["--trainer.logger", "false", *args], run=False)
     captured = capsys.readouterr()
     assert named in str(error.value) + captured.err, str(error.value) + captured.err
+
+
+def test_every_checked_strategy_option_has_a_case():
+    """An option added to lightning_llm/strategies/parallel_options.py with a check needs a bad value here."""
+    from lightning_llm.strategies.declarations import declarations
+    from lightning_llm.strategies.parallel_options import StrategyOptions
+
+    named = {k for f, kwargs, text in CONSTRUCTOR_CASES + FIELD_CASES if f is LLMParallelStrategy for k in kwargs}
+    accepts_anything = {"blocks"}  # a name, names or a callable: what it names is found (or refused) at setup
+    assert {d.argument for d in declarations(StrategyOptions)} - accepts_anything <= named
 
 
 def test_there_are_at_least_200_cases():
