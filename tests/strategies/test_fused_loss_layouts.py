@@ -43,7 +43,8 @@ def _train_counting_fused_calls(layouts: list[dict]) -> list:
     calls, original = [], causal_lm.head_cross_entropy
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        if torch.is_grad_enabled():  # a training step's, not the setup's traced forward (no autograd, meta tensors)
+            calls.append(1)
         return original(*args, **kwargs)
 
     causal_lm.head_cross_entropy = counted

@@ -28,7 +28,8 @@ from lightning_llm._compat.torch import outside_dispatch_modes, tree_leaves, wit
 from lightning_llm.parallel.tp.coverage import wildcard_index
 
 log = logging.getLogger(__name__)
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}  # relative norm of the difference; 16-bit: 2e-2
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}  # relative norm of the difference; 16-bit: 2e-2
+# (float64: 1e-6, since some models keep parts in float32 whatever the default dtype: Llama 4 its rotary tables)
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", "kv_cache", "cache", "cache_params"})
 
 
