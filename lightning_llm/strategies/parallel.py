@@ -418,16 +418,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
         trainer, strict = self.lightning_module._trainer, self.lightning_module.strict_loading
         # Optimizer state only to fit, as Lightning's connector restores it: a test after fit still holds them.
         optimizers = self.optimizers if trainer is None or trainer.state.fn == TrainerFn.FITTING else []
-        if not cfs.isfile(path):
-            return self.checkpoints.load(self.model, optimizers, path, strict, weights_only)
-        self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
-        held, self.optimizers = self.optimizers, []  # Lightning's loader reads the model; the optimizers: below
-        try:
-            checkpoint = super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
-        finally:
-            self.optimizers = held
-        self.checkpoints.load_file_optimizers(self.model, optimizers, checkpoint, strict)
-        return checkpoint
+        return self.checkpoints.load(self.model, optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:
         """Block until the last asynchronous checkpoint is fully written on this rank."""
