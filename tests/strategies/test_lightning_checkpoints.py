@@ -21,10 +21,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
+from lightning_llm.checkpointing.consolidate import consolidate_checkpoint, read_model_state
 from lightning_llm.testing import run_distributed
 from tests.strategies._lightning_sources import SOURCES, HandShardedLM, source_strategy
 from tests.strategies._parity import GLOBAL_BATCH, GlobalLoss, assert_parity, data, full_state, make_model
@@ -108,12 +110,32 @@ def runs(tmp_path_factory):
     results = run_distributed(_two_ranks, 2, str(root), timeout=560)[0]
     results["one_device"]["own"] = _fit("auto", devices=1, dp=1, steps=STEPS, resume_from=root / "one_device.ckpt")
     results["one_device"]["one device"] = run_distributed(_one_device_under_the_strategy, 1, str(root), timeout=120)[0]
-    return results
+    return results, root
 
 
 @pytest.mark.parametrize("source", [*SOURCES, "one_device"])
 def test_a_lightning_checkpoint_resumes_under_every_layout_as_its_own_strategy_continues(runs, source):
+    runs, _ = runs
     own = runs[source]["own"]
     assert len(own[0]) == STEPS - SAVED_AT
     for layout in [*LAYOUTS, *(["one device"] if source == "one_device" else [])]:
         assert_parity(runs[source][layout], own, f"{source} -> {layout}", rtol=1e-5)
+
+
+def test_every_sources_checkpoint_exports_and_consolidates(runs, tmp_path):
+    """``lightning-llm export`` reads them all (FSDP's ``model.`` keys, DeepSpeed through its consolidation): the
+    weights equal DDP's after the same two steps, and DeepSpeed's optimizer moments too, in torch's layout."""
+    _, root = runs
+    # FSDP1 trains without the weight decay the groups meant (see docs/checkpointing.md): its own reference.
+    ddp, fsdp = read_model_state(root / "ddp.ckpt")[0], read_model_state(root / "fsdp_full.ckpt")[0]
+    for source in [*SOURCES, "one_device"]:
+        state, rest = read_model_state(root / f"{source}.ckpt")
+        assert rest["global_step"] == SAVED_AT, source
+        want = fsdp if source.startswith("fsdp") else ddp
+        assert state.keys() == want.keys(), source
+        for name, ref in want.items():  # relative error of the whole tensor, as assert_parity measures it
+            assert (state[name] - ref).norm() <= 1e-5 * ref.norm(), f"{source} {name}"
+    if "deepspeed" in SOURCES:
+        full = torch.load(consolidate_checkpoint(root / "deepspeed.ckpt", tmp_path / "ds.ckpt"), weights_only=False)
+        ddp = torch.load(root / "ddp.ckpt", weights_only=False)["optimizer_states"][0]
+        torch.testing.assert_close(full["optimizer_states"][0]["state"], ddp["state"], rtol=1e-5, atol=1e-9)
