@@ -280,6 +280,7 @@ class LLMParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        self.checkpoints.check_checkpoint_io(self.checkpoint_io)
         if trainer.state.fn == TrainerFn.FITTING and not state.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         parallel_setup.log_layout(self.options, state)

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from lightning_llm._compat.lightning import unwrap_optimizer
@@ -45,6 +47,20 @@ class ShardedCheckpoints:
     def __init__(self, distributed: bool) -> None:
         self.distributed = distributed
         self.saver = dcp_checkpoint.AsyncSaver()
+
+    def check_checkpoint_io(self, checkpoint_io: Any) -> None:
+        """Say once that a CheckpointIO the user gave is not what writes sharded checkpoints (DCP does, one shard per
+        rank, as under Lightning's ModelParallelStrategy); a full-file save (``save_distributed_checkpoint=False``)
+        goes through it."""
+        kind = type(checkpoint_io)
+        if not self.distributed or kind is TorchCheckpointIO or kind.__module__.startswith("lightning_llm."):
+            return
+        rank_zero_warn(
+            f"LLMParallelStrategy writes sharded checkpoints with torch.distributed.checkpoint, so your checkpoint_io "
+            f"({kind.__name__}) is not used for saves, as under Lightning's ModelParallelStrategy. "
+            "LLMParallelStrategy(save_distributed_checkpoint=False) writes one file through it; for asynchronous "
+            "sharded saves use CheckpointRotation(async_save=True)."
+        )
 
     def optimizer_state(self, model, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
