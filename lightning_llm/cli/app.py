@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm.checkpointing.resume_path import check_checkpoint_path
 from lightning_llm.cli.data_vocab import adopt_data_vocabulary
+from lightning_llm.cli.errors import PROG, CommandError, ConciseParser, FirstBatch, unknown_strategy
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.wandb_mode import default_to_offline
@@ -64,7 +65,8 @@ class LLMCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("save_config_callback", ConfigToLoggers)
-        kwargs.setdefault("parser_kwargs", {"epilog": _EPILOG})
+        kwargs.setdefault("parser_kwargs", {"epilog": _EPILOG, "prog": PROG})
+        kwargs.setdefault("parser_class", ConciseParser)  # errors without the 45-line usage, typos with a suggestion
         super().__init__(None, None, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -103,6 +105,7 @@ class LLMCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        _refuse_unknown_strategy(trainer.get("strategy"))
         if trainer.get("logger") is None:
             trainer.logger = _default_logger(trainer)
         _refuse_wandb_logger_without_wandb(self.parser, trainer.get("logger"))
@@ -118,17 +121,38 @@ class LLMCLI(LightningCLI):
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
-        self._vocabulary_from_data()
+        self._before_run()
 
     def before_validate(self) -> None:
-        self._vocabulary_from_data()
+        self._before_run()
 
     def before_test(self) -> None:
+        self._before_run()
+
+    def before_predict(self) -> None:
+        self.trainer.callbacks.append(FirstBatch())
+
+    def _before_run(self) -> None:
+        self.trainer.callbacks.append(FirstBatch())  # an error before it is one message (lightning_llm.cli.errors)
         self._vocabulary_from_data()
 
     def _vocabulary_from_data(self) -> None:
         init_args = self.config[self.subcommand].get("model", Namespace()).get("init_args") or Namespace()
         adopt_data_vocabulary(self.model, self.datamodule, init_args.get("config"))
+
+
+def _refuse_unknown_strategy(strategy) -> None:
+    """A strategy name nobody registered: the package's presets and the closest name, not Lightning's examples."""
+    if not isinstance(strategy, str):
+        return
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, PARALLEL_PRESETS
+
+    presets = [name for name, _, _ in [*PARALLEL_PRESETS, *DEEPSPEED_PRESETS]]
+    refusal = unknown_strategy(strategy, StrategyRegistry.available_strategies(), presets)
+    if refusal is not None:
+        raise CommandError(refusal)
 
 
 def _offline_unless_configured(trainer) -> None:
