@@ -1,6 +1,7 @@
-"""Callbacks: throughput and MFU, gradient norms, memory, mixture-of-experts load, the run's layout in the loggers, loss-spike guarding, crash-safe checkpoint rotation, a rank watchdog."""
+"""Callbacks: a progress bar and model summary for LLM runs, throughput and MFU, gradient norms, memory, mixture-of-experts load, the run's layout in the loggers, loss-spike guarding, crash-safe checkpoint rotation, a rank watchdog."""
 
 from lightning_llm.callbacks.checkpoint import CheckpointRotation
+from lightning_llm.callbacks.console import LLMModelSummary, StepBudgetProgressBar
 from lightning_llm.callbacks.grad_norm import GradNormMonitor
 from lightning_llm.callbacks.memory import MemoryMonitor, RunInfoLogger
 from lightning_llm.callbacks.mfu import MFUMonitor
@@ -11,6 +12,7 @@ from lightning_llm.callbacks.watchdog import RankUnresponsiveError, RankWatchdog
 __all__ = [
     "CheckpointRotation",
     "GradNormMonitor",
+    "LLMModelSummary",
     "LossSpikeError",
     "LossSpikeGuard",
     "MFUMonitor",
@@ -19,4 +21,5 @@ __all__ = [
     "RankUnresponsiveError",
     "RankWatchdog",
     "RunInfoLogger",
+    "StepBudgetProgressBar",
 ]

@@ -293,6 +293,11 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self._precompute_fp8_scales()
 
     @override
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.run_state.batch_line_pending:  # a plain DataLoader: the global batch read off the first batch
+            parallel_setup.log_global_batch(self.lightning_module.trainer, self.options, self.run_state, batch)
+
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._precompute_fp8_scales()
