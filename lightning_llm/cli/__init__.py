@@ -63,6 +63,7 @@ def main(args: list[str] | None = None) -> None:
         print(usage())
         return
     command = next((arg for arg in argv if arg in SUBCOMMANDS), "")
+    errors.FirstBatch.started = False  # this call's run (main may be called again in one process)
     try:
         _run(argv)
     except Exception as err:
