@@ -468,7 +468,7 @@ FILE_CASES = {
     ),
     "export a Hugging Face folder": (
         lambda t, c, h: _cli("export", str(h), str(t / "o")),
-        "is neither a checkpoint file nor a sharded checkpoint directory",
+        "is neither a checkpoint file, a sharded checkpoint directory",
     ),
     "export crafted DCP metadata": (
         lambda t, c, h: (t / ".metadata").write_bytes(b"\x80\x04garbage") and _cli("export", str(t), str(t / "o")),
