@@ -16,7 +16,9 @@
 #      (tokens/s, MFU vs the peak table = 989 TFLOP/s bf16 on H100 SXM/H200, peak memory, ratio vs raw loop)
 #   2. the memory planner's estimate for the same runs (compare with the measured peak: >10% off = fix the tables)
 #   3. benchmarks/fp8_loss_curve.py: fp8 vs bf16 over 200 steps, loss difference and tokens/s (torchao)
-#   4. pytest -m gpu (bf16 parity, compile equality, fused AdamW, CUDA checkpoint resume, MFUMonitor)
+#   4. pytest -m gpu (bf16 parity, compile equality, fused AdamW, CUDA checkpoint resume, MFUMonitor, grouped
+#      experts vs the loop, fp16 scaler + clipping with fused vs unfused AdamW, ShardedMuon vs torch's Muon, the
+#      chunked cross-entropy in bf16 and its peak memory, the ring-attention kernels)
 #   5. fp16 with a loss scaler against one process under ZeRO-3, TP, TP+SP and two pipeline schedules (gloo)
 #   6. the 8-rank 3D parity tests (gloo on CPU cores; need >= 8 cores)
 set -uo pipefail

@@ -10,8 +10,10 @@ the throughput ratio (raw / Lightning; 1.00 means no overhead).
     python benchmarks/mfu.py --size tiny --device cpu --steps 6 --rounds 1     # CPU smoke test, same code path
 
 ``--fp8`` trains the blocks' Linear layers in fp8 (torchao float8, tensorwise) in both loops; MFU is
-then still reported against the bf16 peak, so fp8's speed-up shows as a higher MFU. ``--markdown FILE``
-appends one table row per run (see ``benchmarks/gpu_suite.sh``).
+then still reported against the bf16 peak, so fp8's speed-up shows as a higher MFU. ``--loss`` picks the loss of
+both loops: ``chunked`` (default, ``CausalLM``'s own: the head and the cross-entropy in chunks of tokens,
+``lightning_llm.models.linear_cross_entropy``) or ``full`` (whole logits and ``F.cross_entropy``, the loss before
+issue 51). ``--markdown FILE`` appends one table row per run (see ``benchmarks/gpu_suite.sh``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from lightning_llm.callbacks import MFUMonitor
 from lightning_llm.modeling.shape import ModelShape
-from lightning_llm.models import CausalLM, Llama, LlamaConfig
+from lightning_llm.models import CausalLM, Llama, LlamaConfig, linear_cross_entropy
 from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.planning.flops import device_peak_flops
@@ -65,7 +67,7 @@ class Timer(L.Callback):
 
 def lightning_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
     timer = Timer(device)
-    module = CausalLM(config, learning_rate=3e-4, warmup_steps=10)
+    module = CausalLM(config, learning_rate=3e-4, warmup_steps=10, fused_cross_entropy=args.loss == "chunked")
     strategy = LLMParallelStrategy(activation_checkpointing=args.ac, compile_blocks=args.compile, fp8=args.fp8)
     trainer = L.Trainer(
         accelerator=device.type,
@@ -112,12 +114,20 @@ def raw_run(args, config: LlamaConfig, device: torch.device) -> list[float]:
         start = now
         batch = torch.stack([data[step * args.batch + i] for i in range(args.batch)]).to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss = raw_loss(model, batch, args.loss)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return times[args.warmup :]
+
+
+def raw_loss(model: Llama, batch: torch.Tensor, loss: str) -> torch.Tensor:
+    """The raw loop's loss, as CausalLM computes it: chunked through the head, or from the whole logits."""
+    if loss == "chunked":
+        hidden = model(batch[:, :-1], return_hidden=True)
+        return linear_cross_entropy(hidden, model.output.weight, batch[:, 1:])
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
 def main() -> None:
@@ -134,6 +144,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peak-flops", type=float, default=None, help="per device; default: the peak table")
     parser.add_argument("--fp8", action="store_true", help="fp8 Linear layers in the blocks (torchao float8)")
+    parser.add_argument("--loss", choices=("chunked", "full"), default="chunked", help="see the module docstring")
     parser.add_argument("--markdown", default=None, help="append a result row to this markdown file")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -153,7 +164,7 @@ def main() -> None:
     tokens = args.batch * args.seq_len
     print(
         f"size={args.size} ({config.n_layers} layers, dim {config.dim}), {args.device}, {args.precision}, ac={args.ac}, "
-        f"compile={args.compile}, batch {args.batch} x {args.seq_len}"
+        f"compile={args.compile}, batch {args.batch} x {args.seq_len}, loss={args.loss}"
     )
     for name, values in times.items():
         step = statistics.median(values)
@@ -179,7 +190,7 @@ def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) 
 
     header = (
         "| device | commit | size | precision | fp8 | AC | compile | batch x seq | tokens/s | MFU | raw tokens/s "
-        "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) |\n" + "|---" * 15 + "|\n"
+        "| raw MFU | ratio | peak mem (GiB) | raw peak mem (GiB) | loss |\n" + "|---" * 16 + "|\n"
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     commit = (
@@ -195,7 +206,8 @@ def write_row(args, device, tokens_per_s, flops_per_token, peak, memory, ratio) 
     row = (
         f"| {name} | {commit or '?'} | {args.size} | {args.precision} | {args.fp8} | {args.ac} | {args.compile} | "
         f"{args.batch} x {args.seq_len} | {tokens_per_s['lightning']:.0f} | {mfu('lightning')} | "
-        f"{tokens_per_s['raw']:.0f} | {mfu('raw')} | {ratio:.3f} | {memory['lightning']:.1f} | {memory['raw']:.1f} |\n"
+        f"{tokens_per_s['raw']:.0f} | {mfu('raw')} | {ratio:.3f} | {memory['lightning']:.1f} | {memory['raw']:.1f} | "
+        f"{args.loss} |\n"
     )
     new = not os.path.exists(args.markdown)
     with open(args.markdown, "a") as f:

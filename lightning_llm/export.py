@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from lightning_llm.checkpointing.consolidate import DTYPES
+from lightning_llm.checkpointing.errors import WriteFailed
 
 
 def parser() -> argparse.ArgumentParser:
@@ -120,7 +121,14 @@ def _export_whole(options: argparse.Namespace) -> Path:
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     old = output.with_name(f".{output.name}.old-{os.getpid()}")
     try:
-        _export(argparse.Namespace(**{**vars(options), "output": str(partial)}))
+        try:
+            _export(argparse.Namespace(**{**vars(options), "output": str(partial)}))
+        except WriteFailed as err:  # it names the sibling written first: say the output the user asked for
+            cause = str(err).split(" could not be written: ", 1)[-1]
+            raise ValueError(
+                f"{output} could not be written: {cause}. Free space or fix the permissions of {output.parent}, or "
+                "choose another output path."
+            ) from None
         if output.exists():
             output.rename(old)
         try:

@@ -8,7 +8,10 @@ Three kinds of case, cheapest first and none spawning a process:
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import shutil
+import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -156,6 +159,12 @@ FIELD_CASES = [
     (LLMParallelStrategy, {"seq_len": "2048"}, "seq_len='2048'"),
     (LLMParallelStrategy, {"accumulation_sync": True}, "accumulation_sync=True"),
     (LLMParallelStrategy, {"expert_parallel_plan": "experts"}, "expert_parallel_plan='experts'"),
+    (LLMParallelStrategy, {"expert_parallel_size": 0}, "expert_parallel_size=0"),
+    (LLMParallelStrategy, {"context_parallel_size": "2"}, "context_parallel_size='2'"),
+    (LLMParallelStrategy, {"context_parallel_method": "rings"}, "context_parallel_method='rings'"),
+    (LLMParallelStrategy, {"fp8": "fp4"}, "fp8='fp4'"),
+    (LLMParallelStrategy, {"activation_checkpointing": "partial"}, "activation_checkpointing='partial'"),
+    (LLMParallelStrategy, {"activation_checkpointing_options": {"budgets": 0.3}}, "['budgets']"),
     (LLMDataModule, {"path": "train.bin"}, "path='train.bin'"),
     (LLMDataModule, {"source": "tokens", "path": 3}, "path=3"),
     (LLMDataModule, {"source": "tokens", "path": [3]}, "path=[3]"),
@@ -208,7 +217,29 @@ def _token_file(root: Path) -> str:
     return str(root / "ids.bin")
 
 
-# (data arguments given the tmp dir, unused, the text naming the bad value)
+def _uint32_file(root: Path) -> str:
+    """32-bit ids, no sidecar: read as uint16, every second id is 0 and the rest fit any vocabulary."""
+    (np.arange(4_000, dtype=np.uint32) % 250).tofile(root / "ids32.bin")
+    return str(root / "ids32.bin")
+
+
+def _uint16_file(root: Path) -> str:
+    """16-bit ids, no sidecar: read as uint32, each pair of ids becomes one id past 65535."""
+    (np.arange(4_000, dtype=np.uint16) % 250).tofile(root / "ids16.bin")
+    return str(root / "ids16.bin")
+
+
+def _file_beyond_its_sidecar(root: Path) -> str:
+    """ids up to 249 (they fit the model's 256) with a sidecar saying the tokenizer had 100."""
+    from lightning_llm.data.token_files import TokenFileInfo, write_token_info
+
+    path = root / "other.bin"
+    (np.arange(4_000, dtype=np.uint16) % 250).tofile(path)
+    write_token_info(path, TokenFileInfo("uint16", 100, 0, None, 1, 4_000))
+    return str(path)
+
+
+# (data arguments given the tmp dir, unused, the text naming the bad value: a string, or several that must all appear)
 FIT_CASES = {
     "token id >= vocab (synthetic)": (lambda d: {"vocab_size": 512}, None, "token id 511"),
     "token id >= vocab (file)": (lambda d: {"source": "tokens", "path": _token_file(d)}, None, "token id 299"),
@@ -220,6 +251,31 @@ FIT_CASES = {
         "latin1.txt",
     ),
     "missing text file": (lambda d: {"source": "text", "path": str(d / "nowhere.txt")}, None, "nowhere.txt"),
+    "uint32 ids read as uint16": (
+        lambda d: {"source": "tokens", "path": _uint32_file(d), "token_dtype": "uint16"},
+        None,
+        ("ids32.bin looks like 32-bit token ids read as uint16", "Set token_dtype='uint32'"),
+    ),
+    "uint32 ids read as the default uint16": (
+        lambda d: {"source": "tokens", "path": _uint32_file(d)},
+        None,
+        ("ids32.bin", "(the default without a sidecar)", "token_dtype='uint32'"),
+    ),
+    "uint16 ids read as uint32": (
+        lambda d: {"source": "tokens", "path": _uint16_file(d), "token_dtype": "uint32"},
+        None,
+        ("ids16.bin (read as uint32)", "set token_dtype='uint16'"),
+    ),
+    "empty token file": (
+        lambda d: {"source": "tokens", "path": _write(d / "empty.bin", b"")},
+        None,
+        ("empty.bin is empty", "prepare it again"),
+    ),
+    "ids beyond the sidecar's vocabulary": (
+        lambda d: {"source": "tokens", "path": _file_beyond_its_sidecar(d)},
+        None,
+        ("other.bin holds token id 249, but its sidecar says vocab_size=100", "Prepare the data again"),
+    ),
 }
 
 
@@ -235,7 +291,8 @@ def test_fit_refuses_before_the_first_step(case, tmp_path):
     data = LLMDataModule(**{"num_tokens": 2_000, "seq_len": 32, "batch_size": 2, **data_kwargs(tmp_path)})
     with pytest.raises((TypeError, ValueError, FileNotFoundError)) as error:
         trainer.fit(CausalLM("tiny"), data)
-    assert named in str(error.value), str(error.value)
+    for text in (named,) if isinstance(named, str) else named:
+        assert text in str(error.value), str(error.value)
     assert steps.steps == 0
 
 
@@ -304,6 +361,17 @@ PLAN_CASES = {
             "2",
         ],
         "8 pipeline stages need at least as many transformer blocks, but the model has 2",
+        2,
+    ),
+    "a binary config": (
+        lambda d: ["--config", _write(d / "binary.yaml", bytes(range(256)))],
+        "binary.yaml is not UTF-8 text (byte 0x80 at offset 128)",
+        2,
+    ),
+    "a missing config": (lambda d: ["--config", str(d / "absent.yaml")], "absent.yaml does not exist", 2),
+    "a config that is a list": (
+        lambda d: ["--config", _write(d / "list.yaml", b"- trainer\n- model\n")],
+        "list.yaml holds a list, not a mapping",
         2,
     ),
     "replicate 3 on 8 devices": (
@@ -380,6 +448,16 @@ def test_cli_fit_refuses_before_training(case, tmp_path, monkeypatch, capsys):
     assert named in str(error.value) + captured.err, str(error.value) + captured.err
 
 
+def test_every_checked_strategy_option_has_a_case():
+    """An option added to lightning_llm/strategies/parallel_options.py with a check needs a bad value here."""
+    from lightning_llm.strategies.declarations import declarations
+    from lightning_llm.strategies.parallel_options import StrategyOptions
+
+    named = {k for f, kwargs, text in CONSTRUCTOR_CASES + FIELD_CASES if f is LLMParallelStrategy for k in kwargs}
+    accepts_anything = {"blocks"}  # a name, names or a callable: what it names is found (or refused) at setup
+    assert {d.argument for d in declarations(StrategyOptions)} - accepts_anything <= named
+
+
 def test_there_are_at_least_200_cases():
     tables = (CONSTRUCTOR_CASES, FIELD_CASES, FIT_CASES, PLAN_CASES, FIT_CLI_CASES, CKPT_CASES, FILE_CASES)
     assert sum(map(len, tables)) >= 200
@@ -441,6 +519,24 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
 
 
+@contextlib.contextmanager
+def _file_size_limit(limit: int):
+    """Writes past ``limit`` bytes fail (EFBIG) as on a full disk, for this process, even as root."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's signal ends the process
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _export_failing_write(t: Path, c: Path, *args: str) -> None:
+    with _file_size_limit(128 * 1024):  # the tiny model: 525 KB of weights (260 KB in bf16); logs stay below
+        _cli("export", str(c), str(t / "out"), *args)
+
+
 # (what to run given (tmp, ckpt, hf), the text the error must hold): damaged or misplaced files, each named.
 FILE_CASES = {
     "truncated safetensors": (
@@ -449,7 +545,11 @@ FILE_CASES = {
     ),
     "index that is not JSON": (
         lambda t, c, h: _load(
-            _damaged_hf(t, h, lambda d: (d / "model.safetensors.index.json").write_text("{not json"))
+            _damaged_hf(
+                t,
+                h,
+                lambda d: (d / "model.safetensors").unlink() or (d / "model.safetensors.index.json").write_text("{x"),
+            )
         ),
         "model.safetensors.index.json is not a safetensors index",
     ),
@@ -477,6 +577,24 @@ FILE_CASES = {
     "export under a file": (
         lambda t, c, h: (t / "afile").write_text("x") and _cli("export", str(c), str(t / "afile" / "o")),
         "afile is a file, not a folder",
+    ),
+    "export --format torch of a torch file that is not a Lightning checkpoint": (
+        lambda t, c, h: (
+            torch.save({"a": 1}, t / "a.pt") or _cli("export", str(t / "a.pt"), str(t / "o"), "--format", "torch")
+        ),
+        "a.pt holds no 'state_dict' entry, so it is not a Lightning checkpoint (it holds a dict with keys ['a'])",
+    ),
+    "export --format torch, the write fails": (
+        lambda t, c, h: _export_failing_write(t, c, "--format", "torch"),
+        "out could not be written: File too large (EFBIG",
+    ),
+    "export --format torch --dtype, the write fails inside torch.save": (
+        lambda t, c, h: _export_failing_write(t, c, "--format", "torch", "--dtype", "bfloat16"),
+        "out could not be written: RuntimeError: [enforce fail at inline_container.cc",
+    ),
+    "export --format hf, the write fails": (
+        lambda t, c, h: _export_failing_write(t, c, "--format", "hf"),
+        "out could not be written: SafetensorError",
     ),
     "export onto an existing output": (
         lambda t, c, h: _cli("export", str(c), str(h), "--format", "hf"),
@@ -507,3 +625,24 @@ def test_damaged_or_misplaced_files_are_named(case, exported, tmp_path, capsys):
         run(tmp_path, *exported)
     message = str(error.value) + capsys.readouterr().err
     assert named in message, message
+
+
+def test_export_that_failed_to_write_leaves_nothing_behind(exported, tmp_path):
+    with pytest.raises(SystemExit):
+        _export_failing_write(tmp_path, exported[0], "--format", "torch", "--dtype", "bfloat16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stale_index_beside_a_single_safetensors_file_is_ignored_as_transformers_does(exported, tmp_path):
+    """A sharded save's index left beside a newer single-file save names shards that are gone: the single file is
+    the model (transformers' from_pretrained loads it too)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    stale = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    directory = _damaged_hf(
+        tmp_path, exported[1], lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(stale))
+    )
+    AutoModelForCausalLM.from_pretrained(directory)  # the oracle: transformers reads model.safetensors
+    _load(directory)

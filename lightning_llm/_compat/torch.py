@@ -12,6 +12,7 @@ from torch import nn
 # re-exported under their own names.
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves as tree_leaves
 
 from lightning_llm._compat.registry import Private, register, resolve
@@ -101,26 +102,95 @@ def module_buffers(module: nn.Module) -> dict[str, Any]:
     return module._buffers
 
 
+def swap_module_entries(module: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
+    """Put ``entries`` in place of ``module._modules`` (a list's entries lent for one call); returns the previous
+    dictionary, to put back. ``nn.ModuleList`` reads its length, order and items from it. Checked on torch 2.13.0."""
+    previous, module._modules = module._modules, entries
+    return previous
+
+
 register(
     Private(
-        name="nn.Module._parameters, nn.Module._buffers",
+        name="nn.Module._parameters, nn.Module._buffers, nn.Module._modules",
         upstream="torch",
-        accessor="torch.module_parameters, torch.module_buffers",
+        accessor="torch.module_parameters, torch.module_buffers, torch.swap_module_entries",
         used_by=(
             "modeling/repeated_blocks.py",
             "parallel/init/zero3_build.py",
             "parallel/pipeline/gates.py",
             "parallel/tp/experts.py",
             "parallel/tp/hf_styles.py",
+            "parallel/tp/per_head.py",
         ),
         why='a module\'s own slots with `None` entries (block signatures, "has parameters"), and swapping a '
         "parameter in place: lend an experts module its local shards for one forward (FSDP2's "
         "`unsafe_setattr_param` and HF's `_use_local_dtensor_params` do the same), put ZeRO-3 partitions in place "
-        "of meta parameters",
+        "of meta parameters; lend a list of one module per head only this rank's heads' entries for one call",
         caught_by="`tests/parallel/test_experts_parallel.py`, `tests/strategies/test_deepspeed_init.py`, "
         "`tests/test_setup_memory.py`",
         checked=CHECKED,
         check=lambda: (nn.Linear(1, 1)._parameters, nn.BatchNorm1d(1)._buffers),
+    )
+)
+
+
+_HOOK_SLOTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def without_hooks(module: nn.Module) -> nn.Module:
+    """``module`` (a copy) with every forward and backward hook of it and its submodules dropped, in place: a copy made
+    to compute alongside the original must not run the original's hooks (a callback's recorder, a split's lending).
+    torch keeps hooks in private per-module dictionaries and offers no way to list or remove them without the
+    handles. Checked on torch 2.13.0."""
+    for sub in module.modules():
+        for slot in _HOOK_SLOTS:
+            hooks = getattr(sub, slot, None)
+            if hooks is not None:
+                hooks.clear()
+    return module
+
+
+register(
+    Private(
+        name="nn.Module._forward_hooks and the other hook dictionaries",
+        upstream="torch",
+        accessor="torch.without_hooks",
+        used_by=("parallel/tp/first_forward_parity.py",),
+        why="a copy of a block part, computed whole beside the split part in its first forward, must not run the "
+        "original's hooks; torch removes hooks only through the handles their owners keep",
+        caught_by="`tests/zoo/test_per_head_modules.py` (hooks counting which norms each rank runs)",
+        checked=CHECKED,
+        check=lambda: [getattr(nn.Linear(1, 1), slot) for slot in _HOOK_SLOTS],
+    )
+)
+
+
+def outside_dispatch_modes():
+    """A context in which the dispatch modes active around it (selective activation checkpointing's caching mode,
+    a FLOP counter) do not see the ops run: a check computed beside a block's forward must not be cached as the
+    block's own ops, or the recompute in backward replays the wrong outputs. Checked on torch 2.13.0."""
+    return _disable_current_modes()
+
+
+register(
+    Private(
+        name="torch.utils._python_dispatch._disable_current_modes",
+        upstream="torch",
+        accessor="torch.outside_dispatch_modes",
+        used_by=("parallel/tp/first_forward_parity.py",),
+        why="selective checkpointing caches every op a forward runs under its dispatch mode, whatever the grad mode; "
+        "the first-forward check's extra ops would be replayed as the block's own; no public way to step outside",
+        caught_by="`tests/parallel/test_experts_parallel.py` (experts under tp with activation checkpointing)",
+        checked=CHECKED,
+        check=lambda: resolve("torch.utils._python_dispatch:_disable_current_modes"),
     )
 )
 

@@ -36,6 +36,7 @@ from lightning_llm._compat.torch_distributed import load_whole_checkpoint
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.dcp_load import model_key
 from lightning_llm.checkpointing.deepspeed_read import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from lightning_llm.checkpointing.errors import write_named
 from lightning_llm.checkpointing.optimizer_layout import from_named_groups, lightning_layout
 from lightning_llm.checkpointing.untrusted import bytes_checked, load_torch, refusals_unwrapped, safe_planner
 
@@ -59,6 +60,19 @@ def _check_checkpoint(path: Path) -> None:
     )
 
 
+def _lightning_file(path: Path) -> dict[str, Any]:
+    """A checkpoint file, memory-mapped and read weights-only; refused unless it is Lightning's (a ``state_dict``)."""
+    loaded = load_torch(path, mmap=True)
+    if not isinstance(loaded, dict) or not isinstance(loaded.get(MODEL_KEY), dict):
+        keys = f" with keys {sorted(map(str, loaded))[:8]}" if isinstance(loaded, dict) else ""
+        raise ValueError(
+            f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (it holds a "
+            f"{type(loaded).__name__}{keys}); pass a checkpoint saved by trainer.save_checkpoint, ModelCheckpoint "
+            "or CheckpointRotation."
+        )
+    return loaded
+
+
 def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's full tensors and the checkpoint's other entries (``hyper_parameters``, ``global_step``, ...).
 
@@ -73,13 +87,7 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
     path = Path(checkpoint)
     _check_checkpoint(path)
     if path.is_file():
-        rest = load_torch(path, mmap=True)
-        if not isinstance(rest, dict) or MODEL_KEY not in rest:
-            raise ValueError(
-                f"{path} holds no {MODEL_KEY!r} entry, so it is not a Lightning checkpoint (it holds a "
-                f"{type(rest).__name__}{f' with keys {sorted(rest)[:8]}' if isinstance(rest, dict) else ''}); "
-                "pass a checkpoint saved by trainer.save_checkpoint or ModelCheckpoint."
-            )
+        rest = _lightning_file(path)
         return rest.pop(MODEL_KEY), rest
     if is_deepspeed_checkpoint(path):
         rest = read_deepspeed_checkpoint(path)
@@ -152,7 +160,7 @@ def consolidate_checkpoint(
             state = load_whole_checkpoint(cfs.storage_reader(str(source)), planner_mixin=bytes_checked(source))
         if MODEL_KEY not in state and "model" in state:  # FSDPStrategy's sharded checkpoints
             state[MODEL_KEY] = state.pop("model")
-        torch.save(_optimizers_in_lightning_layout(state), partial)
+        write_named(output_file, lambda: torch.save(_optimizers_in_lightning_layout(state), partial), partial)
         meta = source / METADATA_FILENAME
         if not meta.is_file() and dtype is None:
             os.replace(partial, output_file)
@@ -162,15 +170,16 @@ def consolidate_checkpoint(
         if meta.is_file():
             state.update(load_torch(meta))
     elif dtype is None:
-        load_torch(source, mmap=True)  # refuses a file that holds more than tensors and plain values
-        shutil.copyfile(source, partial)
+        _lightning_file(source)  # refuses a file that holds more than tensors and plain values, or no state_dict
+        write_named(output_file, lambda: shutil.copyfile(source, partial), partial)
         os.replace(partial, output_file)
         return output_file
     else:
-        state = load_torch(source, mmap=True)
+        state = _lightning_file(source)
     state[MODEL_KEY] = cast_floats(state[MODEL_KEY], dtype)
-    torch.save(state, output_file.with_name(output_file.name + ".tmp"))
-    os.replace(output_file.with_name(output_file.name + ".tmp"), output_file)
+    temporary = output_file.with_name(output_file.name + ".tmp")
+    write_named(output_file, lambda: torch.save(state, temporary), temporary)
+    os.replace(temporary, output_file)
     partial.unlink(missing_ok=True)
     return output_file
 

@@ -11,7 +11,9 @@ three keep each optimizer's state as ``optimizer_<i>.state.<parameter name>.<fie
   ``optimizer_0.param_groups.0.params`` (both Lightning strategies, torch's and FSDP's unflattened forms).
 
 DCP reshards by name, so the layout (tp, pp, ZeRO degree, world size) may differ between save and load. Optimizer
-state whose saved shape is not its parameter's is refused naming the entry before DCP reads anything.
+state whose saved shape is not its parameter's is refused naming the entry before DCP reads anything; so is, under
+``strict``, an optimizer whose state the checkpoint lacks for some parameters (DCP would say only ``Missing key``),
+and a checkpoint saved untied for a model that ties those weights (:mod:`lightning_llm.modeling.tied`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from lightning_llm._compat.lightning import METADATA_FILENAME, unwrap_optimizer
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.dcp import FLAT_OPTIMIZER, optimizer_state
 from lightning_llm.checkpointing.fs import Location
-from lightning_llm.checkpointing.keys import matching_keys
+from lightning_llm.checkpointing.keys import few, matching_keys
 from lightning_llm.checkpointing.optimizer_positions import WEIGHTS_ONLY_FIX
 from lightning_llm.checkpointing.untrusted import load_torch, refusals_unwrapped, safe_planner
+from lightning_llm.modeling.tied import differing, refuse_untied, tied_groups
 
 MODEL_KEYS = ("state_dict", "model")  # this package and ModelParallelStrategy; FSDPStrategy
 
@@ -55,6 +58,15 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     return {name: shape for part in parts for name, shape in part.items()}
+
+
+def on_any_rank(found: list) -> list:
+    """What any rank found (every rank then raises alike); a rank whose shards are empty finds nothing itself."""
+    if not dist.is_initialized():
+        return found
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, found)
+    return [item for part in parts for item in part]
 
 
 def sharded_shapes(path: Location) -> dict[str, tuple[int, ...] | None]:
@@ -77,6 +89,7 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
     The names and global shapes of the model's tensors on every rank (all pipeline stages together) are
     compared with the checkpoint's both ways first (:func:`lightning_llm.checkpointing.keys.matching_keys`);
     with ``strict=False`` only the tensors both have with equal shapes are loaded, and their optimizer state.
+    A checkpoint saved untied for a model that ties those weights is refused, on every rank alike.
     """
     if not cfs.isfile(cfs.join(path, ".metadata")):
         raise ValueError(
@@ -87,17 +100,24 @@ def load(model: nn.Module, optimizers: list, path: Location, strict: bool, weigh
     saved = cfs.storage_reader(path).read_metadata().state_dict_metadata
     key = model_key(saved)
     keep = matching_keys(model_shapes(model), sharded_shapes(path), strict, str(path))
-    model_state = {key: {k: v for k, v in get_model_state_dict(model).items() if k in keep}}
+    state = {k: v for k, v in get_model_state_dict(model).items() if k in keep}
+    # Tied names read into tensors of their own, so the checkpoint's values can be compared before any is kept.
+    groups = tied_groups(state)
+    model_state = {key: {**state, **{n: torch.empty_like(state[n]) for g in groups for n in g[1:]}}}
     with refusals_unwrapped():
         dcp.load(model_state, storage_reader=cfs.storage_reader(path), planner=safe_planner(path))
-    set_model_state_dict(model, model_state[key], options=StateDictOptions(strict=strict))
+    refuse_untied(on_any_rank(differing(groups, model_state[key])), str(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        _load_optimizer(model, unwrap_optimizer(optimizer), f"optimizer_{index}", path, saved, keep)
+        _load_optimizer(model, unwrap_optimizer(optimizer), f"optimizer_{index}", path, saved, keep, strict)
     return load_torch(cfs.join(path, METADATA_FILENAME), weights_only=weights_only)
 
 
-def _load_optimizer(model: nn.Module, optimizer, key: str, path: Location, saved: dict, keep: set[str]) -> None:
-    """One optimizer's state: the entries the checkpoint holds for this rank's parameters; the rest stay fresh."""
+def _load_optimizer(
+    model: nn.Module, optimizer, key: str, path: Location, saved: dict, keep: set[str], strict: bool
+) -> None:
+    """One optimizer's state: the entries the checkpoint holds for this rank's parameters. Under ``strict`` every
+    parameter's state must be there (:func:`refuse_missing_optimizer_state`); otherwise the rest stay fresh."""
     if not any(name.startswith(key + ".") for name in saved):
         raise KeyError(
             f"Trying to restore optimizer state but checkpoint {path} contains only the model (no {key}). This "
@@ -106,6 +126,9 @@ def _load_optimizer(model: nn.Module, optimizer, key: str, path: Location, saved
         )
     live = optimizer_state(model, optimizer)  # flat: "state.<param>.<field>", "param_groups.<param>.<field>"
     grouped = f"{key}.param_groups.0.params" in saved
+    if strict:  # per-group hyperparameters are not keyed by name: the state entries tell
+        per_name = {k: v for k, v in live.items() if not (grouped and k.startswith("param_groups."))}
+        refuse_missing_optimizer_state(path, key, per_name, saved)
     request = {
         f"{key}.{k}": v
         for k, v in live.items()
@@ -119,6 +142,20 @@ def _load_optimizer(model: nn.Module, optimizer, key: str, path: Location, saved
     loaded = {k[len(key) + 1 :]: v for k, v in request.items() if not k.startswith(f"{key}.param_groups.")}
     loaded.update(_per_parameter(request, key) if grouped else _flat_groups(request, key))
     set_optimizer_state_dict(model, optimizer, {**live, **loaded}, options=FLAT_OPTIMIZER)
+
+
+def refuse_missing_optimizer_state(path: Location, key: str, request: dict[str, Any], saved) -> None:
+    """Refuse a sharded checkpoint whose optimizer ``key`` holds no state for some of this optimizer's parameters
+    (``request``: its flat entries; DCP would say only ``Missing key in checkpoint state_dict``), naming them and
+    the way out."""
+    missing = sorted({_parameter(name) for name in request if f"{key}.{name}" not in saved})
+    if missing:
+        raise ValueError(
+            f"Checkpoint {path} holds no optimizer state for {few(missing)} of this model's parameters: the optimizer "
+            "that saved it held other parameters (one tensor for tied weights, say, or another architecture). "
+            "Resume with the model built as the run that saved it, or set `strict_loading = False` on the "
+            "LightningModule to start those parameters' optimizer state afresh."
+        )
 
 
 def _parameter(flat_key: str) -> str:

@@ -12,6 +12,7 @@ import builtins
 import errno
 import functools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,35 @@ def describe(err: BaseException, directory: Path) -> str:
     return text + (
         f"; only {free} bytes are free on that device: most likely no space left" if free < _LOW_SPACE else ""
     )
+
+
+class WriteFailed(OSError):
+    """Writing an output failed (no space, no permission, a file-size limit); the message names the output and the
+    cause in words, where torch says ``[enforce fail at inline_container.cc] ... unexpected pos``."""
+
+
+def write_named(
+    output: Path,
+    write: Callable[[], object],
+    leftover: Path | None = None,
+    errors: tuple[type[Exception], ...] = (OSError, RuntimeError),
+) -> None:
+    """Run ``write()``, which writes ``output`` (or ``leftover``, a temporary file on its way there); a failure
+    (``errors``: torch's archive writer raises ``RuntimeError``) becomes :class:`WriteFailed` naming ``output``, and
+    ``leftover`` is removed.
+
+    Example::
+
+        write_named(Path("out/full.pt"), lambda: torch.save(state, "out/full.pt.tmp"), Path("out/full.pt.tmp"))
+    """
+    try:
+        write()
+    except errors as err:
+        if leftover is not None and leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover is not None:
+            leftover.unlink(missing_ok=True)
+        raise WriteFailed(f"{output} could not be written: {describe(err, output.parent)}") from err
 
 
 def _chain(err: BaseException) -> list[BaseException]:

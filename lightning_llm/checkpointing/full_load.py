@@ -7,7 +7,9 @@ A full checkpoint is what Lightning writes as one file: on one device, under DDP
 model through torch's ``set_model_state_dict(full_state_dict=True)``, which places each tensor as this rank's
 parameter is placed (DTensor shards under FSDP2 and tensor parallelism, a pipeline stage's own layers), and each
 optimizer's state read in any of Lightning's layouts (:mod:`.optimizer_positions`) and loaded the same way, so a
-one-device checkpoint resumes under ZeRO-3, tensor or pipeline parallelism and on one device alike.
+one-device checkpoint resumes under ZeRO-3, tensor or pipeline parallelism and on one device alike. Before any
+tensor is set, the checkpoint's names and shapes are compared with the model's both ways, and one saved untied for a
+model that ties those weights is refused (:mod:`lightning_llm.modeling.tied`).
 
 Example::
 
@@ -32,12 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_llm._compat.lightning import unwrap_optimizer
-from lightning_llm.checkpointing.dcp_load import model_shapes
+from lightning_llm.checkpointing.dcp_load import model_shapes, on_any_rank
 from lightning_llm.checkpointing.fs import Location
 from lightning_llm.checkpointing.keys import matching_keys
 from lightning_llm.checkpointing.optimizer_layout import hashable
 from lightning_llm.checkpointing.optimizer_positions import NamedState, SavedParameters, named_optimizer_state
 from lightning_llm.checkpointing.untrusted import load_torch
+from lightning_llm.modeling.tied import differing, merged, refuse_untied, tied_groups
 
 FULL = StateDictOptions(full_state_dict=True, strict=False)
 
@@ -69,6 +72,9 @@ def load_full(model: nn.Module, optimizers: list, checkpoint: dict[str, Any], so
     shapes = {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in state.items()}
     keep = matching_keys(model_shapes(model), shapes, strict, source)
     local = get_model_state_dict(model)
+    # A tied group is one tensor here: the checkpoint's values under its names must be equal (a rank whose shard is
+    # empty finds no group itself, so every rank's are joined and every rank refuses alike).
+    refuse_untied(differing(merged(on_any_rank([tied_groups(local)])), state), source)
     set_model_state_dict(model, {k: state[k] for k in local if k in keep}, options=FULL)
     if not optimizers:
         return
@@ -96,6 +102,8 @@ def whole_model_parameters(model: nn.Module, optimizer, saved_names: list[str]) 
 
     ``saved_names`` (the checkpoint's ``state_dict`` keys) give the saving model's parameter order.
     """
+    # A tied parameter goes by its first name, the one torch's state-dict functions key it by (under a later name
+    # its state would match no parameter there, and be left a plain tensor beside a sharded parameter).
     name_of = {id(p): name for name, p in model.named_parameters()}
     groups = [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a DTensor's shape is global

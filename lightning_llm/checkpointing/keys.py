@@ -16,7 +16,8 @@ Shapes = Mapping[str, tuple[int, ...] | None]  # name -> shape (None: not a tens
 _SHOWN = 5
 
 
-def _few(names: list[str]) -> str:
+def few(names: list[str]) -> str:
+    """How many ``names``, and the first few: ``"7 (a, b, c, d, e, ... and 2 more)"``."""
     shown = ", ".join(names[:_SHOWN])
     return f"{len(names)} ({shown}{f', ... and {len(names) - _SHOWN} more' if len(names) > _SHOWN else ''})"
 
@@ -32,11 +33,11 @@ def mismatch(model: Shapes, checkpoint: Shapes) -> list[str]:
     )
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
+        problems.append(f"missing from the checkpoint: {few(missing)}")
     if unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_few(unexpected)}")
+        problems.append(f"in the checkpoint but not in the model: {few(unexpected)}")
     if shapes:
-        problems.append(f"shapes differ: {_few(shapes)}")
+        problems.append(f"shapes differ: {few(shapes)}")
     return problems
 
 

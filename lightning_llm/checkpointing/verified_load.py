@@ -12,12 +12,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_llm.checkpointing import checksums
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.keys import matching_keys
+from lightning_llm.modeling.tied import differing, refuse_untied, tied_groups
 
 
 class VerifiedLoad(CheckpointIO):
     """Stands in for a strategy's CheckpointIO: refuses a committed checkpoint whose content no longer matches the
-    checksums in its marker, and compares its ``state_dict`` with the model's both ways (names and shapes), with
-    ``strict_loading=False`` loading only the tensors that match. The strategies of this package check in their
+    checksums in its marker, one saved untied for a model that ties those weights, and compares its ``state_dict``
+    with the model's both ways (names and shapes), with ``strict_loading=False`` loading only the tensors that
+    match. The strategies of this package check in their
     own loaders; this covers Lightning's single-file ones (single device, DDP).
 
     Example::
@@ -44,6 +46,7 @@ class VerifiedLoad(CheckpointIO):
         checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         module = self.strategy.lightning_module
         if module is not None and isinstance(checkpoint.get("state_dict"), dict):
+            refuse_untied(differing(tied_groups(module.state_dict()), checkpoint["state_dict"]), str(path))
             keep = matching_keys(
                 _shapes(module.state_dict()), _shapes(checkpoint["state_dict"]), module.strict_loading, str(path)
             )

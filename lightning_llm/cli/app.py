@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
 from lightning_llm._compat import lightning as compat
+from lightning_llm.callbacks import ResumeChecks
 from lightning_llm.callbacks.console import upgrade_console
 from lightning_llm.checkpointing.resume_path import check_checkpoint_path
 from lightning_llm.cli.data_vocab import adopt_data_vocabulary
@@ -151,6 +152,10 @@ class LLMCLI(LightningCLI):
     def before_fit(self) -> None:
         # Lightning would open a directory given as ckpt_path as a file (IsADirectoryError) or fail in DCP.
         check_checkpoint_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+        # Under Lightning's own strategies, a resume's silent outcomes (untied weights into a tied model, a new
+        # learning rate replaced by the checkpoint's) are refused or said by this callback; ours check themselves.
+        if not any(isinstance(c, ResumeChecks) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(ResumeChecks())
         self._before_run()
 
     def before_validate(self) -> None:

@@ -2,7 +2,7 @@
 
 Three kinds of mistakes end a run before its first step, and each would otherwise print pages:
 
-- a config file that is missing, unreadable or not YAML (:func:`check_config_files`, before anything parses it);
+- a config file that is missing, unreadable, binary or not YAML (:func:`check_config_files`, before anything parses it);
 - a command line or config the parser refuses: jsonargparse prints its whole usage (some 45 lines for ``fit``)
   before the message; :class:`ConciseParser` prints the message alone, with the closest option name for a typo
   (:func:`concise`), and :func:`unknown_strategy` lists the package's presets for a strategy name nobody registered;
@@ -38,7 +38,7 @@ class CommandError(Exception):
 
 
 def check_config_files(argv: list[str]) -> None:
-    """Refuse each ``--config``/``-c`` file that is missing, unreadable or not YAML, naming it."""
+    """Refuse each ``--config``/``-c`` file that is missing, unreadable, not UTF-8 text or not YAML, naming it."""
     for path in _config_arguments(argv):
         file = Path(path)
         if not file.exists():
@@ -46,9 +46,14 @@ def check_config_files(argv: list[str]) -> None:
         if not file.is_file():
             raise CommandError(f"config file {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml.")
         try:
-            yaml.safe_load(file.read_text())
+            yaml.safe_load(file.read_text(encoding="utf-8"))
         except OSError as err:
             raise CommandError(f"config file {path} cannot be read: {err.strerror or err}.") from err
+        except UnicodeDecodeError as err:
+            raise CommandError(
+                f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                "pass a YAML file, e.g. configs/tiny.yaml."
+            ) from err
         except yaml.YAMLError as err:
             where = getattr(err, "problem_mark", None)
             line = f" (line {where.line + 1})" if where is not None else ""

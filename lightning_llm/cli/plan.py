@@ -44,7 +44,7 @@ def plan(args: list[str]) -> str:
         _check_plan_options(options)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
-    config = yaml.safe_load(Path(options.config).read_text()) or {}
+    config = _read_config(parser, options.config)
     trainer_config = config.get("trainer") or {}
     with torch.device("meta"), _quiet():
         cli = LLMCLI(args=_planning_config(config), run=False, save_config_callback=None)
@@ -106,6 +106,24 @@ def plan(args: list[str]) -> str:
     return report
 
 
+def _read_config(parser, path: str) -> dict:
+    """The YAML config at ``path`` as a dict; a missing, binary or malformed file is refused naming it."""
+    try:
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        parser.error(f"--config {path}: {err.strerror or err}; pass a LightningCLI YAML config.")
+    except UnicodeDecodeError as err:
+        parser.error(
+            f"--config {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            "pass a LightningCLI YAML config."
+        )
+    except yaml.YAMLError as err:
+        parser.error(f"--config {path} is not valid YAML ({err}); fix it or pass another config.")
+    if config is not None and not isinstance(config, dict):
+        parser.error(f"--config {path} holds a {type(config).__name__}, not a mapping of trainer/model/data sections.")
+    return config or {}
+
+
 def _planning_config(config: dict) -> dict:
     """The config ``plan`` parses: the same model, data and strategy, a Trainer for one CPU, no logger or callbacks.
 
@@ -155,18 +173,10 @@ def _check_plan_options(options) -> None:
 
 def _check_strategy_layout(strategy, module, world_size: int) -> None:
     """What LLMParallelStrategy's setup checks before parallelizing: the mesh's degrees and the pipeline stages."""
-    from lightning_llm.modeling.blocks import find_blocks
-    from lightning_llm.strategies.parallel_setup import parallel_dims
+    from lightning_llm.strategies.parallel_setup import check_pipeline_stages, parallel_dims
 
     parallel_dims(strategy.options, world_size)  # data_parallel_size, replicate groups, ... against the world
-    pp = strategy.pipeline_parallel_size
-    stages = pp * strategy.options.pipeline.spec().stages_per_rank() if pp > 1 else 1
-    blocks = len(find_blocks(module, strategy.blocks)[1])
-    if stages > blocks:
-        raise ValueError(
-            f"{stages} pipeline stages need at least as many transformer blocks, but the model has {blocks}; "
-            "lower pipeline_parallel_size or virtual_stages."
-        )
+    check_pipeline_stages(module, strategy.options)
 
 
 def _check_layout(module, world_size: int, tp: int, pp: int, cp: int = 1) -> None:

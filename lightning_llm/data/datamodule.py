@@ -13,7 +13,8 @@ from lightning_llm.data.model_limits import check_data_fits_model
 from lightning_llm.data.packing import PackedDocuments, split_offsets
 from lightning_llm.data.sampler import ResumableDistributedSampler
 from lightning_llm.data.synthetic import entropy_floor, markov_corpus
-from lightning_llm.data.token_files import TokenFileInfo, load_token_files
+from lightning_llm.data.token_files import TokenFileInfo, check_ids_fit_sidecar, load_token_files
+from lightning_llm.data.token_scan import CHUNK, SCAN_LIMIT, max_token
 from lightning_llm.data.tokenizer import ByteTokenizer
 from lightning_llm.validation import check_bool, check_choice, check_float, check_int
 
@@ -122,10 +123,20 @@ class LLMDataModule(L.LightningDataModule):
             # One pass over the tokens (memory-mapped files in chunks; a sample past SCAN_LIMIT), once: far
             # cheaper than the IndexError or device assert an out-of-vocabulary id causes in the first forward.
             self.max_token_id = max(_max_token(train[0]), _max_token(val[0]))
+            if self.hparams.source == "tokens":
+                check_ids_fit_sidecar(_as_list(self.hparams.path), self.token_info, self.max_token_id)
             self.train_set, self.val_set = (self._windows(*split) for split in (train, val))
         trainer = self.trainer
         if trainer is not None and trainer.lightning_module is not None:  # the model's limits, before the first step
-            check_data_fits_model(trainer.lightning_module, self.max_token_id, self.hparams.seq_len)
+            check_data_fits_model(trainer.lightning_module, self.max_token_id, self.hparams.seq_len, self._files())
+
+    def _files(self) -> str | None:
+        """The data's files and dtype, for an error to name (``None`` for the synthetic corpus)."""
+        if self.hparams.source == "synthetic":
+            return None
+        names = ", ".join(_as_list(self.hparams.path) + _as_list(self.hparams.val_path))
+        dtype = self.hparams.token_dtype or (self.token_info.dtype if self.token_info else "uint16")
+        return names if self.hparams.source == "text" else f"{names} (read as {dtype})"
 
     @property
     def vocab_size(self) -> int | None:
@@ -220,21 +231,9 @@ class LLMDataModule(L.LightningDataModule):
             self._resume = (state_dict["epoch"], state_dict["global_samples"])
 
 
-# Tokens read in full by the vocabulary check (about 1-4 GB). A larger corpus (a 7B-70B pre-training set is
-# terabytes, read by every rank) is checked on evenly spaced chunks adding up to this many tokens instead:
-# the startup stays seconds, and an id the sample misses still fails loudly (IndexError) in training.
-SCAN_LIMIT = 1 << 30
-
-
-def _max_token(tokens: np.ndarray, chunk: int = 1 << 24, limit: int = SCAN_LIMIT) -> int:
+def _max_token(tokens: np.ndarray, chunk: int = CHUNK, limit: int = SCAN_LIMIT) -> int:
     """The largest token id in ``tokens``, read in chunks; past ``limit`` tokens, from evenly spaced chunks only."""
-    if not len(tokens):
-        return -1
-    starts = range(0, len(tokens), chunk)
-    if len(tokens) > limit:
-        count = max(limit // chunk, 1)
-        starts = sorted({int(i * len(tokens) / count) // chunk * chunk for i in range(count)})
-    return max(int(tokens[i : i + chunk].max()) for i in starts)
+    return max_token(tokens, chunk, limit)
 
 
 def _as_list(paths: str | list[str] | None) -> list[str]:

@@ -51,6 +51,8 @@ def read_token_file(path: str | Path, dtype: str = "uint16") -> np.ndarray:
     if not path.is_file():
         raise FileNotFoundError(f"Token file not found: {path}. Check `data.path` in your config.")
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if not path.stat().st_size:  # numpy would say only "cannot mmap an empty file"
+        raise ValueError(f"Token file {path} is empty (0 bytes); remove it from `data.path` or prepare it again.")
     if path.stat().st_size % itemsize:
         raise ValueError(
             f"{path} has {path.stat().st_size} bytes, not a whole number of {dtype} tokens; is token_dtype right?"

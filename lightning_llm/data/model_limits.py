@@ -40,15 +40,19 @@ def model_limits(module: L.LightningModule) -> tuple[int | None, int | None]:
     return None, None
 
 
-def check_data_fits_model(module: L.LightningModule, max_token_id: int | None, seq_len: int) -> None:
-    """Refuse data whose token ids or sequence length the model cannot take."""
+def check_data_fits_model(
+    module: L.LightningModule, max_token_id: int | None, seq_len: int, files: str | None = None
+) -> None:
+    """Refuse data whose token ids or sequence length the model cannot take; ``files`` names the data's files."""
     vocab, longest = model_limits(module)
     name = type(module).__name__
     if vocab is not None and max_token_id is not None and max_token_id >= vocab:
+        # A uint16 file read as uint32 pairs two ids into one: far past any vocabulary.
+        dtype = " If the files hold 16-bit ids, set token_dtype='uint16'." if "uint32" in (files or "") else ""
         raise ValueError(
-            f"The data holds token id {max_token_id}, but {name} has a vocabulary of {vocab} (ids 0..{vocab - 1}). "
-            "Use the tokenizer the model was built for, or a model with vocab_size > "
-            f"{max_token_id} (for the synthetic corpus, data vocab_size <= {vocab})."
+            f"The data{f' ({files})' if files else ''} holds token id {max_token_id}, but {name} has a vocabulary of "
+            f"{vocab} (ids 0..{vocab - 1}). Use the tokenizer the model was built for, or a model with vocab_size > "
+            f"{max_token_id} (for the synthetic corpus, data vocab_size <= {vocab}).{dtype}"
         )
     if longest is not None and seq_len > longest:
         raise ValueError(

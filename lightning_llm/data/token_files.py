@@ -116,6 +116,7 @@ def load_token_files(
         tokens, offsets, info = load_token_files(["data/train.bin"], with_offsets=True)
     """
     from lightning_llm.data.datasets import read_token_file
+    from lightning_llm.data.token_scan import check_token_dtype
 
     infos = [read_token_info(p) for p in paths]
     described = [(p, i) for p, i in zip(paths, infos) if i is not None]
@@ -138,6 +139,7 @@ def load_token_files(
                 f"{path} holds {len(array)} tokens but its sidecar says {info.num_tokens}; the file was "
                 "truncated or replaced. Prepare it again."
             )
+        check_token_dtype(path, array, dtype, _said_by(path, token_dtype, info))
     tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     offsets = None
     if with_offsets:
@@ -155,3 +157,27 @@ def load_token_files(
             num_tokens=len(tokens),
         )
     return tokens, offsets, combined
+
+
+def _said_by(path: str, token_dtype: str | None, info: TokenFileInfo | None) -> str:
+    """Where the dtype a token file is read as came from, for an error's fix."""
+    if token_dtype is not None:
+        return f"token_dtype={token_dtype!r}"
+    if info is not None:
+        return f"as its sidecar {str(sidecar_path(path))!r} says"
+    return "the default without a sidecar"
+
+
+def check_ids_fit_sidecar(paths: list[str], info: TokenFileInfo | None, max_token_id: int) -> None:
+    """Refuse token files holding an id beyond the vocabulary their own sidecars record (ids from other data, or a
+    file read with the wrong dtype)."""
+    if info is not None and max_token_id >= info.vocab_size:
+        files, holds = (
+            (f"{paths[0]} holds", "its sidecar says")
+            if len(paths) == 1
+            else (f"{', '.join(paths)} hold", "their sidecars say")
+        )
+        raise ValueError(
+            f"{files} token id {max_token_id}, but {holds} vocab_size={info.vocab_size}: the data and the sidecar "
+            "do not belong together (or token_dtype is wrong). Prepare the data again with `lightning-llm prepare`."
+        )

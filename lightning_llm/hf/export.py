@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_llm.checkpointing.consolidate import cast_floats, parse_dtype, read_model_state
+from lightning_llm.checkpointing.errors import write_named
 from lightning_llm.hf import llama_map
 from lightning_llm.hf.export_info import ModelSource, resolve_source
 from lightning_llm.hf.load import _match
@@ -123,5 +124,8 @@ def export_hf(
         model = model_class(config)
     _fill(model, {k: v.contiguous() for k, v in hf_state.items()})
     output_dir = Path(output_dir)
-    model.save_pretrained(output_dir, max_shard_size=max_shard_size)
+    from safetensors import SafetensorError  # what save_pretrained's safetensors writer raises on a failed write
+
+    save = lambda: model.save_pretrained(output_dir, max_shard_size=max_shard_size)  # noqa: E731
+    write_named(output_dir, save, errors=(OSError, RuntimeError, SafetensorError))
     return output_dir

@@ -26,31 +26,38 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 def checkpoint_files(hf_dir: str | Path) -> dict[str, Path]:
-    """Map every tensor name of a Hugging Face directory to its safetensors file (single file or sharded + index)."""
+    """Map every tensor name of a Hugging Face directory to its safetensors file (single file or sharded + index).
+
+    A single ``model.safetensors`` wins over an index beside it, as in transformers' ``from_pretrained``: the index
+    is then most likely left over from an earlier sharded save.
+    """
     if "://" in str(hf_dir):
         raise ValueError(
             f"load_pretrained={str(hf_dir)!r} is a URL; it reads a local Hugging Face directory (safetensors files "
             "are opened lazily, per rank). Copy the checkpoint to a local disk and pass that path."
         )
     hf_dir = Path(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {err!r}. Save the model "
-                "again with save_pretrained, or remove the index if the directory holds one model.safetensors."
-            ) from None
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    single = hf_dir / "model.safetensors"
-    if not single.is_file():
+    index, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
+    if single.is_file():
+        if index.is_file():
+            rank_zero_info(
+                f"load_pretrained: reading {single}; {index.name} beside it is ignored, as transformers does"
+            )
+        with open_safetensors(single) as f:
+            return {name: single for name in f.keys()}
+    if not index.is_file():
         raise FileNotFoundError(
             f"{hf_dir} holds neither model.safetensors nor model.safetensors.index.json; save the model with "
             "save_pretrained(..., safe_serialization=True) (PyTorch .bin files are not read)."
         )
-    with open_safetensors(single) as f:
-        return {name: single for name in f.keys()}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {err!r}. Save the model "
+            "again with save_pretrained."
+        ) from None
+    return {name: hf_dir / file for name, file in weight_map.items()}
 
 
 @contextlib.contextmanager

@@ -4,8 +4,15 @@ The blocks are the container of layers that holds most of the model's parameters
 classes: hybrid models mix attention blocks with Mamba or linear-attention blocks (Jamba, Bamba,
 Qwen3-Next), MoE models mix dense and sparse blocks (DeepSeek-V3's first layers). A mixture-of-experts
 layer's own list of experts sits inside a block, so it always holds fewer parameters than the list of
-blocks around it. Two containers are supported: ``nn.ModuleList`` (a forward loops over it) and
-``nn.Sequential`` (the forward calls it); a ``nn.ModuleDict`` of blocks is refused with the way out.
+blocks around it. Three containers are supported: ``nn.ModuleList`` (a forward loops over it), ``nn.Sequential``
+(the forward calls it) and ``nn.ModuleDict`` (torchtitan and OLMo-core key their blocks "0", "1", ... and loop over
+``values()``; its blocks come back as a :class:`BlockSet` that names the dict as its container). The strategy reads
+the blocks off the model's forward first (:mod:`lightning_llm.modeling.structure`) and passes what it found here as
+``override``; the search below is how a model is read where no forward can be run.
+
+A block need not have a forward of its own: x-transformers keeps each layer as an ``nn.ModuleList`` of slots the
+stack's forward calls one by one. :func:`entry_modules` gives the modules through which each block is entered, which
+is what data parallelism, activation checkpointing and compile hook.
 
 A model without such a container (a small MLP, Lightning's test models) is never refused: its units are the
 children of its outermost module with more than one child holding parameters (:class:`BlockSet`), or that one
@@ -36,20 +43,53 @@ class BlockSet(nn.ModuleList):
         units.names   # ["model.w1", "model.w2"]
     """
 
-    def __init__(self, names: list[str], modules: list[nn.Module]) -> None:
+    def __init__(self, names: list[str], modules: list[nn.Module], container: str | None = None) -> None:
         super().__init__(modules)
         self.names = list(names)
+        self.container = container  # the dotted name of the nn.ModuleDict holding them, if one does
+
+
+def loose_blocks(blocks: nn.Module) -> bool:
+    """Whether ``blocks`` share no container (a :class:`BlockSet` of attributes or chosen modules)."""
+    return isinstance(blocks, BlockSet) and blocks.container is None
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` defines a forward (``nn.ModuleList``/``nn.ModuleDict`` and plain ``nn.Module`` do not)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def entry_modules(block: nn.Module, called: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The modules a block's computation is entered through, for the hooks data parallelism and checkpointing use.
+
+    A block with a forward of its own is entered through itself. A list of slots (x-transformers: norms, mixer,
+    residual; ``None`` slots skipped) through its outermost submodules with a forward, those holding parameters.
+    ``called``: what a traced forward called inside the block, when the model bypasses the block's own forward
+    (yet-another-retnet calls ``layer.forward_parallel``).
+
+    Example::
+
+        entry_modules(model.layers[0])           # [model.layers[0]]
+        entry_modules(x_transformer.layers[0])   # [LayerNorm, Attention, Residual]
+    """
+    if has_own_forward(block) and called is None:
+        return [block]
+    found = called if called is not None else [m for child in block.children() for m in entry_modules(child)]
+    found = list({id(m): m for m in found}.values())  # a module called twice (a dropout) is one entry
+    with_parameters = [m for m in found if any(True for _ in m.parameters())]
+    return with_parameters or found
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str, BlockStack]:
-    """The dotted name and the container (``nn.ModuleList`` or ``nn.Sequential``) of transformer blocks in ``module``.
+    """The dotted name and the container (``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``) of blocks in ``module``.
 
     Without ``override`` it is the container of layers holding the most parameters, then the most
     children, then the outermost (``model.layers`` in Llama and Jamba, ``transformer.h`` in GPT-2); its
-    blocks may be of different classes. A container with an ``nn.Embedding`` child holds a whole model,
+    blocks may be of different classes. An ``nn.ModuleDict`` (torchtitan's layout) comes back as a
+    :class:`BlockSet` of its entries in order, naming the dict as its container. A container with an ``nn.Embedding`` child holds a whole model,
     not its blocks, and ``module`` itself is never the blocks. ``override`` is a dotted submodule name
     (as in ``named_modules()``) for models where that guess is wrong; a list of dotted names or a callable
     ``(name, module) -> bool`` picks blocks that share no container. Blocks without a container (given so, or
@@ -76,9 +116,12 @@ def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str
     if not candidates:
         return "", default_units(module)
     name, blocks, _ = max(candidates, key=lambda c: (_numel(c[1]), -c[2], len(c[1])))
-    if isinstance(blocks, nn.ModuleDict):
-        raise ValueError(_dict_message(name, blocks))
-    return name, blocks
+    return name, _dict_blocks(name, blocks) if isinstance(blocks, nn.ModuleDict) else blocks
+
+
+def _dict_blocks(name: str, blocks: nn.ModuleDict) -> BlockSet:
+    """The entries of an ``nn.ModuleDict`` of blocks, in its order, as a :class:`BlockSet` naming the dict."""
+    return BlockSet([f"{name}.{key}" for key in blocks], list(blocks.values()), container=name)
 
 
 def default_units(module: nn.Module) -> BlockSet:
@@ -190,22 +233,14 @@ def _named_stack(module: nn.Module, name: str) -> BlockStack:
             f"blocks={name!r} names no submodule of {type(module).__name__}; its ModuleLists and Sequentials are "
             f"{stacks or 'none'} and module names look like {_sample_names(module)}."
         ) from None
-    if isinstance(blocks, nn.ModuleDict):
-        raise ValueError(_dict_message(name, blocks))
+    if isinstance(blocks, nn.ModuleDict) and len(blocks):
+        return _dict_blocks(name, blocks)
     if not isinstance(blocks, BlockStack) or len(blocks) == 0:
         raise ValueError(
-            f"blocks={name!r} is a {type(blocks).__name__}, not a non-empty nn.ModuleList or nn.Sequential of "
+            f"blocks={name!r} is a {type(blocks).__name__}, not a non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict of "
             "blocks; name the container itself (e.g. 'model.layers'), not one block or the whole model."
         )
     return blocks
-
-
-def _dict_message(name: str, blocks: nn.ModuleDict) -> str:
-    return (
-        f"The blocks look like the nn.ModuleDict {name!r} (keys {list(blocks)[:4]}), which lightning_llm cannot "
-        "split into blocks: hold them in an nn.ModuleList or nn.Sequential, or pass blocks='dotted.name' naming "
-        "one that does."
-    )
 
 
 def _sample_names(module: nn.Module) -> list[str]:

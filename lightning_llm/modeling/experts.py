@@ -19,10 +19,12 @@ CONFIG_TOP_K_NAMES = ("num_experts_per_tok", "n_expert_per_token")  # Hugging Fa
 
 
 def is_expert_list(module: nn.Module) -> bool:
-    """A ``ModuleList`` of at least two modules of one class with the same parameter names and shapes."""
-    if not isinstance(module, nn.ModuleList) or len(module) < 2:
+    """A ``ModuleList`` of at least two modules of one class with the same parameter names and shapes (``None``
+    slots, which x-transformers keeps in its per-layer lists, make it no list of experts)."""
+    entries = list(module.children()) if isinstance(module, nn.ModuleList) else []
+    if len(entries) < 2 or len(entries) != len(module):  # children() skips None slots; len() counts them
         return False
-    shapes = [(type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]) for m in module.children()]
+    shapes = [(type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]) for m in entries]
     return bool(shapes[0][1]) and all(s == shapes[0] for s in shapes)
 
 

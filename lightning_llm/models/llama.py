@@ -334,10 +334,13 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits; with ``document_ids`` (batch, seq) a token attends only to earlier tokens of its own document.
 
         ``position_ids`` (batch, seq), default ``0..seq-1``, are the tokens' positions for the rotary embedding.
+        ``return_hidden``: the final norm's output (batch, seq, dim) instead, for a loss that applies the head
+        itself without whole logits (:func:`~lightning_llm.models.cross_entropy.head_cross_entropy`).
         """
         h = self.tok_embeddings(tokens)
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, h.device, position_ids)
@@ -345,7 +348,8 @@ class Llama(nn.Module):
         for layer in self.layers:
             # The three-argument call stays as it was without document ids (pipeline stages and wrappers see it).
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; with ``exclude_embeddings`` the input embedding table is left out (as in 6N FLOPs)."""

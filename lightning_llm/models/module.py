@@ -6,6 +6,7 @@ already has, and the strategies must train it unchanged.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import lightning as L
@@ -13,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from lightning_llm.models.cross_entropy import head_cross_entropy, vocab_parallel
 from lightning_llm.models.llama import PRESETS, Llama, LlamaConfig
 from lightning_llm.models.moe import MoEFeedForward, Router, update_expert_biases
-from lightning_llm.validation import check_float, check_int
+from lightning_llm.validation import check_bool, check_float, check_int
 
 
 def _check_hyperparameters(learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio) -> None:
@@ -31,6 +33,11 @@ def _check_hyperparameters(learning_rate, weight_decay, betas, warmup_steps, max
     check_int("warmup_steps", warmup_steps, minimum=0)
     check_int("max_steps", max_steps, minimum=1, optional=True)
     check_float("min_lr_ratio", min_lr_ratio, minimum=0, maximum=1)
+
+
+def _check_loss_options(fused_cross_entropy, loss_chunk_size) -> None:
+    check_bool("fused_cross_entropy", fused_cross_entropy)
+    check_int("loss_chunk_size", loss_chunk_size, minimum=1, optional=True)
 
 
 class CausalLM(L.LightningModule):
@@ -51,6 +58,14 @@ class CausalLM(L.LightningModule):
         max_steps: steps of the cosine decay to ``min_lr_ratio * learning_rate``; ``None`` takes the
             Trainer's estimate of the run length.
         min_lr_ratio: final learning rate as a fraction of the peak.
+        fused_cross_entropy: compute the head and the loss together in chunks of tokens, so the logits are never
+            whole (:func:`~lightning_llm.models.cross_entropy.linear_cross_entropy`; Liger-Kernel's kernel on CUDA
+            where it is installed). The same loss and gradients as ``F.cross_entropy`` on the logits, without the
+            largest activation of the step. Not used where tensor parallelism splits the head's vocabulary (its
+            gathered logits and ``F.cross_entropy`` then, as with ``False``).
+        loss_chunk_size: tokens per chunk of the fused loss; ``None``: an eighth of the tokens, at most 512 MiB of
+            fp32 logits per chunk, all of them where they fit
+            (:func:`~lightning_llm.models.cross_entropy.default_chunk_size`).
 
     Example::
 
@@ -68,10 +83,14 @@ class CausalLM(L.LightningModule):
         warmup_steps: int = 100,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        fused_cross_entropy: bool = True,
+        loss_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         _check_hyperparameters(learning_rate, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio)
+        _check_loss_options(fused_cross_entropy, loss_chunk_size)
+        self.fused_cross_entropy, self.loss_chunk_size = fused_cross_entropy, loss_chunk_size
         if isinstance(config, dict):  # hyperparameters saved as a dict (lightning_llm.cli.data_vocab)
             config = LlamaConfig(**config)
         if not isinstance(config, (str, LlamaConfig)):
@@ -91,16 +110,35 @@ class CausalLM(L.LightningModule):
         if self.model is None:
             self.model = Llama(self.config)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(tokens) if document_ids is None else self.model(tokens, document_ids)
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Logits (batch, seq, vocab), or with ``return_hidden`` the final hidden states (batch, seq, dim)."""
+        kwargs = {"return_hidden": True} if return_hidden else {}
+        return self.model(tokens, **kwargs) if document_ids is None else self.model(tokens, document_ids, **kwargs)
 
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         tokens, documents = (
             (batch["input_ids"], batch.get("document_ids")) if isinstance(batch, dict) else (batch, None)
         )
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = self(inputs) if documents is None else self(inputs, documents[:, :-1])
+        documents = None if documents is None else documents[:, :-1]
+        # Document ids only where there are some: a subclass's forward(tokens) keeps working.
+        args = (inputs,) if documents is None else (inputs, documents)
+        if self._fuses_loss():
+            hidden = self(*args, return_hidden=True)
+            return head_cross_entropy(self.model.output, hidden, targets, chunk_size=self.loss_chunk_size)
+        logits = self(*args)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _fuses_loss(self) -> bool:
+        """Whether the chunked loss applies: asked for, the head's vocabulary whole on this rank (off a pipeline's
+        last stage the head is a placeholder without weight, and the forward stops before it anyway), and a
+        ``forward`` that can return hidden states (a subclass's own ``forward`` without ``return_hidden`` keeps the
+        logits path)."""
+        if not self.fused_cross_entropy or vocab_parallel(getattr(self.model.output, "weight", None)):
+            return False
+        return "return_hidden" in inspect.signature(self.forward).parameters
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -142,8 +180,11 @@ class CausalLM(L.LightningModule):
         self.log("test_ppl", loss.exp(), sync_dist=True)
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        # Matrices decay, vectors (norms, biases) do not. A DeepSpeed ZeRO-3 parameter built inside fit is an empty
+        # 1-D stand-in whose full shape is `ds_shape`: read by its `dim()`, every parameter would be a vector.
+        matrix = {id(p) for p in self.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2}
+        decay = [p for p in self.parameters() if p.requires_grad and id(p) in matrix]
+        no_decay = [p for p in self.parameters() if p.requires_grad and id(p) not in matrix]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate,

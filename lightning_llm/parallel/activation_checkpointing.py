@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_llm._compat.torch_distributed import composable_checkpoint, functional_collective_ops
 from lightning_llm.modeling.activations import BlockActivations, measure_blocks
+from lightning_llm.modeling.blocks import entry_modules
 from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.parallel.kv_cache import refuse_cache_argument
 from lightning_llm.planning.activation_budget import plan_for_budget, predicted_peak, resolve_budget, validate_budget
@@ -191,6 +192,7 @@ def apply_activation_checkpointing(
     measure_fn: Callable[[], object] | None = None,
     auto_policies: Sequence[str] | None = None,
     block_indices: Sequence[int] | None = None,
+    entries: dict[int, list[nn.Module]] | None = None,
 ) -> ACReport:
     """Checkpoint ``blocks`` in place; call it after tensor parallelism and before FSDP2 sharding.
 
@@ -209,6 +211,8 @@ def apply_activation_checkpointing(
             instead of ``budget`` and ``measure_fn``.
         block_indices: the blocks' positions in the whole model, which the layer policy counts
             (a pipeline stage holds a slice); default 0, 1, ...
+        entries: block (by id) -> the modules it is entered through, where the model does not call it as a
+            whole (default: :func:`~lightning_llm.modeling.blocks.entry_modules`); each is checkpointed.
 
     Example::
 
@@ -237,7 +241,8 @@ def apply_activation_checkpointing(
     context = _selective_context(recompute_every_other_matmul)
     for block, policy in zip(blocks, report.policies):
         if policy != "none":
-            checkpoint_block(block, context if policy == "op" else None)
+            for unit in (entries or {}).get(id(block)) or entry_modules(block):
+                checkpoint_block(unit, context if policy == "op" else None)
     if mode != "none":
         log.info(report.summary(selective))
     return report

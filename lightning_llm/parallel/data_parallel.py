@@ -66,11 +66,14 @@ def apply_data_parallel(
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     shared: list[nn.Module] = (),
+    entries: dict[int, list[nn.Module]] | None = None,
 ) -> None:
     """Make the model data parallel over ``dp_mesh`` as ZeRO ``zero_stage`` (in place).
 
     Every block becomes one unit, then each module of ``roots`` takes the parameters left
-    (embeddings, final norm, head). ``dp_mesh`` is 1-D for pure sharding/replication or 2-D
+    (embeddings, final norm, head). ``entries``: block (by id) -> the modules it is entered through, for blocks the
+    model does not call as a whole (:func:`~lightning_llm.modeling.blocks.entry_modules`): FSDP2 groups them into
+    the block's one unit (its hooks are on those modules); ZeRO 0 replicates each. ``dp_mesh`` is 1-D for pure sharding/replication or 2-D
     ``(dp_replicate, dp_shard)`` for HSDP. ``shared``: modules several blocks call
     (:func:`~lightning_llm.modeling.tied.modules_shared_by_blocks`), each made a unit of its own first, so the
     blocks' units leave their parameters to it and they are sharded once.
@@ -85,13 +88,17 @@ def apply_data_parallel(
         # FSDP2's replicate() is DDP built on the fully_shard machinery: it composes with tensor-parallel
         # DTensor parameters and per-block units as fully_shard does, which the DistributedDataParallel
         # wrapper does not. It lives in a private module (lightning_llm._compat).
-        for module in [*shared, *blocks, *roots]:
+        units = [unit for block in blocks for unit in _entries(block, entries)]
+        for module in [*shared, *units, *roots]:
             replicate_with_fsdp(module, mesh=dp_mesh, **kwargs)
     else:
         for module in shared:  # called once per block that holds it: gathered for each call, like a block
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)
         for block in blocks:
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs)
+            units = _entries(block, entries)
+            fully_shard(
+                units if len(units) > 1 else units[0], mesh=dp_mesh, reshard_after_forward=zero_stage == 3, **kwargs
+            )
         for root in roots:
             fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
     log.info(
@@ -101,6 +108,10 @@ def apply_data_parallel(
         dp_mesh.size(),
         len(blocks),
     )
+
+
+def _entries(block: nn.Module, entries: dict[int, list[nn.Module]] | None) -> list[nn.Module]:
+    return (entries or {}).get(id(block), [block])
 
 
 # How gradients are reduced on the micro-batches before the last one of an optimizer step.

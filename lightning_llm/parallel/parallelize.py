@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import BlockSet, BlockStack, block_names, distinct_blocks, find_blocks
+from lightning_llm.modeling.blocks import (
+    BlockSet,
+    BlockStack,
+    block_modules,
+    block_names,
+    distinct_blocks,
+    entry_modules,
+    find_blocks,
+    loose_blocks,
+)
 from lightning_llm.modeling.tied import modules_shared_by_blocks, tied_parameter_names
 from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
@@ -39,10 +48,11 @@ from lightning_llm.parallel.tp.apply import (
     head_split_parts,
     resolve_plan,
     validate_plan,
+    with_per_head_lists,
     with_region_parameters,
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
-from lightning_llm.parallel.tp.coverage import check_coverage
+from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
 from lightning_llm.parallel.tp.float8 import fp8_tp_exclusions
 from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
 
@@ -75,7 +85,7 @@ def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack 
     ``forward``, so FSDP2's root forward hook (which gathers embeddings and head) would never run.
     Blocks without a container (:class:`BlockSet`): the top-level children with parameters that are not blocks.
     """
-    if isinstance(blocks, BlockSet):
+    if loose_blocks(blocks):
         units = {id(b) for b in blocks}
         return [c for _, c in module.named_children() if id(c) not in units and any(True for _ in c.parameters())]
     top = blocks_name.split(".")[0]
@@ -95,8 +105,7 @@ def shared_between_blocks(blocks_name: str, blocks, dims: ParallelDims) -> list[
     pipeline parallelism puts blocks on different ranks, where a module called from several blocks would be needed
     on two stages.
     """
-    names = list(blocks.names) if isinstance(blocks, BlockSet) else [f"{blocks_name}.{i}" for i in range(len(blocks))]
-    shared = modules_shared_by_blocks(list(blocks), names)
+    shared = modules_shared_by_blocks(block_modules(blocks), block_names(blocks_name, blocks))
     if shared and dims.pp > 1:
         module, places = shared[0]
         raise ValueError(
@@ -105,7 +114,7 @@ def shared_between_blocks(blocks_name: str, blocks, dims: ParallelDims) -> list[
             "two stages. Train this model with tensor or data parallelism (ZeRO 0-3), which split or shard a "
             "shared module once."
         )
-    if shared and (dims.dp * dims.cp > 1) and (isinstance(blocks, BlockSet) or "." not in blocks_name):
+    if shared and (dims.dp * dims.cp > 1) and (loose_blocks(blocks) or "." not in blocks_name):
         raise ValueError(
             f"{shared[0][1][0]} is one module called from several blocks, and the blocks {blocks_name or 'found'} "
             "are direct children of the LightningModule: data parallelism needs one module holding the blocks "
@@ -128,11 +137,52 @@ def check_block_set(blocks: BlockSet, dims: ParallelDims, fp8: str | None) -> No
     ] + ([f"fp8={fp8!r}"] if fp8 is not None else [])
     if asked:
         raise ValueError(
-            f"{', '.join(asked)} needs the model's transformer blocks in one nn.ModuleList or nn.Sequential, but "
+            f"{', '.join(asked)} needs the model's transformer blocks in one nn.ModuleList, nn.Sequential or nn.ModuleDict, but "
             f"the blocks here share no container ({blocks.names[:4]}). Hold the blocks in an nn.ModuleList and "
             "pass blocks='dotted.name' if the search misses it, or parallelize in configure_model by hand on "
             "self.device_mesh['tensor_parallel'] (the strategy then keeps that layout)."
         )
+
+
+def block_entries(
+    blocks_name: str, blocks: BlockStack, block_calls: dict[str, list[str]] | None, root: nn.Module
+) -> dict[int, list[nn.Module]]:
+    """Block (by id) -> the modules its computation is entered through (:func:`entry_modules`); ``block_calls``: what a
+    traced forward called inside the blocks whose own forward it did not call (names in ``root``)."""
+    calls = block_calls or {}
+    return {
+        id(block): entry_modules(block, [root.get_submodule(n) for n in calls[name]] if name in calls else None)
+        for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks))
+    }
+
+
+def refuse_pipeline_without_block_forward(
+    blocks_name: str, blocks: BlockStack, entries: dict[int, list[nn.Module]]
+) -> None:
+    """Pipeline stages stand in for other stages' blocks when the model calls them; a block the model does not call
+    (its slots called one by one, or its forward bypassed) cannot be stood in for."""
+    for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
+        if entries[id(block)] != [block]:
+            raise ValueError(
+                f"pipeline_parallel_size > 1 needs each block to be one module the model calls, but {name} "
+                f"({type(block).__name__}) is entered through {len(entries[id(block)])} modules of its own (the model's "
+                "forward calls its parts one by one, or calls another method than its forward), so a stage cannot "
+                "stand in for the blocks of other stages. Use tensor parallelism or ZeRO (zero_stage=3) for this model."
+            )
+
+
+def refuse_uncalled_split_parts(plan: dict[str, str], blocks_name: str, blocks: BlockStack, called: set[str]) -> None:
+    """Refuse splitting the heads of a part the model's forward does not call as a module (``called``: the traced
+    forward's calls): it runs another of its methods (yet-another-retnet's ``forward_parallel``), where the
+    first-forward checks that catch a wrong split cannot watch it."""
+    for name, part in head_split_parts(plan, blocks_name, blocks):
+        if name not in called:
+            raise ValueError(
+                f"Tensor parallelism would split the heads of {name} ({type(part).__name__}), but the model's forward "
+                "does not call it as a module (it runs another of its methods), so the split cannot be checked "
+                f"against the whole part in the first forward. Keep it whole: tensor_parallel_replicate="
+                f"['{wildcard_index(name)}'], or use ZeRO or pipeline parallelism for this model."
+            )
 
 
 def refuse_ties_across_units(module: nn.Module, blocks: BlockSet) -> None:
@@ -187,6 +237,7 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
+    plan = with_per_head_lists(plan, blocks_name, blocks)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)
@@ -234,7 +285,9 @@ def parallelize(
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | None = None,
-    blocks: str | None = None,
+    blocks: str | list[str] | None = None,
+    block_calls: dict[str, list[str]] | None = None,
+    called: set[str] | None = None,
     cpu_offload: bool = False,
     compile_blocks: bool = False,
     activation_checkpointing=None,
@@ -247,8 +300,9 @@ def parallelize(
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
-    ``activation_checkpointing`` is a callable ``(blocks) -> None`` applied between TP and FSDP,
-    or ``None``. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
+    ``activation_checkpointing`` is a callable ``(blocks, entries) -> None`` applied between TP and FSDP,
+    or ``None``; ``entries`` maps ``id(block)`` to the modules the block is entered through (the block itself,
+    or its slots when the stack runs them from its own forward), which is what it checkpoints. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
     pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
     the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). ``expert_parallel_size > 1``
     splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`). With ``dims.cp > 1`` every sequence
@@ -262,7 +316,10 @@ def parallelize(
     """
     blocks_name, block_list = find_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
-    if isinstance(block_list, BlockSet):
+    entries = block_entries(blocks_name, block_list, block_calls, module)
+    if pipeline is not None and dims.pp > 1:
+        refuse_pipeline_without_block_forward(blocks_name, block_list, entries)
+    if loose_blocks(block_list):
         check_block_set(block_list, dims, fp8)
         if dims.dp * dims.cp > 1:
             refuse_ties_across_units(module, block_list)
@@ -285,6 +342,8 @@ def parallelize(
             replicate=tensor_parallel_replicate or (),
             expert_parallel=ep_split,
         )
+        if called is not None:
+            refuse_uncalled_split_parts(report.tp_plan, blocks_name, block_list, called)
     if dims.cp > 1:  # hooks on the model's input/output and each block's attention, before TP copies any config
         report.context_parallel = apply_context_parallel(
             module,
@@ -325,12 +384,15 @@ def parallelize(
             blocks=owned_blocks,
             sequence_parallel=sequence_parallel,
             blocks_name=blocks_name,
+            entries=entries,
+            check_parts=dims.cp == 1 and expert_parallel_size == 1 and _first_pipeline_rank(dims),
         )
     if activation_checkpointing is not None:
-        activation_checkpointing(owned_blocks)
+        activation_checkpointing(owned_blocks, entries)
     if compile_blocks:
         for block in owned_blocks:
-            block.compile()
+            for unit in entries[id(block)]:
+                unit.compile()
     if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
         dp_mesh = dims.data_parallel_mesh()
         if experts:
@@ -350,7 +412,14 @@ def parallelize(
             mp_policy=mixed_precision_policy(precision),
             cpu_offload=cpu_offload,
             shared=shared,
+            entries=entries,
         )
         if dims.tp > 1 and roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
             report.output_guard = OutputViewGuard(dp_roots)
     return report
+
+
+def _first_pipeline_rank(dims: ParallelDims) -> bool:
+    """Whether this rank's blocks see real inputs in their first forward: a later pipeline stage first runs on the
+    empty tensors torch's schedule learns its output shapes from (what the first-forward check would compare)."""
+    return dims.pp == 1 or dims.mesh["pp"].get_local_rank() == 0

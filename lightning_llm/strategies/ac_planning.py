@@ -36,7 +36,7 @@ def plan_checkpointing(
     sequence_parallel: bool,
     num_microbatches: int | None,
     device: torch.device,
-) -> tuple[list[str], Callable[[list[nn.Module]], None] | None]:
+) -> tuple[list[str], Callable[..., None] | None]:
     """(policy per block, the function that checkpoints a rank's blocks) for ``mode``; ``(["none"...], None)`` if off."""
     if mode == "none":
         return ["none"] * len(blocks), None
@@ -56,7 +56,7 @@ def plan_checkpointing(
     policies = block_policies(mode, list(range(len(blocks))), options.selective, options.every_n_layers, auto)
     index_of = {id(block): i for i, block in enumerate(blocks)}
 
-    def apply(owned_blocks: list[nn.Module]) -> None:
+    def apply(owned_blocks: list[nn.Module], entries: dict[int, list[nn.Module]] | None = None) -> None:
         indices = [index_of[id(b)] for b in owned_blocks]
         apply_activation_checkpointing(
             owned_blocks,
@@ -66,6 +66,7 @@ def plan_checkpointing(
             recompute_every_other_matmul=options.recompute_every_other_matmul,
             auto_policies=[auto[i] for i in indices] if auto is not None else None,
             block_indices=indices,
+            entries=entries,
         )
 
     return policies, apply

@@ -22,6 +22,7 @@ from lightning_llm._compat.lightning import (
     init_deepspeed_distributed,
     reset_deepspeed_config,
 )
+from lightning_llm.checkpointing import resumed_settings
 from lightning_llm.checkpointing.dcp import refuse_unverified
 from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes, unsafe_pickle_refusal
 from lightning_llm.checkpointing.errors import save_on_every_rank
@@ -31,6 +32,7 @@ from lightning_llm.contract.lightning import WholeModelContract
 from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.modeling.tied import refuse_untied_names, tied_parameter_names
 from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
 from lightning_llm.parallel.init.zero3_init import initialize_partitioned
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
@@ -199,6 +201,12 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
             self._resolve_auto(trainer)
         self._size_buckets_to_model()
         super().setup(trainer)
+        resumed_settings.remember(trainer)  # the configured values, before a checkpoint's state replaces them
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        resumed_settings.report(self.lightning_module.trainer)  # what the checkpoint's state replaced, said once
 
     def _size_buckets_to_model(self) -> None:
         """Shrink communication buckets the user did not set to the model's size: DeepSpeed allocates
@@ -333,6 +341,7 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
             raise ValueError(error)
         saved = saved_param_shapes(path, weights_only=not trusted)
         if saved is not None:
+            refuse_untied_names(tied_parameter_names(self.model.module), saved, str(path))  # names tell: one each
             model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.module.named_parameters()}
             matching_keys(model, saved, self.lightning_module.strict_loading, str(path))
         return super().load_checkpoint(checkpoint_path, weights_only)

@@ -1,20 +1,54 @@
-"""The checks of LLMParallelStrategy's arguments that span several of them (layout, expert and context parallelism,
-patterns, options a mode ignores), called by :func:`~lightning_llm.strategies.parallel_options.build_options`.
+"""Each of LLMParallelStrategy's options checked on its own: the ``check=`` of its declaration in
+:mod:`~lightning_llm.strategies.parallel_options`.
 
-Each refuses an impossible value before any process starts, naming the value and the fix.
+A check is ``check(name, value) -> the value kept``: it refuses an impossible value before any process starts,
+naming the value and the fix, and returns the value as the code reads it (``fp8=True`` kept as ``"tensorwise"``).
+Checks that span several options are in :mod:`~lightning_llm.strategies.option_combinations`.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import FSDP2_ZERO_STAGES
+from lightning_llm.parallel.activation_checkpointing import ACOptions, validate_options
+from lightning_llm.parallel.cp.apply import check_method
 from lightning_llm.parallel.ep.apply import check_plan as check_expert_parallel_plan
+from lightning_llm.parallel.float8 import validate_fp8
+from lightning_llm.parallel.pipeline.split import SCHEDULES
 from lightning_llm.parallel.tp.plan import check_style
-from lightning_llm.validation import check_bool, check_choice, check_int, check_memory_size
+from lightning_llm.strategies.declarations import Check
+from lightning_llm.validation import check_choice, check_int, check_memory_size
+
+
+def positive_int(hint: str = "", *, optional: bool = False) -> Check:
+    """An integer of at least 1 (or ``None`` when ``optional``)."""
+    return lambda name, value: check_int(name, value, minimum=1, optional=optional, hint=hint)
+
+
+def int_or_auto(hint: str) -> Check:
+    """An integer of at least 1, or ``"auto"`` (resolved at setup)."""
+    return lambda name, value: value if value == "auto" else check_int(name, value, minimum=1, hint=hint)
+
+
+def one_of(*choices: Any) -> Check:
+    """One of ``choices`` (by type too: ``True`` is not ``1``)."""
+    return lambda name, value: check_choice(name, value, choices)
+
+
+def patterns(example: str) -> Check:
+    """A list of module-name patterns, kept as a list (``[]`` for None)."""
+    return lambda name, value: check_patterns(name, value, example=example)
+
+
+def optional_str(what: str) -> Check:
+    """None or a non-empty string or path."""
+
+    def check(name: str, value: Any) -> Any:
+        check_optional_str(name, value, what)
+        return value
+
+    return check
 
 
 def check_patterns(name: str, patterns, *, example: str) -> list[str]:
@@ -33,13 +67,59 @@ def check_patterns(name: str, patterns, *, example: str) -> list[str]:
     return list(patterns)
 
 
-def check_tensor_parallel_plan(plan) -> None:
+def check_optional_str(name: str, value, what: str) -> None:
+    """``value`` is None or a non-empty string or path (a number would fail much later, inside a file open)."""
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
+        raise ValueError(f"{name}={value!r} must be {what}, or None.")
+
+
+def memory_size(name: str, value: Any) -> Any:
+    """None, a positive number of bytes, or a size such as ``"80GB"``."""
+    check_memory_size(name, value)
+    return value
+
+
+def blocks_override(name: str, value: Any) -> Any:
+    """A list of block names kept as a tuple (the options are frozen and compared between Trainer calls)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def fp8_recipe(name: str, value: Any) -> str | None:
+    """The fp8 recipe's name (``True`` = "tensorwise"), or None when off; torchao must be installed."""
+    return validate_fp8(value)
+
+
+def pipeline_schedule(name: str, value: Any) -> str:
+    """A schedule torch.distributed.pipelining has, at pp=1 too: a typo is a typo."""
+    if value not in SCHEDULES:
+        raise ValueError(f"{name}={value!r} is unknown; choose one of {sorted(SCHEDULES)}.")
+    return value
+
+
+def activation_checkpointing_mode(name: str, value: Any) -> str:
+    """One of :data:`lightning_llm.parallel.activation_checkpointing.MODES`."""
+    validate_options(value)
+    return value
+
+
+def activation_checkpointing_options(name: str, value: Any) -> ACOptions:
+    """The options as :class:`~lightning_llm.parallel.activation_checkpointing.ACOptions` (from a dict, or the
+    dataclass the CLI parses a config into); what a mode needs of them is checked with the mode."""
+    return ACOptions.from_dict("none", value)
+
+
+def context_parallel_method(name: str, value: Any) -> str:
+    """One of context parallelism's methods (the check its ``apply_context_parallel`` runs)."""
+    return check_method(value)
+
+
+def tensor_parallel_plan(name: str, plan: Any) -> dict[str, str] | None:
     """A mapping of module-name patterns to known style names (styles checked here, patterns at setup)."""
     if plan is None:
-        return
+        return None
     if not isinstance(plan, dict) or not all(isinstance(k, str) and k for k in plan):
         raise ValueError(
-            f"tensor_parallel_plan={plan!r} must map module-name patterns to styles, "
+            f"{name}={plan!r} must map module-name patterns to styles, "
             "e.g. {'*.attn.c_attn': 'fused_qkv', '*.mlp.c_fc': 'colwise'}."
         )
     for pattern, style in plan.items():
@@ -47,101 +127,29 @@ def check_tensor_parallel_plan(plan) -> None:
     named = [p for p, s in plan.items() if s == "expert_parallel"]
     if named:
         raise ValueError(
-            f"tensor_parallel_plan gives {named} the style 'expert_parallel', which only expert_parallel_size sets. "
+            f"{name} gives {named} the style 'expert_parallel', which only expert_parallel_size sets. "
             "Use expert_parallel_size > 1 (and expert_parallel_plan to name a module), or the style 'experts'."
         )
+    return plan
 
 
-def check_pipeline_split(split) -> None:
+def expert_parallel_plan(name: str, plan: Any) -> dict[str, str] | None:
+    """Module-name patterns to ``"expert_parallel"`` or ``"data_parallel"``, kept as a copy (None when empty)."""
+    check_expert_parallel_plan(plan)
+    return dict(plan) if plan else None
+
+
+def pipeline_split(name: str, split: Any) -> list[list[str]] | None:
     """A list of stages, each a list of block names (``[["layers.0", "layers.1"], ["layers.2", "layers.3"]]``)."""
     if split is None:
-        return
+        return None
     if (
         isinstance(split, str)
         or not isinstance(split, (list, tuple))
         or not all(isinstance(stage, (list, tuple)) and all(isinstance(n, str) for n in stage) for stage in split)
     ):
         raise ValueError(
-            f"pipeline_split={split!r} must be a list of stages, each a list of module names, "
+            f"{name}={split!r} must be a list of stages, each a list of module names, "
             "e.g. [['layers.0', 'layers.1'], ['layers.2', 'layers.3']]."
         )
-
-
-def check_optional_str(name: str, value, what: str) -> None:
-    """``value`` is None or a non-empty string or path (a number would fail much later, inside a file open)."""
-    if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
-        raise ValueError(f"{name}={value!r} must be {what}, or None.")
-
-
-def warn_unused(pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, ac_options) -> None:
-    """Options that the chosen mode ignores, said once instead of dropped silently."""
-    ignored = [
-        f"{name}={value!r}"
-        for name, value in (
-            ("num_microbatches", num_microbatches),
-            ("virtual_stages", virtual_stages),
-            ("pipeline_split", pipeline_split),
-        )
-        if value is not None
-    ]
-    if pp == 1 and ignored:
-        rank_zero_warn(f"{', '.join(ignored)} ignored: pipeline_parallel_size=1 runs no pipeline.")
-    if isinstance(ac_options, ACOptions):  # the CLI parses a config's options into the dataclass
-        defaults = ACOptions()
-        given = {k: v for k, v in vars(ac_options).items() if v != getattr(defaults, k)}
-    else:
-        given = dict(ac_options or {})
-    if activation_checkpointing in ("none", "full") and given:
-        rank_zero_warn(
-            f"activation_checkpointing_options={given!r} ignored: activation_checkpointing="
-            f"{activation_checkpointing!r} takes none of them (they apply to 'selective' and 'auto')."
-        )
-
-
-def check_layout(tp, pp, dp, replicate, zero_stage, sequence_parallel, num_microbatches, virtual_stages, device_memory):
-    """Refuse an impossible layout (sizes, ZeRO stage, sequence parallelism, micro-batches)."""
-    if tp != "auto":  # "auto": Lightning's ModelParallelStrategy meaning, the devices of a node (resolved at setup)
-        check_int("tensor_parallel_size", tp, minimum=1, hint="or 'auto' for every device of a node")
-    check_int("pipeline_parallel_size", pp, minimum=1, hint="1 turns pipeline parallelism off")
-    if dp != "auto":
-        check_int("data_parallel_size", dp, minimum=1, hint="or 'auto' for world size / (tp * pp)")
-    check_int("data_parallel_replicate_size", replicate, minimum=1)
-    check_bool("sequence_parallel", sequence_parallel)
-    check_int("num_microbatches", num_microbatches, minimum=1, optional=True)
-    check_int("virtual_stages", virtual_stages, minimum=1, optional=True)
-    check_memory_size("device_memory", device_memory)
-    check_choice("zero_stage", zero_stage, (*FSDP2_ZERO_STAGES, "auto"))
-    if zero_stage == 0 and replicate > 1:
-        raise ValueError(
-            "data_parallel_replicate_size > 1 (HSDP) needs zero_stage 2 or 3; zero_stage=0 already replicates everywhere."
-        )
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1 (it shards along the TP group).")
-
-
-def check_expert_parallel(ep, plan, dp, cp) -> None:
-    """Refuse an expert-parallel size that cannot work (the experts' count is checked on the model at setup)."""
-    check_int("expert_parallel_size", ep, minimum=1, hint="1 turns expert parallelism off")
-    check_expert_parallel_plan(plan)
-    if ep > 1 and cp != 1:
-        raise ValueError(
-            f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported yet: the experts' groups "
-            "are carved from the data-parallel ranks, which context parallelism also divides. Use one of the two."
-        )
-    if ep > 1 and dp != "auto" and dp % ep:
-        raise ValueError(
-            f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the expert-parallel groups are "
-            f"carved out of the data-parallel ranks. Use an expert_parallel_size that divides {dp}."
-        )
-
-
-def check_context_parallel(cp, method, *, compile_blocks) -> None:
-    """Refuse a context-parallel size or method that is impossible, or a combination not built yet (named)."""
-    check_int("context_parallel_size", cp, minimum=1, hint="1 turns context parallelism off")
-    check_choice("context_parallel_method", method, ("ring", "ulysses"))
-    if cp > 1 and compile_blocks:
-        raise ValueError(
-            f"context_parallel_size={cp} with compile_blocks={compile_blocks!r} is not supported yet (the attention "
-            "redirection, block hooks and a function mode, is untested inside compiled blocks). Use "
-            "compile_blocks=False with context parallelism."
-        )
+    return split

@@ -1,9 +1,12 @@
-"""LLMParallelStrategy's options: its keyword arguments, checked in one place and grouped by concept.
+"""LLMParallelStrategy's options, each declared once: default, checked type, documentation and check.
 
-:func:`build_options` takes exactly the strategy's keyword arguments, refuses impossible ones before any process
-starts (naming the value and the fix), and returns frozen :class:`StrategyOptions`. What changes during a run
-(the ZeRO stage "auto" resolves to, the mesh, the pipelined steps, ...) lives in
-:class:`~lightning_llm.strategies.run_state.RunState` instead.
+Every argument of the strategy is one :func:`~.declarations.option` field below, in a frozen, keyword-only group
+by concept (:class:`ParallelOptions`, :class:`PipelineOptions`, :class:`PlanningOptions`,
+:class:`CheckpointingOptions`, and the process group's settings). :func:`build_options` runs each
+option's check, then the checks that span several (:mod:`.option_combinations`), and returns frozen
+:class:`StrategyOptions`. The strategy's ``Arguments:`` docstring section and its read-only option attributes are
+rendered from the same table (:func:`~.declarations.with_declared_options`). What changes during a run (the ZeRO
+stage "auto" resolves to, the mesh, ...) lives in :class:`~lightning_llm.strategies.run_state.RunState` instead.
 """
 
 from __future__ import annotations
@@ -14,238 +17,267 @@ from typing import Literal
 
 from lightning_llm.modeling.blocks import BlocksOverride
 from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC
-from lightning_llm.parallel.float8 import validate_fp8
+from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
 from lightning_llm.parallel.parallelize import PipelineSpec
-from lightning_llm.parallel.pipeline.split import SCHEDULES
-from lightning_llm.parallel.tp.float8 import FP8_TP_RECIPE, ROWWISE_REFUSAL
-from lightning_llm.strategies.option_checks import (
-    check_context_parallel,
-    check_expert_parallel,
-    check_layout,
-    check_optional_str,
-    check_patterns,
-    check_pipeline_split,
-    check_tensor_parallel_plan,
-    warn_unused,
-)
-from lightning_llm.validation import check_bool, check_choice, check_int, check_timeout
+from lightning_llm.strategies import option_checks as checks
+from lightning_llm.strategies.declarations import build, check_each, option
+from lightning_llm.strategies.option_combinations import check_combinations
+from lightning_llm.validation import check_bool, check_timeout
 
 # The collective timeout for training (see LLMParallelStrategy's `timeout` argument).
 TRAINING_TIMEOUT = timedelta(minutes=10)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelOptions:
-    """The layout and how each block is parallelized (``fp8`` is the recipe name, or None when off)."""
+    """The layout and how each block is parallelized."""
 
-    tensor_parallel_size: int | Literal["auto"]  # "auto" is resolved to the devices of a node at setup
-    pipeline_parallel_size: int
-    data_parallel_size: int | Literal["auto"]
-    data_parallel_replicate_size: int
-    zero_stage: Literal[0, 1, 2, 3, "auto"]  # as asked; RunState holds the stage "auto" resolves to
-    sequence_parallel: bool
-    tensor_parallel_plan: dict[str, str] | None
-    tensor_parallel_replicate: list[str]
-    blocks: BlocksOverride
-    cpu_offload: bool  # as asked; RunState holds the choice of "auto"
-    compile_blocks: bool
-    fp8: str | None
-    fp8_exclude: list[str]
-    expert_parallel_size: int = 1
-    expert_parallel_plan: dict[str, str] | None = None
-    context_parallel_size: int = 1
-    context_parallel_method: Literal["ring", "ulysses"] = "ring"
-    accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
+    tensor_parallel_size: int | Literal["auto"] = option(
+        1,
+        'ranks that split each layer\'s matrices (innermost mesh axis); ``"auto"``: every device of a node, as in '
+        "Lightning's ``ModelParallelStrategy``.",
+        check=checks.int_or_auto("or 'auto' for every device of a node"),
+    )
+    pipeline_parallel_size: int = option(
+        1,
+        "ranks that each run a contiguous stage of the blocks (the outermost mesh axis); 1 turns pipeline "
+        "parallelism off. See ``pipeline_schedule`` and the docs' pipeline page.",
+        check=checks.positive_int("1 turns pipeline parallelism off"),
+    )
+    data_parallel_size: int | Literal["auto"] = option(
+        "auto",
+        'model replicas reading different data; ``"auto"`` = world size / (tp * pp * cp).',
+        check=checks.int_or_auto("or 'auto' for world size / (tp * pp)"),
+    )
+    data_parallel_replicate_size: int = option(
+        1,
+        "with ZeRO 2/3, groups that replicate rather than shard (HSDP); sharding then spans "
+        "``data_parallel_size / data_parallel_replicate_size`` ranks.",
+        check=checks.positive_int(),
+    )
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = option(  # as asked; RunState holds the stage "auto" resolves to
+        3,
+        '0 (replicated), 1 and 2 (optimizer state and gradients sharded), 3 (everything sharded), or "auto": the '
+        "least-communication stage (then CPU offload) that the memory planner finds fits.",
+        check=checks.one_of(*FSDP2_ZERO_STAGES, "auto"),
+    )
+    sequence_parallel: bool = option(
+        False, "shard activations between blocks along the sequence (needs tp > 1).", check=check_bool
+    )
+    tensor_parallel_plan: dict[str, str] | None = option(
+        None,
+        "module-name patterns (fnmatch, as in ``named_modules()`` of the LightningModule) to styles: "
+        '"colwise", "rowwise", "colwise_gather", "embedding", "sequence_parallel", "replicate", ... (see the docs\' '
+        "tensor-parallel page). Merged per module with the module's ``tensor_parallel_plan()``, the model's Hugging "
+        "Face ``_tp_plan`` and inference, in that order of precedence; a part of a block left whole on every rank "
+        "is refused at setup.",
+        check=checks.tensor_parallel_plan,
+    )
+    tensor_parallel_replicate: list[str] = option(
+        None,
+        'module-name patterns kept whole on every rank on purpose (e.g. ``["*.router"]``), exempt from that refusal '
+        "and shown as replicated in the coverage report.",
+        check=checks.patterns("['*.router']"),
+    )
+    blocks: BlocksOverride = option(
+        None,
+        "dotted name of the ``nn.ModuleList`` or ``nn.Sequential`` of transformer blocks, if discovery (the "
+        "container of layers holding most parameters, classes mixed or not) picks the wrong one; or the blocks' "
+        "dotted names as a list, or a callable ``(name, module) -> bool`` choosing them, for blocks that share no "
+        "container (ZeRO 0-3, activation checkpointing and compile only). A model with no container at all is "
+        "sharded by its top-level units (see ``lightning_llm.modeling.blocks.default_units``).",
+        check=checks.blocks_override,
+    )
+    cpu_offload: bool = option(  # as asked; RunState holds the choice of "auto"
+        False,
+        "keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).",
+        check=check_bool,
+    )
+    compile_blocks: bool = option(False, "``torch.compile`` each block.", check=check_bool)
+    fp8: str | None = option(  # the recipe's name, or None when off
+        False,
+        "train the blocks' Linear layers in fp8 with torchao's float8 (``pip install 'lightning_llm[fp8]'``): "
+        '``True``/"tensorwise" or "rowwise" scaling. Use it with ``precision="bf16-mixed"``: everything but those '
+        "matmuls stays in bf16. The output head, layers with dims not divisible by 16 and ``fp8_exclude`` patterns "
+        "are skipped. With tensor parallelism (tensorwise only) the column- and row-split layers use torchao's "
+        "float8 TP styles; other Linear layers of the blocks stay high precision. Needs compute capability >= 8.9 "
+        "on CUDA (H100, L40S, ...).",
+        check=checks.fp8_recipe,
+    )
+    fp8_exclude: list[str] = option(
+        None,
+        "module-name patterns (fnmatch, as in ``named_modules()``) kept out of fp8.",
+        check=checks.patterns("['*.down_proj']"),
+    )
+    expert_parallel_size: int = option(
+        1,
+        "ranks, carved out of the data-parallel ones, over which the experts of every MoE layer are split (whole "
+        "experts per rank; tokens move to them by all-to-all). It must divide the number of experts and the "
+        "data-parallel size; under ZeRO 1-3 the experts are also sharded over the data-parallel ranks outside their "
+        "group. See the docs' expert-parallel page.",
+        check=checks.positive_int("1 turns expert parallelism off"),
+    )
+    expert_parallel_plan: dict[str, str] | None = option(
+        None,
+        'module-name pattern (fnmatch) -> ``"expert_parallel"`` (split a user\'s own experts module) or '
+        '``"data_parallel"`` (keep a found one whole); experts modules are otherwise found by shape.',
+        check=checks.expert_parallel_plan,
+    )
+    context_parallel_size: int = option(
+        1,
+        "ranks that split every sequence (the ``cp`` mesh axis): each holds two head-tail (zig-zag) chunks of every "
+        "sample from the embedding to the output, attention gathers the other ranks' keys/values, and the logits are "
+        "gathered back, so the user's loss is computed unchanged and exactly. The CP ranks read the same batch; FSDP "
+        "shards over data-parallel × CP ranks. The sequence length must be a multiple of "
+        "``2 * context_parallel_size``.",
+        check=checks.positive_int("1 turns context parallelism off"),
+    )
+    context_parallel_method: Literal["ring", "ulysses"] = option(
+        "ring",
+        '"ring" (ring attention: key/value shards passed around the CP group, partial outputs merged by '
+        'log-sum-exp) or "ulysses" (all-to-all to whole heads over the whole sequence and back; the query heads '
+        "must divide by ``context_parallel_size * tensor_parallel_size``).",
+        check=checks.context_parallel_method,
+    )
+    accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = option(
+        "auto",
+        "with ``accumulate_grad_batches > 1``, how the micro-batches before the last one of a step reduce their "
+        'gradients: "every_micro_batch" (reduce-scatter each, so gradients stay sharded: ZeRO 1-3 keep their memory '
+        'promise), "last_micro_batch" (no reduction until the last, like DDP\'s ``no_sync``: fewer collectives, but '
+        'every rank holds the whole unsharded gradients meanwhile) or "auto" (the first at ZeRO 1-3, the second at '
+        "ZeRO 0). Within one pipeline-parallel step torch's schedule reduces at the last of its micro-batches "
+        "either way.",
+        check=checks.one_of(*ACCUMULATION_SYNC),
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineOptions:
     """The pipeline schedule; ``num_microbatches`` left ``None`` is chosen at setup from the per-rank batch size."""
 
-    schedule: str
-    num_microbatches: int | None
-    virtual_stages: int | None
-    split: list[list[str]] | None
+    schedule: str = option(
+        "1F1B",
+        'with pipeline parallelism, torch\'s schedule: "GPipe", "1F1B", "Interleaved1F1B", '
+        '"InterleavedZeroBubble", "ZBVZeroBubble" or "LoopedBFS" (the interleaved and looped ones run several '
+        "stages per rank, see ``virtual_stages``).",
+        check=checks.pipeline_schedule,
+        argument="pipeline_schedule",
+    )
+    num_microbatches: int | None = option(
+        None,
+        "with pipeline parallelism, micro-batches each step's per-rank batch is cut into. Unset, one sample per "
+        "micro-batch (torchtitan's default, the smallest bubble the batch allows) when the per-rank batch size is "
+        "known and a multiple of ``pipeline_parallel_size``, else one per stage; a bubble above 25% of the step is "
+        "warned about at setup, naming the count that would bring it under.",
+        check=checks.positive_int(optional=True),
+    )
+    virtual_stages: int | None = option(
+        None,
+        "stages per pipeline rank for the interleaved and looped schedules (default: 2 for them, 1 for GPipe and "
+        "1F1B, which take only 1); ``pipeline_parallel_size * virtual_stages`` may not exceed the blocks.",
+        check=checks.positive_int(optional=True),
+    )
+    split: list[list[str]] | None = option(
+        None,
+        'the blocks of each stage by name, instead of the split that balances modelled FLOPs: ``[["model.layers.'
+        '[0-3]"], ["model.layers.[4-7]"]]`` (module-name patterns, one list per stage, in order).',
+        check=checks.pipeline_split,
+        argument="pipeline_split",
+    )
 
     def spec(self) -> PipelineSpec:
         """A fresh :class:`PipelineSpec` for one run (setup fills its ``seq_len``)."""
         return PipelineSpec(self.schedule, self.num_microbatches, self.virtual_stages, self.split)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanningOptions:
     """Activation checkpointing and the inputs of "auto" planning (ZeRO stage, checkpointed blocks)."""
 
-    activation_checkpointing: Literal["none", "full", "selective", "auto"]
-    ac_options: ACOptions
-    device_memory: int | str | None
-    micro_batch_size: int | None
-    seq_len: int | None
+    activation_checkpointing: Literal["none", "full", "selective", "auto"] = option(
+        "none",
+        '"none"; "full" (every block keeps only its input); "selective" (by op: matmul and attention outputs kept, '
+        'the rest recomputed; or every n-th block fully, see ``activation_checkpointing_options``); or "auto": '
+        "the fewest, heaviest blocks checkpointed so the blocks' activations, measured on fake tensors before "
+        'training, fit ``activation_checkpointing_options["budget"]``.',
+        check=checks.activation_checkpointing_mode,
+    )
+    ac_options: ACOptions = option(
+        None,
+        "the mode's knobs (a dict, or :class:`~lightning_llm.parallel.activation_checkpointing.ACOptions`): "
+        '``selective`` ("op" or "layer"), ``every_n_layers``, ``recompute_every_other_matmul`` for "selective"; '
+        '``budget`` (bytes, or a fraction of device memory in (0, 1]) and ``device_memory`` for "auto".',
+        check=checks.activation_checkpointing_options,
+        argument="activation_checkpointing_options",
+    )
+    device_memory: int | str | None = option(
+        None,
+        'bytes (or "80GB") per device for "auto" planning; default: what the device reports.',
+        check=checks.memory_size,
+    )
+    micro_batch_size: int | None = option(
+        None,
+        'samples per micro-batch for "auto" planning (default: the datamodule\'s ``batch_size``, else the first '
+        "training batch).",
+        check=checks.positive_int(optional=True),
+    )
+    seq_len: int | None = option(
+        None,
+        'tokens per sample for "auto" planning (default: the datamodule\'s ``seq_len``, else the first batch) and '
+        "for balancing pipeline stages by modelled FLOPs (default: the datamodule's ``seq_len``, else none).",
+        check=checks.positive_int(optional=True),
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointingOptions:
     """Sharded (DCP) or full checkpoints, and a Hugging Face checkpoint to start from."""
 
-    save_distributed_checkpoint: bool
-    load_pretrained: str | None
+    save_distributed_checkpoint: bool = option(
+        True, "save one shard per rank (``True``) or a full checkpoint on rank 0.", check=check_bool
+    )
+    load_pretrained: str | None = option(
+        None,
+        "a local Hugging Face checkpoint directory (safetensors, single or sharded with its index) loaded into the "
+        "sharded model before training; its tensor names must match the module's parameter names after a common "
+        "prefix (e.g. a LightningModule holding ``self.model = LlamaForCausalLM``).",
+        check=checks.optional_str("a Hugging Face checkpoint directory or a checkpoint file"),
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StrategyOptions:
-    """Every argument of an ``LLMParallelStrategy``, checked."""
+    """Every argument of an ``LLMParallelStrategy``, checked (groups by concept, then the process group's)."""
 
     parallel: ParallelOptions
     pipeline: PipelineOptions
     planning: PlanningOptions
     checkpointing: CheckpointingOptions
-    process_group_backend: str | None
-    timeout: timedelta | None
-
-
-def build_options(
-    *,
-    tensor_parallel_size,
-    pipeline_parallel_size,
-    data_parallel_size,
-    data_parallel_replicate_size,
-    zero_stage,
-    sequence_parallel,
-    tensor_parallel_plan,
-    tensor_parallel_replicate,
-    blocks,
-    cpu_offload,
-    compile_blocks,
-    fp8,
-    fp8_exclude,
-    pipeline_schedule,
-    num_microbatches,
-    virtual_stages,
-    pipeline_split,
-    activation_checkpointing,
-    activation_checkpointing_options,
-    device_memory,
-    micro_batch_size,
-    seq_len,
-    save_distributed_checkpoint,
-    process_group_backend,
-    timeout,
-    load_pretrained,
-    expert_parallel_size=1,
-    expert_parallel_plan=None,
-    context_parallel_size=1,
-    context_parallel_method="ring",
-    accumulation_sync="auto",
-) -> StrategyOptions:
-    """LLMParallelStrategy's keyword arguments (the same names), checked in the order its errors were always raised."""
-    tp, pp, replicate = tensor_parallel_size, pipeline_parallel_size, data_parallel_replicate_size
-    check_layout(
-        tp,
-        pp,
-        data_parallel_size,
-        replicate,
-        zero_stage,
-        sequence_parallel,
-        num_microbatches,
-        virtual_stages,
-        device_memory,
+    process_group_backend: str | None = option(
+        None,
+        '"nccl", "gloo", ...; the default follows the device.',
+        check=checks.optional_str("a torch.distributed backend, e.g. 'nccl'"),
     )
-    check_context_parallel(
-        context_parallel_size,
-        context_parallel_method,
-        compile_blocks=compile_blocks,
-    )
-    timeout = check_timeout("timeout", timeout)
-    check_choice("accumulation_sync", accumulation_sync, ACCUMULATION_SYNC)
-    for name, value in (
-        ("compile_blocks", compile_blocks),
-        ("cpu_offload", cpu_offload),
-        ("save_distributed_checkpoint", save_distributed_checkpoint),
-    ):
-        check_bool(name, value)  # "no", 2 or "max-autotune" would otherwise all mean True
-    check_patterns("fp8_exclude", fp8_exclude, example="['*.down_proj']")
-    check_tensor_parallel_plan(tensor_parallel_plan)
-    check_pipeline_split(pipeline_split)
-    check_optional_str("load_pretrained", load_pretrained, "a Hugging Face checkpoint directory or a checkpoint file")
-    check_optional_str("process_group_backend", process_group_backend, "a torch.distributed backend, e.g. 'nccl'")
-    if pipeline_schedule not in SCHEDULES:  # at pp=1 too: a typo is a typo (validate_schedule's words)
-        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
-    warn_unused(
-        pp, num_microbatches, virtual_stages, pipeline_split, activation_checkpointing, activation_checkpointing_options
-    )
-    check_int("micro_batch_size", micro_batch_size, minimum=1, optional=True)
-    check_int("seq_len", seq_len, minimum=1, optional=True)
-    recipe = validate_fp8(fp8)
-    replicate_patterns = check_patterns("tensor_parallel_replicate", tensor_parallel_replicate, example="['*.router']")
-    if recipe is not None and recipe != FP8_TP_RECIPE and tp != 1:
-        raise ValueError(
-            f"fp8={fp8!r} with tensor_parallel_size={tp} is not supported: {ROWWISE_REFUSAL}. Use fp8=True "
-            f"({FP8_TP_RECIPE!r}) with tensor parallelism, or fp8={fp8!r} with data and pipeline parallelism only."
-        )
-    check_expert_parallel(expert_parallel_size, expert_parallel_plan, data_parallel_size, context_parallel_size)
-    if expert_parallel_size > 1 and activation_checkpointing in ("selective", "auto"):
-        # The experts' own FSDP2 unit inside a checkpointed block runs FSDP's root pre-forward (a profiler op) only
-        # in the recompute, which selective checkpointing, replaying ops by count, refuses (torch 2.13).
-        raise ValueError(
-            f"activation_checkpointing={activation_checkpointing!r} with expert_parallel_size={expert_parallel_size} "
-            "is not supported yet (selective checkpointing cannot replay the experts' FSDP2 hooks). Use "
-            "activation_checkpointing='full' or 'none'."
-        )
-    pipeline = PipelineOptions(pipeline_schedule, num_microbatches, virtual_stages, pipeline_split)
-    if pp > 1:
-        pipeline = _pipeline_microbatches(pipeline, pp, save_distributed_checkpoint)
-    return StrategyOptions(
-        parallel=ParallelOptions(
-            tp,
-            pp,
-            data_parallel_size,
-            replicate,
-            zero_stage,
-            sequence_parallel,
-            tensor_parallel_plan,
-            list(replicate_patterns),
-            tuple(blocks) if isinstance(blocks, list) else blocks,
-            cpu_offload,
-            compile_blocks,
-            recipe,
-            list(fp8_exclude or []),
-            expert_parallel_size,
-            dict(expert_parallel_plan) if expert_parallel_plan else None,
-            context_parallel_size,
-            context_parallel_method,
-            accumulation_sync,
-        ),
-        pipeline=pipeline,
-        planning=PlanningOptions(
-            activation_checkpointing,
-            ACOptions.from_dict(activation_checkpointing, activation_checkpointing_options),
-            device_memory,
-            micro_batch_size,
-            seq_len,
-        ),
-        checkpointing=CheckpointingOptions(save_distributed_checkpoint, load_pretrained),
-        process_group_backend=process_group_backend,
-        timeout=timeout,
+    timeout: timedelta = option(
+        TRAINING_TIMEOUT,
+        "how long a collective may wait for the other ranks (a ``timedelta`` or seconds; NCCL and gloo), 10 minutes "
+        "by default rather than torch's 30: long enough for a checkpoint save or the first step's compilation, short "
+        "enough that a rank that stopped responding does not hold the job for half an hour. Add "
+        ":class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.",
+        check=check_timeout,
     )
 
 
-def _pipeline_microbatches(pipeline: PipelineOptions, pp: int, save_distributed_checkpoint: bool) -> PipelineOptions:
-    """With pipeline parallelism: refuse full checkpoints and too few micro-batches.
+def build_options(**arguments) -> StrategyOptions:
+    """LLMParallelStrategy's keyword arguments (the same names, every one), checked: each option alone, then together.
 
-    Left unset, ``num_microbatches`` is chosen at setup from the per-rank batch size
-    (:func:`~lightning_llm.parallel.pipeline.microbatches.default_microbatches`).
+    Example::
+
+        from lightning_llm.strategies.declarations import declarations
+
+        defaults = {d.argument: d.default for d in declarations(StrategyOptions)}
+        options = build_options(**{**defaults, "zero_stage": 2})
     """
-    if not save_distributed_checkpoint:
-        raise ValueError(
-            f"save_distributed_checkpoint=False with pipeline_parallel_size={pp}: rank 0 holds "
-            "only the first stage, so a full checkpoint written by it would lack the others. Keep "
-            "save_distributed_checkpoint=True (consolidate with `python -m lightning_llm.checkpoint`)."
-        )
-    pipeline.spec().stages_per_rank()  # refuses an unknown schedule or virtual_stages before any process starts
-    if pipeline.num_microbatches is not None and pipeline.num_microbatches < pp:
-        raise ValueError(
-            f"num_microbatches={pipeline.num_microbatches} is fewer than pipeline_parallel_size={pp}: "
-            "ranks would idle for most of every step. Use at least as many micro-batches as pipeline ranks."
-        )
-    return pipeline
+    options = build(StrategyOptions, check_each(StrategyOptions, arguments))
+    check_combinations(options, given_ac_options=arguments["activation_checkpointing_options"])
+    return options

@@ -6,6 +6,7 @@ LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,20 +16,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.shape import ModelShape
+from lightning_llm.modeling.structure import TracedBlocks, traced_blocks
 from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_back
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import parallelize
 from lightning_llm.parallel.pipeline.microbatches import bubble_warning, default_microbatches
+from lightning_llm.parallel.pipeline.split import check_stages_fit
 from lightning_llm.parallel.seeding import agree_on_seed
 from lightning_llm.strategies.ac_planning import plan_checkpointing
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipeline_routing import check_microbatches
 from lightning_llm.strategies.pipelined_steps import build_pipelined_steps
 from lightning_llm.strategies.run_state import RunState
-from lightning_llm.strategies.zero_auto import decide_and_report, first_batch_shape, planning_inputs
+from lightning_llm.strategies.zero_auto import decide_and_report, example_batch, first_batch_shape, planning_inputs
+
+log = logging.getLogger(__name__)
 
 
 def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
@@ -45,25 +51,50 @@ def parallel_dims(options: StrategyOptions, world_size: int) -> ParallelDims:
     )
 
 
+def read_blocks(trainer, module, device: torch.device) -> TracedBlocks | None:
+    """The blocks the model's forward runs on the first training batch (see :mod:`lightning_llm.modeling.structure`),
+    or ``None`` where no batch can be read or the forward cannot run on fake tensors (the container search then
+    decides, as it does for ``blocks=``-less models outside a fit)."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    try:
+        batch = example_batch(trainer, device)
+    except (ValueError, TypeError, AttributeError, IndexError) as error:
+        log.debug("The blocks are found by the container search: no example batch (%s)", error)
+        return None
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), redirected_log(module):  # the trace draws no number of the run's
+        try:
+            return traced_blocks(module, lambda to_meta: module.training_step(to_meta(batch), 0))
+        except Exception as error:  # the user's step on fake tensors: any failure leaves the search to decide
+            log.debug("The blocks are found by the container search: the traced forward failed (%s)", error)
+            return None
+
+
 def parallelize_module(trainer, module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
     """Read the model's shape, plan, then split, shard and (from the meta device) materialize ``module`` in place."""
     parallel, planning = options.parallel, options.planning
     on_meta = any(p.is_meta for p in module.parameters())
     if not on_meta:
         module.to(device)
+    traced = read_blocks(trainer, module, device) if parallel.blocks is None else None
+    blocks = parallel.blocks if traced is None else traced.override(module)
     try:  # read before the model is cut into shards and stages; MFUMonitor uses it
-        state.model_shape = ModelShape.of(module, parallel.blocks)
+        state.model_shape = ModelShape.of(module, blocks)
     except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
         state.model_shape = None
+    check_pipeline_stages(module, options)  # the root cause first: too few blocks, before the micro-batch count
     resolve_microbatches(trainer, options, state, device)
-    check_microbatches(trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches)
+    check_microbatches(
+        trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches, options.pipeline.num_microbatches
+    )
     if state.zero_stage == "auto":
         choose_zero_stage(trainer, module, options, state, device)
     pipelined = parallel.pipeline_parallel_size > 1
     state.ac_policies, checkpointing = plan_checkpointing(
         trainer,
         module,
-        find_blocks(module, parallel.blocks)[1],
+        find_blocks(module, blocks)[1],
         mode=planning.activation_checkpointing,
         options=planning.ac_options,
         tp=parallel.tensor_parallel_size,
@@ -85,7 +116,9 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         sequence_parallel=parallel.sequence_parallel,
         tensor_parallel_plan=parallel.tensor_parallel_plan,
         tensor_parallel_replicate=parallel.tensor_parallel_replicate,
-        blocks=parallel.blocks,
+        blocks=blocks,
+        block_calls=traced.bypassed() if traced is not None else None,
+        called=traced.called if traced is not None else None,
         cpu_offload=state.cpu_offload,
         compile_blocks=parallel.compile_blocks,
         pipeline=state.pipeline if pipelined else None,
@@ -104,6 +137,14 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
             rank_zero_info(f"LLMParallelStrategy: kept {len(written)} tensors configure_model loaded")
     if options.checkpointing.load_pretrained is not None:
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
+
+
+def check_pipeline_stages(module, options: StrategyOptions) -> None:
+    """Refuse more pipeline stages (``pipeline_parallel_size`` x ``virtual_stages``) than the model has blocks."""
+    pp = options.parallel.pipeline_parallel_size
+    if pp > 1 and options.pipeline.split is None:  # an explicit split is checked where it is read
+        blocks = find_blocks(module, options.parallel.blocks)[1]
+        check_stages_fit(pp * options.pipeline.spec().stages_per_rank(), len(blocks))
 
 
 def resolve_microbatches(trainer, options: StrategyOptions, state: RunState, device: torch.device) -> None:

@@ -36,25 +36,8 @@ class RunState:
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:
-        return cls(options.parallel.zero_stage, options.parallel.cpu_offload, options.pipeline.spec())
-
-
-class Forwarded:
-    """A public attribute of the strategy kept in its options or run state, e.g. ``Forwarded("options.parallel.fp8")``.
-
-    Read-only when it names an option (they are frozen); assignable when it names run state.
-    """
-
-    def __init__(self, path: str) -> None:
-        *self.owner, self.name = path.split(".")
-
-    def _holder(self, obj):
-        for part in self.owner:
-            obj = getattr(obj, part)
-        return obj
-
-    def __get__(self, obj, objtype=None):
-        return self if obj is None else getattr(self._holder(obj), self.name)
-
-    def __set__(self, obj, value) -> None:
-        setattr(self._holder(obj), self.name, value)  # frozen options raise FrozenInstanceError
+        return cls(
+            zero_stage=options.parallel.zero_stage,
+            cpu_offload=options.parallel.cpu_offload,
+            pipeline=options.pipeline.spec(),
+        )

@@ -135,8 +135,9 @@ def _backward(module, mode_counter):
     return counter
 
 
-def _backward_flops(label=None, **options):
+def _backward_flops(label=None, fused_cross_entropy=True, **options):
     module = _model()
+    module.fused_cross_entropy = fused_cross_entropy
     if label is not None:
         apply_activation_checkpointing(_blocks(module), **(options or _options(label, module)))
     return _backward(module, FlopCounterMode(display=False)).get_total_flops()
@@ -151,7 +152,9 @@ def test_recomputation_is_counted_exactly_from_the_matmul_flops():
     # torch's FLOP counter has no formula for CPU flash attention: matmuls alone are counted here.
     block = q + k + v + o + gate + up + down
     none = _backward_flops()
-    assert none == 2 * (LAYERS * block + output)  # each matmul's backward: two matmuls of its size
+    # Each matmul's backward: two matmuls of its size. The chunked loss computes the head's two in the forward.
+    assert none == 2 * LAYERS * block
+    assert _backward_flops(fused_cross_entropy=False) == 2 * (LAYERS * block + output)
     # The op policy saves every matmul output: it recomputes only pointwise ops.
     assert _backward_flops("op") == none
     # Every other matmul of a block (k, o, up of q k v o gate up down) is recomputed.

@@ -12,7 +12,7 @@ import tests.zoo._models_attention  # noqa: F401  (registers the builders)
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.parallel.parallelize import plan_tensor_parallel
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config, recognise
-from lightning_llm.parallel.tp.fused import _exchange, shared_parts
+from lightning_llm.parallel.tp.fused import regroup_exchange, shared_parts
 from tests.zoo._models import ZooLM, _hf
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,7 +97,7 @@ def test_shared_parts_reach_every_rank_whole():
     assert shared_parts("fused_colwise:2") == (False, False)
     received = {}
     for rank in range(2):
-        send, input_splits, _ = _exchange((32, 8, 8), 2, rank, (False, True, True))
+        send, input_splits, _ = regroup_exchange((32, 8, 8), 2, rank, (False, True, True))
         offset = 0
         for dest, count in enumerate(input_splits):  # local column c of rank r is global column r*24 + c
             received.setdefault(dest, {})[rank] = [rank * 24 + c for c in send[offset : offset + count]]

@@ -81,7 +81,7 @@ def test_override_names_the_list_and_bad_overrides_are_refused():
         match=r"blocks='layer' names no submodule of _MoEModel; its ModuleLists and Sequentials are \['norms', 'layers'",
     ):
         find_blocks(model, "layer")
-    with pytest.raises(ValueError, match="blocks='layers.0' is a _MoEBlock, not a non-empty nn.ModuleList or nn.Seq"):
+    with pytest.raises(ValueError, match="blocks='layers.0' is a _MoEBlock, not a non-empty nn.ModuleList, nn.Seq"):
         find_blocks(model, "layers.0")
     model.empty = nn.ModuleList()
     with pytest.raises(ValueError, match="blocks='empty' is a ModuleList, not a non-empty"):
@@ -154,12 +154,11 @@ def test_a_whole_model_written_as_a_sequential_is_not_its_blocks():
 
 
 @pytest.mark.timeout(60)
-def test_blocks_in_a_module_dict_are_refused_naming_the_way_out():
+def test_blocks_in_a_module_dict_are_its_entries_in_order():
     model = nn.Module()
     model.embed = nn.Embedding(16, 8)
     model.layers = nn.ModuleDict({"0": _Mixer(), "1": _Mixer()})  # torchtitan's layout
-    message = r"nn.ModuleDict 'layers' \(keys \['0', '1'\]\).*nn.ModuleList or nn.Sequential, or pass blocks="
-    with pytest.raises(ValueError, match=message):
-        find_blocks(model)
-    with pytest.raises(ValueError, match=message):
-        find_blocks(model, "layers")
+    for override in (None, "layers"):
+        name, blocks = find_blocks(model, override)
+        assert (name, blocks.names, blocks.container) == ("layers", ["layers.0", "layers.1"], "layers")
+        assert list(blocks) == [model.layers["0"], model.layers["1"]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_llm.parallel.tp.fused import _exchange, fused_sizes, parse_fused, qkv_style
+from lightning_llm.parallel.tp.fused import fused_sizes, parse_fused, qkv_style, regroup_exchange
 from lightning_llm.parallel.tp.plan import resolve_plan
 from lightning_llm.testing import run_distributed
 from tests.parallel._tp_models import HF_SOURCES
@@ -27,7 +27,7 @@ def test_exchange_gives_each_rank_its_share_of_every_part(sizes, tp):
     total = sum(sizes)
     columns = torch.arange(total)
     held = columns.chunk(tp)  # rank r's contiguous colwise shard
-    plans = [_exchange(sizes, tp, r) for r in range(tp)]
+    plans = [regroup_exchange(sizes, tp, r) for r in range(tp)]
     for s in range(tp):
         received = []
         for r in range(tp):

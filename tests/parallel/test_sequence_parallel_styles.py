@@ -5,7 +5,8 @@ different style: a row split (the usual case, a DTensor back on the stream), a g
 an input-split row layer (Hugging Face's gathered plans), a gathered column split closed by a whole layer (a
 plain full-sequence tensor), a part kept whole (plain weights fed a gathered sequence), a fused gate|up split,
 a per-head norm summing its gradient inside the region, and an embedding split along its width. Each trains
-under tp2 and tp2+SP (fp32, 4 steps): per-step loss and every parameter within 1e-5 relative of one process,
+under tp2 and tp2+SP (fp32, 4 steps): per-step loss and every parameter within 1e-5 relative of one process (2e-5
+for the gathered split closed whole, whose rows sum in another order),
 every parameter identical on the ranks holding it.
 """
 
@@ -141,4 +142,7 @@ def test_block_part_style_matches_single_process(layout, case):
     _register()
     ref_losses, ref_params, *_ = train(f"sp_{case}")
     assert not differing, f"{case} {layout}: parameters differ between ranks holding them: {differing}"
-    assert_parity((losses, params), (ref_losses, ref_params), f"{case} {layout}", rtol=1e-5, loss_rtol=1e-5)
+    # A gathered split closed by a whole layer sums each row in another order than one process: its layer-1 norm
+    # bias (a small tensor) ends 1.2e-5 apart under tp2 on torch 2.13 (measured); 2e-5 bounds that rounding.
+    rtol = 2e-5 if case == "gathered_then_whole" else 1e-5
+    assert_parity((losses, params), (ref_losses, ref_params), f"{case} {layout}", rtol=rtol, loss_rtol=1e-5)

@@ -89,3 +89,37 @@ def test_heads_cut_into_groups_are_refused_and_a_heads_own_columns_pass():
     watch_first_forward(fine, ["v_proj"], "model.layers.2")
     x = torch.randn(2, 5, 8)
     torch.testing.assert_close(fine(x), _Differential.forward(fine, x))
+
+
+class _PerHeadNorms(nn.Module):
+    """StableLM 2's per-head q norms: the heads cut one by one, each normalized by its own LayerNorm, put back in
+    order (``per_head``); or two heads' pieces combined (``paired``), which pairs heads across the split."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.q_proj, self.how = nn.Linear(8, 16), how
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(*x.shape[:-1], 4, 4).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        pieces = torch.split(q, 1, dim=1)
+        normed = [norm(piece) for norm, piece in zip(self.norms, pieces)]
+        if self.how == "paired":
+            normed = [normed[0] - normed[1], *normed[2:]]
+        out = torch.cat(normed, dim=1)
+        return out.transpose(1, 2).flatten(-2)[..., :8]
+
+
+def test_heads_cut_one_by_one_and_put_back_in_order_pass():
+    block = _PerHeadNorms("per_head")
+    watch_first_forward(block, ["q_proj"], "model.layers.0")
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(block(x), _PerHeadNorms.forward(block, x))
+    assert not block._forward_hooks and not block._forward_pre_hooks
+
+
+def test_two_heads_pieces_combined_are_refused():
+    block = _PerHeadNorms("paired")
+    watch_first_forward(block, ["q_proj"], "model.layers.1")
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.q_proj is split column-wise by heads .* \(sub of two "):
+        block(torch.randn(2, 5, 8))

@@ -57,7 +57,9 @@ def _measure_and_plan(cases: list[tuple[int, int, str]]) -> dict | None:
         planned = next(r for r in rows if r.zero_stage == row_stage and r.offload == "none").total
         module = _model()
         checkpointing = (
-            None if policy == "none" else (lambda blocks: apply_activation_checkpointing(blocks, mode=policy))
+            None
+            if policy == "none"
+            else (lambda blocks, entries: apply_activation_checkpointing(blocks, mode=policy, entries=entries))
         )
         parallelize(module, dims, zero_stage=stage, activation_checkpointing=checkpointing)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)

@@ -61,6 +61,8 @@ def test_activation_bytes_per_rank_fall_to_about_one_over_c():
         whole = per_rank[1]
         assert whole > 50 * 2**20, "the 8K-token forward must hold tens of MiB of activations at C = 1"
         for cp in (2, 4):
-            # Measured 354 -> 190 -> 98 MiB (0.54, 0.28): the blocks' activations split C ways; what stays whole on
-            # every rank (the gathered logits, the loss, the embedding's input) is the few percent above 1/C.
-            assert 1 / cp - 0.01 < per_rank[cp] / whole < 1 / cp + 0.05, (cp, per_rank)
+            # Measured 356 -> 195 -> 104 MiB (0.55, 0.29): the blocks' activations split C ways; what stays whole on
+            # every rank (the gathered hidden states, the loss and the gradients its chunked cross-entropy computes
+            # in the forward, the embedding's input) is the few percent above 1/C. (With whole logits and their
+            # gradients left to the backward: 354 -> 190 -> 98 MiB.)
+            assert 1 / cp - 0.01 < per_rank[cp] / whole < 1 / cp + 0.06, (cp, per_rank)

@@ -13,7 +13,7 @@ import pytest
 from lightning_llm.parallel.pipeline.microbatches import bubble_fraction, bubble_warning, default_microbatches
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import run_distributed
-from tests.strategies._parity import assert_parity, data, train
+from tests.strategies._parity import assert_parity, data, make_model, train
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 3
@@ -61,3 +61,35 @@ def test_pp2_without_num_microbatches_uses_the_batch_and_warns_about_a_large_bub
     assert m2 == 2 and len(warned2) == 1 and "idle for 33%" in warned2[0]
     assert_parity(eight, train("reference", steps=STEPS, datamodule=data(8)), "pp2, default micro-batches, batch 8")
     assert_parity(two, train("reference", steps=STEPS, datamodule=data(2)), "pp2, default micro-batches, batch 2")
+
+
+def _fit_pp3():
+    from lightning_llm.testing import cpu_trainer
+
+    strategy = LLMParallelStrategy(pipeline_parallel_size=3)
+    model = make_model("reference", layers=2)
+    try:
+        cpu_trainer(devices=3, strategy=strategy, max_steps=1).fit(model, data(4))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.distributed
+def test_more_stages_than_blocks_is_refused_before_the_micro_batch_count():
+    """pp=3 on 2 blocks with batch 4: the default micro-batch count (3) does not divide the batch either, but the
+    root cause is the stages, said first."""
+    error = run_distributed(_fit_pp3, 3, timeout=280)[0]
+    assert "3 pipeline stages need at least as many transformer blocks, but the model has 2" in error, error
+
+
+def test_a_micro_batch_count_left_unset_says_so():
+    from types import SimpleNamespace
+
+    from lightning_llm.strategies.pipeline_routing import check_microbatches
+
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(hparams={"batch_size": 4}))
+    with pytest.raises(ValueError, match=r"num_microbatches=3 \(left unset, so one per pipeline stage\)"):
+        check_microbatches(trainer, 3, 3, None)
+    with pytest.raises(ValueError, match=r"num_microbatches=3, so it cannot"):
+        check_microbatches(trainer, 3, 3, 3)

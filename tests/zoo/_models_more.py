@@ -30,6 +30,8 @@ MORE = {
     ),
     "starcoder2": lambda: _hf("Starcoder2Config", "Starcoder2ForCausalLM", **_DENSE),
     "stablelm": lambda: _hf("StableLmConfig", "StableLmForCausalLM", **_DENSE),
+    # StableLM 2 12B's options: one LayerNorm per head for q and k (a ModuleList each), attention beside the MLP.
+    "stablelm_qk_norms": lambda: stablelm_per_head_norms(),
     "phi": lambda: _hf("PhiConfig", "PhiForCausalLM", **_DENSE, resid_pdrop=0.0, embd_pdrop=0.0),
     "cohere": lambda: _hf("CohereConfig", "CohereForCausalLM", **_DENSE),
     "smollm3": lambda: _hf("SmolLM3Config", "SmolLM3ForCausalLM", **_DENSE),
@@ -93,6 +95,18 @@ MORE = {
     ),
 }
 MORE_MODELS = list(MORE)
+
+
+def stablelm_per_head_norms():
+    """StableLM with per-head q/k LayerNorms whose weights differ per head (a norm on the wrong head shows at once)."""
+    import torch
+
+    model = _hf("StableLmConfig", "StableLmForCausalLM", **_DENSE, qk_layernorm=True, use_parallel_residual=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm.norms." in name:
+                param.uniform_(0.5, 1.5)
+    return model
 
 
 def register() -> None:

@@ -26,6 +26,7 @@ MECHANISMS = {
     "GQA attention, gated MLP (Llama-style)": ["llama", "qwen2", "litgpt_llama"],
     "sliding-window attention": ["mistral", "gemma2"],
     "per-head q/k norms": ["qwen3", "olmo2"],
+    "one norm module per head (a ModuleList per q/k)": ["stablelm_qk_norms"],
     "tied embeddings": ["gemma3", "gpt2"],
     "fused QKV [q, k, v] and [gate, up]": ["phi3", "litgpt_pythia"],
     "fused QKV contiguous per head": ["gpt_neox"],

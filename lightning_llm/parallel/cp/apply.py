@@ -16,6 +16,15 @@ from lightning_llm.parallel.tp.attention_variants import head_count, is_attentio
 
 log = logging.getLogger(__name__)
 
+METHODS = ("ring", "ulysses")  # how attention crosses the CP ranks: a send/recv ring, or all-to-all to whole heads
+
+
+def check_method(method: str) -> str:
+    """``method`` if it is one of :data:`METHODS` (LLMParallelStrategy checks its argument with this when built)."""
+    if method not in METHODS:
+        raise ValueError(f"context_parallel_method={method!r} is not one of 'ring', 'ulysses'.")
+    return method
+
 
 def context_parallel_model(module: nn.Module, blocks_name: str) -> tuple[str, nn.Module]:
     """The model whose input is sharded: the LightningModule's child holding the blocks (name, module)."""
@@ -62,8 +71,7 @@ def apply_context_parallel(
         dims.build_mesh("cpu")
         apply_context_parallel(lightning_module, blocks_name="model.layers", blocks=layers, cp_mesh=dims.mesh["cp"])
     """
-    if method not in ("ring", "ulysses"):
-        raise ValueError(f"context_parallel_method={method!r} is not one of 'ring', 'ulysses'.")
+    check_method(method)
     check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
     _, model = context_parallel_model(module, blocks_name)
     if method == "ulysses":

@@ -154,12 +154,24 @@ class _RemovedBlock(nn.Module):
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
-        self.attributes = {
-            k: v for k, v in vars(block).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)
-        }
+        self.attributes = _plain_attributes(block)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("A block of another pipeline stage was called outside the pipeline schedule.")
+
+
+class _Shadow:
+    """A submodule of a block another rank holds, as its plain attributes (and its submodules' shadows): a model's
+    forward may read them off its first block (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.__dict__.update(_plain_attributes(module))
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """``module``'s public attributes that are neither tensors nor modules, with a :class:`_Shadow` per submodule."""
+    plain = {k: v for k, v in vars(module).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+    return {**plain, **{name: _Shadow(child) for name, child in module.named_children()}}
 
 
 class _Gate:
@@ -216,6 +228,23 @@ class _GatedBlocks(_Gate, nn.ModuleList):
 
 class _GatedSequential(_Gate, nn.Sequential):
     """The user's ``nn.Sequential`` of blocks: its own forward iterates it, so through the active stage."""
+
+
+class _GatedDict(_Gate, nn.ModuleDict):
+    """The user's ``nn.ModuleDict`` of blocks (torchtitan, OLMo-core: ``for block in self.blocks.values()``): its
+    values, items and entries by key go through the active stage; its keys stay keys."""
+
+    def __iter__(self):
+        return iter(nn.ModuleDict.keys(self))
+
+    def __getitem__(self, key):
+        return self._calls()[list(nn.ModuleDict.keys(self)).index(key)]
+
+    def values(self):
+        return self._calls()
+
+    def items(self):
+        return list(zip(nn.ModuleDict.keys(self), self._calls()))
 
 
 class _ZeroEmbedding(nn.Module):
@@ -288,9 +317,12 @@ def prune_to_stages(
 ) -> dict[str, list]:
     """Drop what this rank's stages do not run; return the module names each stage owns (for its runner)."""
     owned = {i for c in chunks for i in c.blocks}
-    for index in range(len(blocks)):
+    container = module.get_submodule(blocks.container) if getattr(blocks, "container", None) else None
+    for index, key in enumerate(list(container or range(len(blocks)))):
         if index not in owned:
             blocks[index] = _RemovedBlock(blocks[index])
+            if container is not None:  # a ModuleDict's blocks: the dict itself holds the stand-in
+                container[key] = blocks[index]
     before, after = outer_modules(module, blocks_name)
     has_first, has_last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
     for name in before if not has_first else []:
@@ -311,7 +343,8 @@ def install_gates(
     modules = block_modules(blocks)
     hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in modules]
     names = block_names(blocks_name, blocks)
-    blocks.__class__ = _GatedSequential if isinstance(blocks, nn.Sequential) else _GatedBlocks
+    gated = {nn.Sequential: _GatedSequential, nn.ModuleDict: _GatedDict}
+    blocks.__class__ = next((g for base, g in gated.items() if isinstance(blocks, base)), _GatedBlocks)
     blocks.__dict__.update(
         _pipeline_state=state, _hidden_names=hidden_names, _block_names=names, _block_outputs=BlockOutputs()
     )

@@ -68,6 +68,15 @@ def stage_to_rank(num_stages: int, pp: int, schedule: str) -> list[int]:
     return [s % pp for s in range(num_stages)]
 
 
+def check_stages_fit(num_stages: int, num_blocks: int) -> None:
+    """Refuse more pipeline stages than blocks: every stage needs at least one block."""
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least as many transformer blocks, but the model has {num_blocks}; "
+            "lower pipeline_parallel_size or virtual_stages."
+        )
+
+
 def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0, first_cost: int = 0) -> list[range]:
     """Contiguous block ranges, one per stage, minimising the most expensive stage.
 
@@ -75,11 +84,7 @@ def balanced_split(block_costs: list[int], num_stages: int, head_cost: int = 0, 
     search over split points: a few hundred blocks and tens of stages stay well under a second.
     """
     n = len(block_costs)
-    if num_stages > n:
-        raise ValueError(
-            f"{num_stages} pipeline stages need at least as many transformer blocks, but the model has {n}; "
-            "lower pipeline_parallel_size or virtual_stages."
-        )
+    check_stages_fit(num_stages, n)
     prefix = [0, *itertools.accumulate(block_costs)]
 
     def cost(start: int, stop: int, last: bool) -> int:

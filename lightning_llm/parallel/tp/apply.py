@@ -15,14 +15,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
+from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, entry_modules, has_own_forward
 from lightning_llm.modeling.tied import tied_parameter_names
-from lightning_llm.parallel.tp.attention_heads import shard_attention_heads
+from lightning_llm.parallel.tp.attention_heads import shard_attention_heads, splits_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
-from lightning_llm.parallel.tp.heads import check_head_counts, divide_head_counts
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, whole_copy
+from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.local_widths import explain_first_forward
+from lightning_llm.parallel.tp.per_head import per_head_lists
 from lightning_llm.parallel.tp.plan import (
     STYLES,
     _matches,
@@ -33,13 +35,13 @@ from lightning_llm.parallel.tp.plan import (
     validate_plan,
 )
 from lightning_llm.parallel.tp.replicated_grads import (
-    opens,
     region_owners,
     sharded_region_modules,
     verify_on_first_forward,
 )
 from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
 from lightning_llm.parallel.tp.split_outputs import watch_first_forward
+from lightning_llm.parallel.tp.style_kinds import opens
 from lightning_llm.parallel.tp.styles import parallel_style
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "infer_plan",
     "resolve_plan",
     "validate_plan",
+    "with_per_head_lists",
     "with_region_parameters",
 ]
 
@@ -90,6 +93,25 @@ def head_split_parts(plan: dict[str, str], blocks_name: str, blocks) -> list[tup
     return parts
 
 
+def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
+    """``plan`` plus ``per_head`` for each list of one module per head inside attention whose heads ``plan`` splits.
+
+    Per distinct block class, like :func:`with_region_parameters`; entries the plan already has win.
+    """
+    plan = dict(plan)
+    representatives = _class_representatives(blocks_name, blocks)
+    for name, block, members in representatives:
+        local = local_styles(name, block, plan)
+        for part in per_head_lists(block, lambda attention, local=local: splits_heads(attention, local)):
+            if any(_matches(f"{name}.{part}", p) for p in plan):
+                continue
+            if len(representatives) == 1:
+                plan[f"{blocks_name}.*.{part}"] = "per_head"
+            else:
+                plan.update({f"{member}.{part}": "per_head" for member in members})
+    return plan
+
+
 def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
     """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
 
@@ -115,9 +137,15 @@ def apply_tensor_parallel(
     blocks: list[nn.Module],
     sequence_parallel: bool,
     blocks_name: str = "",
+    entries: dict[int, list[nn.Module]] | None = None,
+    check_parts: bool = True,
 ) -> list[str]:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated).
 
+    ``entries``: block (by id) -> the modules it is entered through where the model does not call it as a whole
+    (:func:`~lightning_llm.modeling.blocks.entry_modules`); the first-forward checks watch those. ``check_parts``:
+    compare each split part's first forward with the part computed whole (off under context parallelism, where a
+    part sees a shard of the sequence and its attention reaches the other shards through the ring).
     Returns the coverage report of this rank's blocks (see :func:`.coverage.coverage_lines`).
     """
     tp = tp_mesh.size()
@@ -137,6 +165,7 @@ def apply_tensor_parallel(
             if _matches(name, pattern) and (torch_style := parallel_style(style, sp_here, module)) is not None:
                 explicit[name] = torch_style
                 styled.add(id(module))
+    wholes = _whole_parts(model, plan, blocks) if check_parts else {}  # the split parts, copied before the split
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
     if sequence_parallel:
@@ -150,6 +179,7 @@ def apply_tensor_parallel(
         name = names[id(block)]
         local = local_styles(name, block, plan)
         shard_attention_heads(block, local, tp_mesh, config, split)  # per-head parameters, ALiBi: before the counts
+        whole_counts = block_head_counts(block)
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None, divided)
             for owner in sorted(region_owners(local) or {""}):
@@ -157,8 +187,14 @@ def apply_tensor_parallel(
                 if id(part) not in explained:
                     explained.add(id(part))
                     explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
-        verify_on_first_forward(block, local, label=name)
-        watch_first_forward(block, [n for n, s in local.items() if s == "colwise"], label=name)
+        counts, entered = (whole_counts, block_head_counts(block)), _entered(block, (entries or {}).get(id(block)))
+        verify_on_first_forward(block, local, label=name, last=entered[-1][1])
+        for rel, unit in entered:
+            styles = _relative(local, rel)
+            label = f"{name}.{rel}" if rel else name
+            watch_first_forward(unit, [n for n, s in styles.items() if s == "colwise"], label=label, heads=counts)
+    for label, (part, whole) in wholes.items():
+        check_first_forward(part, whole, label)
     log.info(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
         tp,
@@ -167,6 +203,39 @@ def apply_tensor_parallel(
         heads,
     )
     return coverage_lines(blocks)
+
+
+def _whole_parts(model: nn.Module, plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, tuple]:
+    """Label -> (part, its copy) for the split parts of the first block of each kind (see :mod:`.first_forward_parity`):
+    the region owners, and PyTorch's ``nn.MultiheadAttention`` split whole."""
+    names, parts, kinds = {id(m): n for n, m in model.named_modules()}, {}, set()
+    for block in blocks:
+        if block_kind(block) in kinds:
+            continue
+        kinds.add(block_kind(block))
+        name = names[id(block)]
+        local = local_styles(name, block, plan)
+        owners = {o for o in region_owners(local)} | {n for n, s in local.items() if s == "multihead_attention"}
+        for owner in sorted(owners):
+            part = block.get_submodule(owner) if owner else block
+            if has_own_forward(part):
+                parts[f"{name}.{owner}" if owner else name] = (part, whole_copy(part))
+    return parts
+
+
+def _entered(block: nn.Module, units: list[nn.Module] | None) -> list[tuple[str, nn.Module]]:
+    """(name inside ``block``, module) of the modules the block is entered through (the block itself by default)."""
+    units = units or entry_modules(block)
+    names = {id(m): n for n, m in block.named_modules()}
+    return [(names[id(unit)], unit) for unit in units]
+
+
+def _relative(styles: dict[str, str], rel: str) -> dict[str, str]:
+    """``styles`` (names inside a block) as names inside its submodule ``rel``."""
+    if not rel:
+        return styles
+    prefix = rel + "."
+    return {("" if n == rel else n[len(prefix) :]): s for n, s in styles.items() if n == rel or n.startswith(prefix)}
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:

@@ -34,15 +34,16 @@ from lightning_llm.parallel.tp.attention_variants import (
     per_head_parameters,
     recognise,
 )
-from lightning_llm.parallel.tp.replicated_grads import opens
+from lightning_llm.parallel.tp.per_head import lend_per_head_lists
+from lightning_llm.parallel.tp.style_kinds import opens
 
-OPENING = ("colwise_replicated_input",)
 MQA_WIDTH_ATTRS = ("embed_dim", "split_size", "hidden_size")
 
 
-def _splits_heads(name: str, styles: dict[str, str]) -> bool:
+def splits_heads(name: str, styles: dict[str, str]) -> bool:
+    """Whether ``styles`` (module names inside a block -> style) split a projection under the module ``name``."""
     prefix = f"{name}." if name else ""
-    return any(n.startswith(prefix) and (opens(s) or s in OPENING) for n, s in styles.items())
+    return any(n.startswith(prefix) and opens(s) for n, s in styles.items())
 
 
 def shard_attention_heads(
@@ -58,20 +59,23 @@ def shard_attention_heads(
     done = []
     seen = set() if seen is None else seen
     for name, module in block.named_modules():
-        if not is_attention(module) or name in styles or not _splits_heads(name, styles) or id(module) in seen:
+        if not is_attention(module) or name in styles or not splits_heads(name, styles) or id(module) in seen:
             continue
         seen.add(id(module))
         heads = head_count(module, config)
         tp, rank = mesh.size(), mesh.get_local_rank()
         lo, hi = rank * heads // tp, (rank + 1) * heads // tp
         sharded = _shard_per_head(module, heads, mesh)
+        prefix = f"{name}." if name else ""
+        lists = [n[len(prefix) :] for n, s in styles.items() if s == "per_head" and n.startswith(prefix)]
+        lend_per_head_lists(module, lists, mesh, f"block.{name}" if name else "block")
         argument = alibi_argument(module)
         if argument:
             _slice_alibi(module, argument, heads, lo, hi)
         variant = recognise(module, config)
         widths = _localize_mqa(module, heads, tp) if variant and variant.kind == "mqa" else []
-        if sharded or argument or widths:
-            done.append(f"{name}: per-head {sharded}, alibi {argument!r}, local widths {widths}")
+        if sharded or argument or widths or lists:
+            done.append(f"{name}: per-head {sharded + lists}, alibi {argument!r}, local widths {widths}")
     return done
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_llm.modeling.attributes import attribute, int_attribute
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, KV_ATTRS, QUERY_ATTRS, projection_dims
 
 # Config/module flags saying a fused q/k/v projection is laid out per KV group (HF Falcon's new decoder).
@@ -46,12 +47,7 @@ class Variant:
 
 
 def _int_attr(owners: list, names: tuple[str, ...]) -> int | None:
-    for owner in owners:
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+    return int_attribute(owners, names)
 
 
 def _config(module: nn.Module, config: object | None) -> object | None:
@@ -79,7 +75,7 @@ def recognise(attention: nn.Module, config: object | None = None) -> Variant | N
     heads = head_count(attention, config)
     if heads is None:
         return None
-    if isinstance(getattr(config, "kv_lora_rank", None), int):
+    if isinstance(attribute(config, "kv_lora_rank"), int):
         return _latent(attention, config, heads)
     return _fused(attention, config, heads) or _split_mqa(attention, config, heads)
 
@@ -135,7 +131,7 @@ def _split_mqa(attention: nn.Module, config: object, heads: int) -> Variant | No
 
 def _latent(attention: nn.Module, config: object, heads: int) -> Variant:
     """Multi-head latent attention: down-projections to ``q_lora_rank``/``kv_lora_rank`` (+ the shared rotary key)."""
-    q_rank, kv_rank = getattr(config, "q_lora_rank", None), config.kv_lora_rank
+    q_rank, kv_rank = attribute(config, "q_lora_rank"), config.kv_lora_rank
     rope = _int_attr([attention, config], ("qk_rope_head_dim",)) or 0
     ranks = {r for r in (q_rank, kv_rank) if isinstance(r, int)}
     hidden = _int_attr([attention, config], ("hidden_size",))
@@ -174,6 +170,9 @@ def attention_plan(block: nn.Module, config: object | None = None) -> dict[str, 
     """
     plan = {}
     for name, module in block.named_modules():
+        if isinstance(module, nn.MultiheadAttention):  # PyTorch's own: q/k/v in one Parameter, its own style
+            plan[name] = "multihead_attention"
+            continue
         variant = recognise(module, config) if is_attention(module) else None
         if variant is not None:
             plan.update({f"{name}.{child}" if name else child: s for child, s in variant.entries.items()})

@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
+from lightning_llm.parallel.tp.style_kinds import owns_subtree, whole
 
 MAX_WHOLE_SHARE = 0.05
-_WHOLE_STYLES = ("replicate", "replicate_grad_sum", "sequence_parallel", "gather_sequence")
 
 
 def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
@@ -31,7 +31,7 @@ def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
     inherited = [
         s
         for p, s in plan.items()
-        if s in ("experts", "expert_parallel", "replicate")
+        if owns_subtree(s)
         for k in range(1, len(parts))
         if fnmatch.fnmatchcase(".".join(parts[:k]), p)
     ]
@@ -48,7 +48,7 @@ def check_coverage(
         check_coverage("model.layers", model.layers, plan, resolved.unknown, tp=2)
     """
     named = list(zip(block_names(blocks_name, blocks), block_modules(blocks)))
-    split = lambda styles: any(s not in _WHOLE_STYLES for s in styles)  # noqa: E731
+    split = lambda styles: any(not whole(s) for s in styles)  # noqa: E731
     if not any(split(_styles_of(f"{n}.{rel}", plan)) for n, b in named for rel, _ in b.named_modules() if rel):
         raise ValueError(
             f"tensor_parallel_size={tp} but nothing inside the blocks at {blocks_name!r} is split: they contain no "
@@ -77,7 +77,7 @@ def _has_split_sibling(block: nn.Module, rel: str, plan: dict[str, str], block_n
     parent = rel.rpartition(".")[0]
     owner = block.get_submodule(parent) if parent else block
     prefix = f"{block_name}.{parent}." if parent else f"{block_name}."
-    return any(s not in _WHOLE_STYLES for child, _ in owner.named_children() for s in _styles_of(prefix + child, plan))
+    return any(not whole(s) for child, _ in owner.named_children() for s in _styles_of(prefix + child, plan))
 
 
 def _whole_part(name: str, rel: str, module: nn.Module, same_class: list[str]) -> list[str]:

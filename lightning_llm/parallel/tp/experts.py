@@ -127,8 +127,8 @@ def _enter(module, signature, args, kwargs, mesh, first):
     tokens, slots = ((index >= first) & (index < first + local)).nonzero(as_tuple=True)
     bound.arguments["top_k_index"] = (index[tokens, slots] - first)[:, None]
     # The shared inputs' gradients, partial on each rank (its own routes), are summed over the tp group.
-    bound.arguments["top_k_weights"] = _sum_grad(weights, mesh)[tokens, slots][:, None]
-    bound.arguments["hidden_states"] = _sum_grad(hidden, mesh)[tokens]
+    bound.arguments["top_k_weights"] = sum_grad(weights, mesh)[tokens, slots][:, None]
+    bound.arguments["hidden_states"] = sum_grad(hidden, mesh)[tokens]
     module._routes = (tokens, hidden.shape[0])
     _lend(module)
     return bound.args, bound.kwargs
@@ -142,7 +142,7 @@ def _lend(module) -> None:
 
 def _enter_rows(module, args, mesh, first, tp):
     # Expert-major rows, one block of tokens per expert: this rank's experts' blocks go in.
-    rows = _sum_grad(args[0], mesh)
+    rows = sum_grad(args[0], mesh)
     local = module.num_experts
     if rows.shape[0] % (local * tp):
         raise RuntimeError(
@@ -181,7 +181,7 @@ def _exit(module, output, mesh):
     return _sum(per_token, mesh)
 
 
-def _sum_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def sum_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Identity forward; the gradient, partial on each rank, is summed over the tp group."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 

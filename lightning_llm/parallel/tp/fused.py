@@ -34,8 +34,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_llm._compat.torch_distributed import all_to_all_single, apply_parallel_style
+from lightning_llm.modeling.attributes import int_attribute
+from lightning_llm.parallel.tp.style_kinds import FUSED_PREFIX as FUSED_PREFIX  # the fused styles' prefix, re-exported
 
-FUSED_PREFIX = "fused_colwise:"
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_query_groups")
 
@@ -98,8 +99,8 @@ def fused_sizes(style: str, out_features: int) -> tuple[int, ...]:
 def qkv_style(attention: nn.Module, out_features: int, where: str) -> str:
     """``fused_colwise:Q,K,V`` for a ``[all q | all k | all v]`` projection, sizes from ``attention``'s head counts."""
     owners = [attention, getattr(attention, "config", None)]
-    query = next((getattr(o, a) for o in owners for a in QUERY_ATTRS if isinstance(getattr(o, a, None), int)), None)
-    kv = next((getattr(o, a) for o in owners for a in KV_ATTRS if isinstance(getattr(o, a, None), int)), query)
+    query = int_attribute(owners, QUERY_ATTRS)
+    kv = int_attribute(owners, KV_ATTRS) or query
     if query is None or out_features % (query + 2 * kv):
         raise ValueError(
             f"{where!r} ({out_features} outputs) looks like a fused q|k|v projection, but its head counts "
@@ -110,7 +111,7 @@ def qkv_style(attention: nn.Module, out_features: int, where: str) -> str:
     return f"{FUSED_PREFIX}{query * head_dim},{kv * head_dim},{kv * head_dim}"
 
 
-def _exchange(
+def regroup_exchange(
     sizes: tuple[int, ...], tp: int, rank: int, shared: tuple[bool, ...] = ()
 ) -> tuple[list[int], list[int], list[int]]:
     """(local output columns in send order, input split sizes, output split sizes) of the regrouping all-to-all.
@@ -178,12 +179,14 @@ class FusedColwise(ParallelStyle):
         colwise.src_data_rank = self.src_data_rank
         apply_parallel_style(colwise, module, device_mesh)
         if len(self.sizes) > 1:
-            send, input_splits, output_splits = _exchange(self.sizes, tp, device_mesh.get_local_rank(), self.shared)
-            module.register_forward_hook(_Regroup(send, input_splits, output_splits, device_mesh))
+            send, input_splits, output_splits = regroup_exchange(
+                self.sizes, tp, device_mesh.get_local_rank(), self.shared
+            )
+            module.register_forward_hook(Regroup(send, input_splits, output_splits, device_mesh))
         return module
 
 
-class _Regroup:
+class Regroup:
     """Forward hook: all-to-all a colwise layer's local output columns so each rank holds its share of every part."""
 
     def __init__(self, send: list[int], input_splits: list[int], output_splits: list[int], mesh: DeviceMesh) -> None:

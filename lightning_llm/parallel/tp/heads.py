@@ -13,6 +13,8 @@ import copy
 
 from torch import nn
 
+from lightning_llm.modeling.attributes import attribute, layer_configs
+
 HEAD_ATTRS = (
     "heads",
     "num_heads",
@@ -32,7 +34,7 @@ KV_HEAD_ATTRS = HEAD_ATTRS[4:]
 def _counts(obj: object) -> dict[str, int]:
     found = {}
     for attr in HEAD_ATTRS:
-        value = getattr(obj, attr, None)
+        value = attribute(obj, attr)
         if isinstance(value, int) and not isinstance(value, bool):
             found[attr] = value
     return found
@@ -63,6 +65,11 @@ def check_head_counts(
             if hasattr(m, "config")
         ]
     places += [(f"{name or 'model'}.config", m.config) for name, m in model.named_modules() if hasattr(m, "config")]
+    places += [  # a heterogeneous config's per-layer values (Gemma 4's key/value heads per layer)
+        (f"{where}.per_layer_config[{i}]", layer)
+        for where, config in list(places)
+        for i, layer in enumerate(layer_configs(config))
+    ]
     for where, obj in places:
         counts = _counts(obj)
         bad = {a: v for a, v in counts.items() if v % tp and not (shared_kv and v == 1 and a in KV_HEAD_ATTRS)}
@@ -73,6 +80,20 @@ def check_head_counts(
                 f"each tensor-parallel rank must hold whole heads. Use a tensor_parallel_size that divides "
                 f"{sorted(set(counts.values()))}, e.g. {_largest_divisor(list(counts.values()), tp)}."
             )
+
+
+def block_head_counts(block: nn.Module) -> set[int]:
+    """Every head count a module of ``block`` (or a config one holds) states, as the block's forward reads them now.
+
+    Example::
+
+        block_head_counts(model.layers[0])   # {32, 8}: query and key/value heads
+    """
+    counts = set()
+    for module in block.modules():
+        for owner in (module, getattr(module, "config", None)):
+            counts.update(_counts(owner).values() if owner is not None else ())
+    return counts
 
 
 def _largest_divisor(values: list[int], tp: int) -> int:
@@ -101,7 +122,7 @@ def divide_head_counts(
         for name, module in block.named_modules():
             if owners is not None and name and not any(name == o or name.startswith(o + ".") or not o for o in owners):
                 continue
-            if id(module) in done:
+            if id(module) in done or getattr(type(module), "heads_divided", False):
                 continue
             done.add(id(module))
             where = f"{name or 'block'}.{{}} in block {block_idx}"
@@ -120,8 +141,10 @@ def divide_head_counts(
     return changed
 
 
-# Widths (not head counts) that some attention classes keep and slice with: GPT-2 splits c_attn's output by split_size.
-WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim")}
+# Widths (not head counts) that some classes keep and slice with: GPT-2 splits c_attn's output by split_size; a
+# GroupNorm inside the split attention (RetNet's, one group per head over the merged heads) normalizes this rank's
+# heads, so its groups and channels are this rank's too.
+WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim"), "GroupNorm": ("num_groups", "num_channels")}
 
 
 def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:

@@ -27,31 +27,13 @@ from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
 from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head, variant_plan
+from lightning_llm.parallel.tp.multihead_attention import check_multihead_attention
+from lightning_llm.parallel.tp.style_kinds import KINDS, back_to_shards, kind_of, owns_subtree
+from lightning_llm.parallel.tp.style_kinds import whole as is_whole
 
 __all__ = ["STYLES", "check_style", "infer_plan", "resolve_plan", "validate_plan"]
 
-STYLES = (
-    "colwise",
-    "rowwise",
-    "colwise_gather",
-    "rowwise_split_input",
-    "embedding",
-    "embedding_colwise",
-    "sequence_parallel",
-    "replicate",
-    "replicate_grad_sum",
-    "fused_qkv",
-    "fused_colwise:N",
-    "fused_colwise:A,B,...",
-    "experts",
-    "expert_parallel",
-    "gather_sequence",
-    "colwise_replicated_input",
-    "replicate_shared",
-    "replicate_shared:N",
-)
-# Styles whose module's insides belong to the entry: nothing under it is planned by another source.
-_OWNS_SUBTREE = ("experts", "expert_parallel", "replicate")
+STYLES = tuple(KINDS)
 
 
 def is_fused_style(style: str) -> bool:
@@ -64,7 +46,7 @@ def _matches(name: str, pattern: str) -> bool:
 
 def _coverer(model: nn.Module, plan: dict[str, str]) -> Callable[[str], bool]:
     """Whether a module name is named by ``plan``, directly or under an entry that owns its subtree."""
-    owners = [p for p, s in plan.items() if s in _OWNS_SUBTREE]
+    owners = [p for p, s in plan.items() if owns_subtree(s)]
 
     def covered(name: str) -> bool:
         if any(_matches(name, p) for p in plan):
@@ -200,7 +182,7 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_n
     """
     plan = dict(plan)
     planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
-    whole = _coverer(model, {p: s for p, s in plan.items() if s in _OWNS_SUBTREE})  # parts kept whole: theirs
+    whole = _coverer(model, {p: s for p, s in plan.items() if owns_subtree(s)})  # parts kept whole: theirs
     # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
     in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
     beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
@@ -254,10 +236,6 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     return _gather_parts_without_row_split(model, plan, blocks_name)
 
 
-# Styles whose output goes back on the sequence-sharded stream under SP.
-_CLOSES_UNDER_SP = ("rowwise", "rowwise_split_input")
-
-
 def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
     """A block part whose split layers all hand back whole outputs (HF's gathered plans: Qwen3-Next's linear
     attention is ``colwise_gather`` only) computes on the whole sequence: it gets ``gather_sequence``."""
@@ -274,13 +252,13 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
                 for p, s in plan.items()
                 if _matches(f"{name}.{n}", p)
             ]
-            split = [s for s in inside if s not in ("replicate", "replicate_grad_sum", "sequence_parallel")]
+            split = [s for s in inside if s == "gather_sequence" or not is_whole(s)]
             planned_itself = any(_matches(name, p) for p in plan)  # never replace an entry the plan already has
             if (
                 split
                 and not planned_itself
                 and "gather_sequence" not in split
-                and not any(s in _CLOSES_UNDER_SP for s in split)
+                and not any(back_to_shards(s) for s in split)
             ):
                 plan[name] = "gather_sequence"
     return plan
@@ -288,9 +266,8 @@ def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], bloc
 
 def check_style(pattern: str, style: str) -> None:
     """Refuse a style name that is not one of :data:`STYLES` (nor a ``fused_colwise``/``replicate_shared`` form)."""
-    if not isinstance(style, str) or (
-        style not in STYLES and parse_fused(style) is None and not style.startswith("replicate_shared:")
-    ):
+    parameterized = isinstance(style, str) and ":" in style
+    if kind_of(style) is None or (parameterized and style.startswith("fused_colwise:") and parse_fused(style) is None):
         raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {STYLES}.")
 
 
@@ -317,6 +294,11 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
 def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
     if style == "experts":
         check_experts(name, module, tp)
+        return
+    if style == "multihead_attention":
+        if not isinstance(module, nn.MultiheadAttention):
+            raise ValueError(f"{name!r} is given 'multihead_attention', but it is a {type(module).__name__}.")
+        check_multihead_attention(name, module, tp)
         return
     if style.startswith(FUSED_PREFIX):
         dims = projection_dims(module)

@@ -22,14 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm.parallel.tp.coverage import wildcard_index
 from lightning_llm.parallel.tp.fused import projection_dims
-
-OPENS = ("colwise", "colwise_replicated_input")
-CLOSES = ("rowwise",)
+from lightning_llm.parallel.tp.style_kinds import closes, opens
 
 
-def opens(style: str | None) -> bool:
-    """Whether ``style`` starts a head-sharded region (a column split, fused or not)."""
-    return style in OPENS or (style or "").startswith("fused_colwise:")
+def _lent_per_head(name: str, styles: dict[str, str]) -> bool:
+    """Whether ``name`` is inside a list the plan runs per head (each rank its own entries, see :mod:`.per_head`)."""
+    return any(s == "per_head" and name.startswith(n + ".") for n, s in styles.items())
 
 
 def _owns_plain_params(module: nn.Module) -> bool:
@@ -48,7 +46,7 @@ def region_owners(styles: dict[str, str]) -> set[str]:
         parts = name.split(".")
         for cut in range(len(parts) - 1, -1, -1):
             owner = ".".join(parts[:cut])
-            if any(styles.get(n) in CLOSES and (not owner or n.startswith(owner + ".")) for n in styles):
+            if any(closes(styles.get(n)) and (not owner or n.startswith(owner + ".")) for n in styles):
                 owners.add(owner)
                 break
     return owners
@@ -63,7 +61,7 @@ def sharded_region_modules(block: nn.Module, styles: dict[str, str]) -> list[str
     owners = region_owners(styles)
     found = []
     for name, module in block.named_modules():
-        if not name or name in styles or not any(True for _ in module.parameters(recurse=False)):
+        if not name or name in styles or not _has_params(module) or _lent_per_head(name, styles):
             continue
         # The block itself is never a region owner here: its own norms see whole activations.
         inside = [o for o in owners if o and name.startswith(o + ".") and _between(block, o, name, styles)]
@@ -87,13 +85,18 @@ def _between(block: nn.Module, owner: str, name: str, styles: dict[str, str]) ->
         return position[n[len(prefix) :].split(".")[0]]
 
     opened = [index(n) for n, s in styles.items() if n.startswith(prefix) and opens(s)]
-    closed = [index(n) for n, s in styles.items() if n.startswith(prefix) and s in CLOSES]
+    closed = [index(n) for n, s in styles.items() if n.startswith(prefix) and closes(s)]
     return bool(opened and closed) and min(opened) < index(name) < max(closed)
 
 
-def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str) -> None:
+def verify_on_first_forward(
+    block: nn.Module, styles: dict[str, str], label: str, last: nn.Module | None = None
+) -> None:
     """Check, in ``block``'s first forward, that exactly the modules run inside the region sum their gradients,
     and that none of them normalizes over the full width of the split heads (BitNet's ``attn_sub_norm``).
+
+    ``last``: the module whose call ends the block's first forward, where the model does not call the block itself
+    (its parts called one by one); the block by default.
 
     Each module is checked as it is called, before it runs, so a wrong layout stops with the module's name
     rather than a shape error inside it. Raises RuntimeError (before any optimizer step) naming the module
@@ -117,15 +120,17 @@ def verify_on_first_forward(block: nn.Module, styles: dict[str, str], label: str
 
     for name, module in block.named_modules():
         style = styles.get(name)
-        if opens(style) or style in CLOSES or (name and _has_params(module)):
-            kind = "open" if opens(style) else "close" if style in CLOSES else style or "plain"
+        if _lent_per_head(name, styles):
+            continue
+        if opens(style) or closes(style) or (name and _has_params(module)):
+            kind = "open" if opens(style) else "close" if closes(style) else style or "plain"
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name, k=kind: enter(n, k, m, a)))
 
     def done(module, args, output):
         for handle in handles:
             handle.remove()
 
-    handles.append(block.register_forward_hook(done))
+    handles.append((last or block).register_forward_hook(done))
 
 
 def _check_width(label: str, name: str, module: nn.Module, args: tuple) -> None:

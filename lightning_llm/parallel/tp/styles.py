@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
-from lightning_llm.parallel.tp.experts import ExpertsParallel, _sum_grad
+from lightning_llm.parallel.tp.experts import ExpertsParallel, sum_grad
 from lightning_llm.parallel.tp.float8 import float8_parallel_style, is_float8_linear
 from lightning_llm.parallel.tp.fused import (
     FUSED_PREFIX,
@@ -33,8 +33,8 @@ from lightning_llm.parallel.tp.fused import (
     projection_dims,
     shared_parts,
 )
-
-SHARED_PREFIX = "replicate_shared:"
+from lightning_llm.parallel.tp.multihead_attention import MultiheadAttentionParallel
+from lightning_llm.parallel.tp.style_kinds import SHARED_PREFIX as SHARED_PREFIX
 
 
 class ReplicateGradSum(ParallelStyle):
@@ -116,9 +116,9 @@ class ReplicateShared(ParallelStyle):
         if shared == 0:
             return output
         if shared == output.shape[-1]:
-            return _sum_grad(output, mesh)
+            return sum_grad(output, mesh)
         kept, heads = output.split([output.shape[-1] - shared, shared], dim=-1)
-        return torch.cat([kept, _sum_grad(heads, mesh)], dim=-1)
+        return torch.cat([kept, sum_grad(heads, mesh)], dim=-1)
 
 
 class OwnLocalOutput(ParallelStyle):
@@ -230,6 +230,10 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
         return ReplicateGradSum()
     if style == "experts":
         return ExpertsParallel()
+    if style == "multihead_attention":
+        return MultiheadAttentionParallel(
+            parallel_style("rowwise", sequence_parallel, getattr(module, "out_proj", None))
+        )
     if style == "gather_sequence":  # a module that needs the whole sequence inside a sequence-parallel model
         if not sequence_parallel:
             return None

@@ -15,6 +15,15 @@ activation) to the op that consumes it:
 Anything else (a slice, a matmul, a forward that cannot run on fake tensors) leaves the layer unknown, and
 :mod:`.coverage` refuses it with the entry that splits it, as before.
 
+The same forward classifies the layers names and shapes cannot (a square ``w_q`` or ``w_out``, as OLMo-core and
+torchtitan name them), from the chain their tensors take through the attention:
+
+* the output viewed into (heads, head_dim): an input projection, ``colwise``;
+* the input a merge of heads (a ``(..., heads, head_dim)`` tensor reshaped to ``(..., heads * head_dim)``), directly
+  or through element-wise ops: an output projection, ``rowwise``;
+* the output multiplied element-wise with a merge of heads (a gate on the attention's output, RetNet's ``g_proj``):
+  split like the heads it gates, ``colwise``.
+
 The same forward settles the layers shapes and names disagree on (:attr:`.infer.Inferred.contested`): one
 named like an input projection that writes the block's width from another width reads as row-wise by shape.
 Zamba2's ``q_proj`` reads the residual and the embeddings side by side (twice the width) and writes one width
@@ -34,6 +43,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_llm.modeling.attributes import attribute
+from lightning_llm.modeling.blocks import block_modules
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.tp.fused import KV_ATTRS, QUERY_ATTRS
@@ -57,26 +68,60 @@ class _Follow(TorchFunctionMode):
         super().__init__()
         self.pending, self.heads, self.tp = set(names), heads, tp
         self.tracked: dict[int, tuple[weakref.ref, str]] = {}
+        self.merged: dict[int, weakref.ref] = {}  # tensors that are heads merged back into one width
         self.found: dict[str, str] = {}
 
     def watch(self, name: str, output) -> None:
         if name in self.pending and isinstance(output, torch.Tensor):
             self.tracked[id(output)] = (weakref.ref(output), name)
 
+    def watch_input(self, name: str, args: tuple) -> None:
+        """A watched layer reading a merge of heads is the output projection closing them."""
+        if name in self.pending and args and self._is_merged(args[0]):
+            self._decide(name, "rowwise")
+
+    def _watched_name(self, value) -> str | None:
+        ref, name = self.tracked.get(id(value), (None, None))
+        return name if ref is not None and ref() is value else None
+
+    def _is_merged(self, value) -> bool:
+        ref = self.merged.get(id(value))
+        return ref is not None and ref() is value
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         x = args[0] if args else None
-        ref, name = self.tracked.get(id(x), (None, None))
         result = func(*args, **kwargs)
-        if ref is None or ref() is not x or name not in self.pending:
+        self._note_merge(func, args, x, result)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        watched = [(a, name) for a in tensors if (name := self._watched_name(a)) in self.pending]
+        if not watched:
             return result
+        x, name = watched[0]
         if isinstance(result, torch.Tensor) and result.shape == x.shape and func not in _VIEWS:
-            self.tracked[id(result)] = (weakref.ref(result), name)  # element-wise: follow the output on
+            if any(self._is_merged(a) for a in tensors):  # gating the heads' merged output: split like them
+                self._decide(name, "colwise")
+            else:
+                self.tracked[id(result)] = (weakref.ref(result), name)  # element-wise: follow the output on
             return result
         if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype: not a use of the values
             return result
         self._decide(name, _layout(func, args, kwargs, x, result, self.heads, self.tp))
         return result
+
+    def _note_merge(self, func, args, x, result) -> None:
+        """Record ``result`` as a merge of heads: a reshape of ``(..., heads, head_dim)`` into one width, or an
+        element-wise op (or copy) of such a merge."""
+        if not isinstance(result, torch.Tensor) or not isinstance(x, torch.Tensor) or not result.dim():
+            return
+        heads = self.heads | {h // self.tp for h in self.heads}
+        if self._is_merged(x):  # a copy, an element-wise op or a view keeping the merged width
+            if result.shape == x.shape or (func in _VIEWS and result.shape[-1] == x.shape[-1]):
+                self.merged[id(result)] = weakref.ref(result)
+        elif func in _VIEWS and x.dim() >= 3 and result.dim() < x.dim() and x.shape[-2] in heads:
+            merges = result.shape[-1] == x.shape[-2] * x.shape[-1] and result.numel() == x.numel()
+            if merges:  # (..., heads, head_dim) -> (..., heads * head_dim)
+                self.merged[id(result)] = weakref.ref(result)
 
     def _decide(self, name: str, style: str | None) -> None:
         self.pending.discard(name)
@@ -121,11 +166,12 @@ def with_traced_layouts(
     """
     contested = contested or {}
     fused = [name for name in unknown if FUSED_NAME.match(name.rpartition(".")[2].lower())]
-    names = fused + sorted(set(contested.values()) - set(fused))
+    unnamed = [name for name in unknown if name not in fused and _is_linear(module, name)]
+    names = fused + unnamed + sorted(set(contested.values()) - set(fused))
     found = trace_fused_layouts(module, blocks_name, names, tp) if names else {}
     for name, style in found.items():
-        log.info("tensor parallel: %s is split as %r, read off the model's use of its output", name, style)
-    traced = {pattern_of(name): style for name, style in found.items() if name in fused}
+        log.info("tensor parallel: %s is split as %r, read off the model's use of its tensors", name, style)
+    traced = {pattern_of(name): style for name, style in found.items() if name in fused or name in unnamed}
     traced |= {pattern: found[name] for pattern, name in contested.items() if name in found}
     return {**plan, **traced}, {n: why for n, why in unknown.items() if n not in found}
 
@@ -167,9 +213,13 @@ def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow
     device = next(module.parameters()).device
     ids = torch.zeros(1, _TOKENS, dtype=torch.long, device="cpu" if device.type == "meta" else device)
     blocks = module.get_submodule(blocks_name)
-    holders = sorted({int(n[len(blocks_name) + 1 :].split(".")[0]) for n in follow.pending})
+    keys = [key for key, _ in blocks.named_children()]  # a ModuleDict's keys, a list's indices
+    holders = sorted({keys.index(n[len(blocks_name) + 1 :].split(".")[0]) for n in follow.pending})
     hooks = [
         module.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: follow.watch(n, out))
+        for n in follow.pending
+    ] + [
+        module.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: follow.watch_input(n, a))
         for n in follow.pending
     ]
 
@@ -178,7 +228,7 @@ def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow
             handle.remove()
         for index in holders:
             try:
-                blocks[index](*args, **kwargs)
+                block_modules(blocks)[index](*args, **kwargs)
             except (_Decided, _Stop):
                 raise
             except Exception as error:  # this block's forward cannot run on fake tensors, or on these inputs
@@ -198,10 +248,18 @@ def _run(module: nn.Module, runner: nn.Module, blocks_name: str, follow: _Follow
         return True
     except Exception as error:  # a forward that cannot run on fake tensors, or on token ids alone
         log.debug("tracing fused layouts through %s stopped: %s", type(runner).__name__, error)
+        return False
     finally:
         for hook in hooks + block_hooks:
             hook.remove()
-    return False
+    return True  # the whole forward ran (a model that calls its blocks' parts, not the blocks)
+
+
+def _is_linear(module: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(name), nn.Linear)
+    except AttributeError:
+        return False
 
 
 def _head_counts(module: nn.Module) -> set[int]:
@@ -210,7 +268,7 @@ def _head_counts(module: nn.Module) -> set[int]:
     for sub in module.modules():
         for owner in (sub, getattr(sub, "config", None)):
             for attr in (*QUERY_ATTRS, *KV_ATTRS):
-                value = getattr(owner, attr, None)
+                value = attribute(owner, attr)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 1:
                     counts.add(value)
     return counts

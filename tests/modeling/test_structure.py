@@ -1,0 +1,161 @@
+"""The blocks read off a model's forward (:mod:`lightning_llm.modeling.structure`), whatever holds them, against the
+structure each toy model is built with; and a traced forward leaves nothing of its own on the model."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_llm.modeling.blocks import entry_modules, find_blocks
+from lightning_llm.modeling.structure import traced_blocks
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.norm(x))
+
+
+class DictModel(nn.Module):
+    """torchtitan's and OLMo-core's layout: blocks keyed "0", "1", ... in an ``nn.ModuleDict``."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, DIM), nn.Linear(DIM, 16)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(layers)})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x)
+
+
+class SlotModel(nn.Module):
+    """x-transformers' layout: each layer a list of ``[norm, mixer, None]`` slots, called from the stack's forward."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, DIM), nn.Linear(DIM, 16)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.LayerNorm(DIM), nn.Linear(DIM, DIM), None]) for _ in range(layers)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for norm, mixer, _ in self.layers:
+            x = x + mixer(norm(x))
+        return self.head(x)
+
+
+class AttributeModel(nn.Module):
+    """Blocks held as attributes, called one after another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, DIM), nn.Linear(DIM, 16)
+        self.first, self.second, self.third = Block(), Block(), Block()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.third(self.second(self.first(self.embed(ids)))))
+
+
+class Bypassed(Block):
+    def run(self, x: torch.Tensor) -> torch.Tensor:  # the model calls this, not forward (RetNet's forward_parallel)
+        return x + self.mix(self.norm(x))
+
+
+class BypassModel(DictModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Bypassed() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer.run(x)
+        return self.head(x)
+
+
+def _trace(model: nn.Module):
+    ids = torch.randint(0, 16, (2, 5))
+    return traced_blocks(model, lambda move: model(move(ids)))
+
+
+def test_blocks_in_a_module_dict_are_the_dict_entries_in_call_order():
+    blocks = _trace(DictModel())
+    assert blocks.container == "layers" and blocks.names == ["layers.0", "layers.1", "layers.2"]
+    name, found = find_blocks(DictModel(), blocks.override(DictModel()))
+    assert name == "layers" and found.names == blocks.names and found.container == "layers"
+
+
+def test_layers_of_slots_are_blocks_entered_through_their_slots():
+    model = SlotModel()
+    blocks = _trace(model)
+    assert blocks.names == ["layers.0", "layers.1"]
+    assert blocks.bypassed() == {"layers.0": ["layers.0.0", "layers.0.1"], "layers.1": ["layers.1.0", "layers.1.1"]}
+    # Without a trace, the slots with a forward of their own (the None slot skipped) are the entries too.
+    assert entry_modules(model.layers[0]) == [model.layers[0][0], model.layers[0][1]]
+
+
+def test_attribute_blocks_of_one_class_called_in_sequence():
+    blocks = _trace(AttributeModel())
+    assert blocks.container == "" and blocks.names == ["first", "second", "third"]
+    assert blocks.override(AttributeModel()) == ["first", "second", "third"]
+
+
+def test_a_block_whose_forward_the_model_bypasses_is_entered_through_what_it_calls():
+    blocks = _trace(BypassModel())
+    assert blocks.names == ["layers.0", "layers.1"]
+    assert blocks.bypassed()["layers.0"] == ["layers.0.norm", "layers.0.mix"]
+    assert "layers.0" not in blocks.called and "layers.0.mix" in blocks.called
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_scale(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, device=device)
+
+
+class Caching(Block):
+    """Caches tensors where models do: an attribute set on first use, a dict, a module-level lru_cache by device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "table", None) is None:
+            self.table = torch.full((x.shape[-1],), 2.0, device=x.device)
+            self.cache = {"scale": _cached_scale(x.shape[-1], x.device)}
+        return x * self.table * self.cache["scale"]
+
+
+def test_a_traced_forward_leaves_the_model_as_it_was():
+    model = DictModel(layers=2)
+    model.layers["0"] = Caching()
+    ids = torch.randint(0, 16, (2, 5))
+    assert _trace(model).names == ["layers.0", "layers.1"]
+    assert "table" not in vars(model.layers["0"]) and "cache" not in vars(model.layers["0"])
+    out = model(ids)  # the real run computes its own caches, on its own device, with real values
+    assert not out.is_meta and torch.equal(model.layers["0"].table, torch.full((DIM,), 2.0))
+
+
+def test_a_module_called_from_every_block_keeps_its_own_parameters_after_the_trace():
+    model = DictModel(layers=3)
+    for key in ("1", "2"):
+        model.layers[key].mix = model.layers["0"].mix  # one module under three names (Zamba's shared attention)
+    before = {name: (id(t), t.device) for name, t in model.named_parameters(remove_duplicate=False)}
+    assert _trace(model).names == ["layers.0", "layers.1", "layers.2"]
+    after = {name: (id(t), t.device) for name, t in model.named_parameters(remove_duplicate=False)}
+    assert after == before and len(before) == 15  # 2 + 2 + 3 x (2 norm + 1 mix name x 2)
+
+
+@pytest.mark.parametrize("model", [DictModel, SlotModel])
+def test_the_container_search_finds_the_same_blocks_without_a_forward(model):
+    traced = _trace(model())
+    name, found = find_blocks(model())
+    assert name == traced.container and len(found) == len(traced.names)
