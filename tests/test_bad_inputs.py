@@ -368,7 +368,7 @@ PLAN_CASES = {
         "binary.yaml is not UTF-8 text (byte 0x80 at offset 128)",
         2,
     ),
-    "a missing config": (lambda d: ["--config", str(d / "absent.yaml")], "absent.yaml: No such file", 2),
+    "a missing config": (lambda d: ["--config", str(d / "absent.yaml")], "absent.yaml does not exist", 2),
     "a config that is a list": (
         lambda d: ["--config", _write(d / "list.yaml", b"- trainer\n- model\n")],
         "list.yaml holds a list, not a mapping",
@@ -568,7 +568,7 @@ FILE_CASES = {
     ),
     "export a Hugging Face folder": (
         lambda t, c, h: _cli("export", str(h), str(t / "o")),
-        "is neither a checkpoint file nor a sharded checkpoint directory",
+        "is neither a checkpoint file, a sharded checkpoint directory",
     ),
     "export crafted DCP metadata": (
         lambda t, c, h: (t / ".metadata").write_bytes(b"\x80\x04garbage") and _cli("export", str(t), str(t / "o")),

@@ -306,3 +306,43 @@ register(
         ),
     )
 )
+
+
+register(
+    Private(
+        name="RichProgressBar._get_train_description",
+        upstream="lightning",
+        accessor="(overridden, not called: callbacks/console.StepBudgetProgressBar)",
+        used_by=("callbacks/console.py",),
+        why="the progress bar's description of a run bounded by max_steps (Lightning prints `Epoch 0/-2`); the one "
+        "method that builds it, no public hook",
+        caught_by="`tests/callbacks/test_console_callbacks.py`",
+        checked=CHECKED,
+        check=lambda: resolve(
+            "lightning.pytorch.callbacks.progress.rich_progress:RichProgressBar._get_train_description"
+        ),
+    )
+)
+
+
+def drop_unset_wandb_anonymous(logger) -> None:
+    """Remove ``anonymous=None`` from a ``WandbLogger``'s arguments to ``wandb.init`` (its ``_wandb_init``) before
+    the run starts: Lightning passes the key even when unset, and W&B warns that the setting has no effect. A set
+    value is left alone. Checked on lightning 2.6.6 with wandb 0.31."""
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
+
+
+register(
+    Private(
+        name="WandbLogger._wandb_init",
+        upstream="lightning",
+        accessor="lightning.drop_unset_wandb_anonymous",
+        used_by=("cli/app.py",),
+        why="W&B's 'The anonymous setting has no effect' warning, caused by Lightning passing anonymous=None",
+        caught_by="`tests/test_console.py` (the quick start's console)",
+        checked=CHECKED,
+        check=lambda: _has_instance_attr("lightning.pytorch.loggers.wandb:WandbLogger", "_wandb_init"),
+    )
+)

@@ -4,8 +4,9 @@ A checkpoint saved by LLMParallelStrategy is a directory: one shard file per ran
 ``.metadata`` and Lightning's own ``meta.pt`` (step, epoch, loops, callbacks, hyperparameters).
 Whatever layout saved it (ZeRO-3, tensor or pipeline parallel), DCP stores every tensor under its
 global name and shape, so one process reads it back whole, without a process group. A checkpoint
-saved with ``save_distributed_checkpoint=False`` (or by Lightning's own strategies) is already one
-``.ckpt`` file.
+saved with ``save_distributed_checkpoint=False`` (or by Lightning's one-device, DDP and full-state FSDP strategies)
+is already one ``.ckpt`` file; Lightning's sharded FSDP checkpoints are read like this package's, DeepSpeed
+directories through DeepSpeed's own consolidation (:mod:`.deepspeed_read`).
 
 Usage (``lightning-llm export CKPT OUT --format torch`` does the same)::
 
@@ -33,8 +34,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_llm._compat.lightning import METADATA_FILENAME
 from lightning_llm._compat.torch_distributed import load_whole_checkpoint
 from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.dcp_load import model_key
+from lightning_llm.checkpointing.deepspeed_read import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from lightning_llm.checkpointing.errors import write_named
-from lightning_llm.checkpointing.optimizer_layout import lightning_layout
+from lightning_llm.checkpointing.optimizer_layout import from_named_groups, lightning_layout
 from lightning_llm.checkpointing.untrusted import bytes_checked, load_torch, refusals_unwrapped, safe_planner
 
 MODEL_KEY = "state_dict"  # Lightning's key of the model's tensors; DCP stores them as "state_dict.<name>"
@@ -49,17 +52,11 @@ def _check_checkpoint(path: Path) -> None:
         raise FileNotFoundError(
             f"Checkpoint {str(path)!r} does not exist; pass a .ckpt file or a sharded checkpoint directory."
         )
-    if (path / ".metadata").is_file():
+    if (path / ".metadata").is_file() or is_deepspeed_checkpoint(path):
         return
-    if (path / "latest").is_file() or (path / "checkpoint").is_dir():
-        raise ValueError(
-            f"{path} is a DeepSpeed checkpoint directory; convert it to one file first with Lightning's "
-            f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict({str(path)!r}, "
-            "'full.ckpt'), then export full.ckpt."
-        )
     raise ValueError(
-        f"{path} is neither a checkpoint file nor a sharded checkpoint directory (no .metadata inside); pass a "
-        ".ckpt file or a directory saved by LLMParallelStrategy."
+        f"{path} is neither a checkpoint file, a sharded checkpoint directory (no .metadata inside) nor a DeepSpeed "
+        "one (no 'latest' file); pass a .ckpt file or a directory saved by a Lightning strategy."
     )
 
 
@@ -92,20 +89,25 @@ def read_model_state(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], d
     if path.is_file():
         rest = _lightning_file(path)
         return rest.pop(MODEL_KEY), rest
+    if is_deepspeed_checkpoint(path):
+        rest = read_deepspeed_checkpoint(path)
+        rest.pop("optimizer_states")
+        return rest.pop(MODEL_KEY), rest
     metadata = cfs.storage_reader(str(path)).read_metadata()  # .metadata checked: DCP's classes only
-    prefix = f"{MODEL_KEY}."
+    key = model_key(metadata.state_dict_metadata)  # FSDPStrategy's sharded checkpoints: "model."
+    prefix = f"{key}."
     state = {
         key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    nested = {MODEL_KEY: state}
+    nested = {key: state}
     with warnings.catch_warnings(), refusals_unwrapped():  # DCP warns that it reads in one process: the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load(nested, storage_reader=cfs.storage_reader(str(path)), planner=safe_planner(path), no_dist=True)
     meta = path / METADATA_FILENAME
     rest = load_torch(meta) if meta.is_file() else {}
-    return nested[MODEL_KEY], rest
+    return nested[key], rest
 
 
 def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -129,7 +131,8 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 def consolidate_checkpoint(
     checkpoint: str | Path, output_file: str | Path, dtype: str | torch.dtype | None = None
 ) -> Path:
-    """Write the full (unsharded) state of a checkpoint (sharded directory or ``.ckpt`` file) to ``output_file``.
+    """Write the full (unsharded) state of a checkpoint (sharded or DeepSpeed directory, or ``.ckpt`` file) to
+    ``output_file``.
 
     The file holds Lightning's checkpoint keys (``state_dict``, ``optimizer_states``, ``global_step``,
     ...) with plain tensors, so ``torch.load(f)["state_dict"]`` fits ``model.load_state_dict`` and a single-device
@@ -148,10 +151,15 @@ def consolidate_checkpoint(
     dtype = parse_dtype(dtype)
     output_file.parent.mkdir(parents=True, exist_ok=True)
     partial = output_file.with_name(output_file.name + ".partial")
-    if source.is_dir():
+    if is_deepspeed_checkpoint(source):
+        state = read_deepspeed_checkpoint(source)  # DeepSpeed's own consolidation, optimizer moments included
+        state["optimizer_states"] = [from_named_groups(s) for s in state["optimizer_states"]]
+    elif source.is_dir():
         # torch's dcp_to_torch_save, with the .metadata checked and byte entries read weights-only.
         with refusals_unwrapped():
             state = load_whole_checkpoint(cfs.storage_reader(str(source)), planner_mixin=bytes_checked(source))
+        if MODEL_KEY not in state and "model" in state:  # FSDPStrategy's sharded checkpoints
+            state[MODEL_KEY] = state.pop("model")
         write_named(output_file, lambda: torch.save(_optimizers_in_lightning_layout(state), partial), partial)
         meta = source / METADATA_FILENAME
         if not meta.is_file() and dtype is None:

@@ -52,7 +52,7 @@ def to_torch_layout(flat: dict[str, Any], parameter_names: list[str]) -> dict[st
         (hyper if prefix == GROUPS else state).setdefault(name, {})[field] = value
     groups: dict[tuple, list[str]] = {}
     for name, values in hyper.items():
-        groups.setdefault(_hashable(values), []).append(name)
+        groups.setdefault(hashable(values), []).append(name)
     positions: dict[str, int] = {}
     param_groups = []
     for names in groups.values():
@@ -100,35 +100,6 @@ def lightning_layout(optimizer_state: dict[str, Any], parameter_names: list[str]
     return optimizer_state
 
 
-def named_by_position(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
-    """Torch's layout (``state`` keyed by position) keyed by parameter name instead, reading each position as the
-    optimizer's own groups order their parameters, as ``Optimizer.state_dict()`` numbers them. (Lightning reads the
-    positions in the model's parameter order, which differs once groups reorder parameters: weight decay on
-    matrices only, say.) ``optimizer`` must have the saved groups' sizes.
-
-    Example::
-
-        named = named_by_position(module, optimizer, checkpoint["optimizer_states"][0])
-        set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
-    """
-    name_of: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        # A tied parameter goes by its first name, the one torch's state-dict functions key it by (the later one
-        # matches no parameter there, and its state would be left a plain tensor beside a sharded parameter).
-        name_of.setdefault(id(param), name)
-    live = [p for group in optimizer.param_groups for p in group["params"]]
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    sizes = [len(g["params"]) for g in state["param_groups"]], [len(g["params"]) for g in optimizer.param_groups]
-    if sizes[0] != sizes[1]:
-        raise ValueError(
-            f"the checkpoint's optimizer has parameter groups of sizes {sizes[0]}, this one {sizes[1]}; build the "
-            "optimizer's groups as the run that saved it did."
-        )
-    names = {saved_id: name_of[id(p)] for saved_id, p in zip(saved, live)}
-    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
-    return {"state": {names[i]: values for i, values in state["state"].items()}, "param_groups": groups}
-
-
 def _split(rest: str, names_longest_first: list[str], key: str) -> tuple[str, str]:
     for name in names_longest_first:
         if rest.startswith(name + ".") and "." not in rest[len(name) + 1 :]:
@@ -138,7 +109,9 @@ def _split(rest: str, names_longest_first: list[str], key: str) -> tuple[str, st
     )
 
 
-def _hashable(values: dict[str, Any]) -> tuple:
+def hashable(values: dict[str, Any]) -> tuple:
+    """Hyperparameters as a hashable, comparable value (tensors by their elements, lists as tuples)."""
+
     def plain(value):
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.flatten().tolist()))

@@ -18,9 +18,12 @@ from jsonargparse import Namespace, lazy_instance
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_llm.strategies  # noqa: F401 - registers the llm_* strategy names in Lightning's StrategyRegistry
+from lightning_llm._compat import lightning as compat
 from lightning_llm.callbacks import ResumeChecks
+from lightning_llm.callbacks.console import upgrade_console
 from lightning_llm.checkpointing.resume_path import check_checkpoint_path
 from lightning_llm.cli.data_vocab import adopt_data_vocabulary
+from lightning_llm.cli.errors import PROG, CommandError, ConciseParser, FirstBatch, unknown_strategy
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.wandb_mode import default_to_offline
@@ -48,13 +51,41 @@ _DEFAULT_CALLBACKS = [
 
 
 class ConfigToLoggers(SaveConfigCallback):
-    """Saves the resolved config to the log directory (as LightningCLI does) and into every logger's
+    """Saves the resolved config into this run's own directory (see :func:`run_directory`) and into every logger's
     hyperparameters, so a W&B run carries the exact config that produced it."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Write ``config.yaml`` into this run's own directory: LightningCLI writes it to ``trainer.log_dir``, which
+        for a WandbLogger is its ``save_dir``, shared by every run (each replaced the last one's config)."""
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir if self.save_to_log_dir else None  # a broadcast: every rank asks
+        if self.save_to_log_dir and trainer.is_global_zero:
+            directory = run_directory(trainer, log_dir)
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            path = os.path.join(directory, self.config_filename)
+            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
         for logger in trainer.loggers:
             logger.log_hyperparams({"cli_config": config})
+
+
+def run_directory(trainer, log_dir: str | None) -> str:
+    """Where this run's files go: a W&B run's own directory (``runs/wandb/offline-run-.../``), else the Trainer's
+    ``log_dir`` (CSV and TensorBoard loggers version it: ``lightning_logs/version_3``). Rank 0 only (W&B's run)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        files = getattr(logger.experiment, "dir", None) if isinstance(logger, WandbLogger) else None
+        if files:
+            return str(Path(files).parent)  # W&B keeps its own config.yaml in files/
+    return str(log_dir or ".")
 
 
 class LLMCLI(LightningCLI):
@@ -65,7 +96,8 @@ class LLMCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("save_config_callback", ConfigToLoggers)
-        kwargs.setdefault("parser_kwargs", {"epilog": _EPILOG})
+        kwargs.setdefault("parser_kwargs", {"epilog": _EPILOG, "prog": PROG})
+        kwargs.setdefault("parser_class", ConciseParser)  # errors without the 45-line usage, typos with a suggestion
         super().__init__(None, None, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -104,6 +136,7 @@ class LLMCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        _refuse_unknown_strategy(trainer.get("strategy"))
         if trainer.get("logger") is None:
             trainer.logger = _default_logger(trainer)
         _refuse_wandb_logger_without_wandb(self.parser, trainer.get("logger"))
@@ -123,17 +156,47 @@ class LLMCLI(LightningCLI):
         # learning rate replaced by the checkpoint's) are refused or said by this callback; ours check themselves.
         if not any(isinstance(c, ResumeChecks) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(ResumeChecks())
-        self._vocabulary_from_data()
+        self._before_run()
 
     def before_validate(self) -> None:
-        self._vocabulary_from_data()
+        self._before_run()
 
     def before_test(self) -> None:
+        self._before_run()
+
+    def before_predict(self) -> None:
+        self._quiet_console()
+
+    def _before_run(self) -> None:
+        self._quiet_console()
         self._vocabulary_from_data()
+
+    def _quiet_console(self) -> None:
+        """The console a newcomer reads (README, "What the console prints"): the step budget in the progress bar,
+        the package's FLOPs in the summary, no W&B warning Lightning's logger causes, one message for an early
+        error (:class:`~lightning_llm.cli.errors.FirstBatch`)."""
+        upgrade_console(self.trainer.callbacks)
+        for logger in self.trainer.loggers:
+            compat.drop_unset_wandb_anonymous(logger)
+        self.trainer.callbacks.append(FirstBatch())
 
     def _vocabulary_from_data(self) -> None:
         init_args = self.config[self.subcommand].get("model", Namespace()).get("init_args") or Namespace()
         adopt_data_vocabulary(self.model, self.datamodule, init_args.get("config"))
+
+
+def _refuse_unknown_strategy(strategy) -> None:
+    """A strategy name nobody registered: the package's presets and the closest name, not Lightning's examples."""
+    if not isinstance(strategy, str):
+        return
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, PARALLEL_PRESETS
+
+    presets = [name for name, _, _ in [*PARALLEL_PRESETS, *DEEPSPEED_PRESETS]]
+    refusal = unknown_strategy(strategy, StrategyRegistry.available_strategies(), presets)
+    if refusal is not None:
+        raise CommandError(refusal)
 
 
 def _offline_unless_configured(trainer) -> None:

@@ -6,6 +6,10 @@ inf/NaN only in this rank's gradients. Under tensor, pipeline or sharded data pa
 shards and stages, so an overflow one rank finds must skip the step on all of them, or the replicas drift apart.
 :class:`DistributedGradScaler` unscales each gradient's local shard (the same elements, in place) and takes the
 maximum of the found-inf flag over the process group, as FSDP1's ``ShardedGradScaler`` does for its flat shards.
+
+A scaler the user made stays theirs: :func:`distributed_in_place` gives that object this behavior (its class becomes
+:class:`DistributedGradScaler`, or a subclass of the user's own class), so ``scaler.get_scale()`` in a callback is the
+run's scale and its ``state_dict`` is what the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -55,6 +59,35 @@ class DistributedGradScaler(torch.amp.GradScaler):
             flag += value.to(flag.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # every rank, every step: one collective
         return {device: flag.to(device) for device in per_device} or {flag.device: flag}
+
+
+def distributed_in_place(scaler: torch.amp.GradScaler, group: dist.ProcessGroup | None = None) -> torch.amp.GradScaler:
+    """``scaler`` itself, made a :class:`DistributedGradScaler` (same object, state and settings; a subclass of the
+    user's class where it is not torch's own), so the object the user holds is the one that scales the run.
+
+    A copy would train right but leave the user's scaler at its initial scale while the run's changes (a callback
+    logging it would report a value that is not true). Outside a process group the added check is a no-op.
+
+    Example::
+
+        scaler = torch.amp.GradScaler("cuda")
+        distributed_in_place(scaler) is scaler  # True; isinstance(scaler, DistributedGradScaler) too
+    """
+    if not isinstance(scaler, DistributedGradScaler):
+        cls = type(scaler)
+        scaler.__class__ = DistributedGradScaler if cls is torch.amp.GradScaler else _distributed_subclass(cls)
+    scaler.group = group
+    return scaler
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _distributed_subclass(cls: type) -> type:
+    """``Distributed<cls>``: the user's scaler class with :class:`DistributedGradScaler`'s unscale first."""
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Distributed{cls.__name__}", (DistributedGradScaler, cls), {"__module__": __name__})
+    return _SUBCLASSES[cls]
 
 
 class _LocalShards:

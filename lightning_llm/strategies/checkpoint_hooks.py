@@ -1,4 +1,5 @@
-"""LLMParallelStrategy's checkpoint hooks: sharded DCP through its ``ShardedCheckpoints``, or the parent's full file.
+"""LLMParallelStrategy's checkpoint hooks: saves as sharded DCP through its ``ShardedCheckpoints`` or the parent's
+full file; loads of any Lightning checkpoint through ``ShardedCheckpoints``.
 
 Lightning's save, load and optimizer-state hooks, and the contract's checkpoint members, as one part of the
 strategy (:class:`CheckpointHooksMixin`); what a sharded save or load does is in
@@ -65,7 +66,8 @@ class CheckpointHooksMixin(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load into this layout, whatever layout saved it; strict unless ``strict_loading=False``; verified first.
+        """Load into this layout, whatever strategy and layout saved it; strict unless ``strict_loading=False``;
+        verified first.
 
         Also inside ``torch.inference_mode()`` (``trainer.test(ckpt_path=...)`` there): FSDP2's state-dict hooks
         cannot run on inference tensors, so the load runs outside it."""
@@ -81,16 +83,8 @@ class CheckpointHooksMixin(ModelParallelStrategy):
         trainer, strict = self.lightning_module._trainer, self.lightning_module.strict_loading
         # Optimizer state only to fit, as Lightning's connector restores it: a test after fit still holds them.
         optimizers = self.optimizers if trainer is None or trainer.state.fn == TrainerFn.FITTING else []
-        if not cfs.isfile(path):
-            return self.checkpoints.load(self.model, optimizers, path, strict, weights_only)
-        self.checkpoints.check_file(self.model, path, strict, weights_only)  # weights-only unless told False
-        held, self.optimizers = self.optimizers, []  # Lightning's loader reads the model; the optimizers: below
-        try:
-            checkpoint = super().load_checkpoint(cfs.local_path(path), weights_only=weights_only is not False)
-        finally:
-            self.optimizers = held
-        self.checkpoints.load_file_optimizers(self.model, optimizers, checkpoint, strict, str(path))
-        return checkpoint
+        # Any Lightning checkpoint: a file, a sharded or a DeepSpeed directory (ShardedCheckpoints.load says how).
+        return self.checkpoints.load(self.model, optimizers, path, strict, weights_only)
 
     def wait_for_checkpoint(self) -> None:
         """Block until the last asynchronous checkpoint is fully written on this rank."""

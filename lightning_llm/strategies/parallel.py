@@ -192,6 +192,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        self.checkpoints.check_checkpoint_io(self.checkpoint_io)
         if trainer.state.fn == TrainerFn.FITTING and not state.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         parallel_setup.log_layout(self.options, state)
@@ -204,6 +205,11 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         # The first step's fp8 weight scales too, from the weights after any checkpoint load: without them FSDP2's
         # fp8 all-gather reduces each weight's amax over the dp axis only, so under TP each tp shard has its own.
         self._precompute_fp8_scales()
+
+    @override
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.run_state.batch_line_pending:  # a plain DataLoader: the global batch read off the first batch
+            parallel_setup.log_global_batch(self.lightning_module.trainer, self.options, self.run_state, batch)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

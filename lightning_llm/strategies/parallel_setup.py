@@ -7,11 +7,13 @@ LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_llm.data.batch import batch_tokens
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.log_redirect import redirected_log
@@ -245,14 +247,35 @@ def global_batch(trainer, options: StrategyOptions, state: RunState) -> tuple[in
     return sequences, sequences * int(seq_len) if seq_len else None
 
 
-def log_global_batch(trainer, options: StrategyOptions, state: RunState) -> None:
-    """One line on rank 0 when fitting: the global batch in sequences and tokens ("unknown" where not known)."""
+def log_global_batch(trainer, options: StrategyOptions, state: RunState, batch: Any = None) -> None:
+    """One line on rank 0 when fitting: the global batch in sequences and tokens. Where neither the strategy's
+    options nor the datamodule say the micro-batch (a plain DataLoader), it is read off the first batch instead:
+    called again then with ``batch`` (:meth:`LLMParallelStrategy.on_train_batch_start`)."""
     if trainer.state.fn != TrainerFn.FITTING:
         return
     sequences, tokens = global_batch(trainer, options, state)
-    dp, accumulate = state.parallel_dims.dp, trainer.accumulate_grad_batches
+    dp, accumulate = state.parallel_dims.dp, int(trainer.accumulate_grad_batches)
+    if sequences is None and batch is None:
+        state.batch_line_pending = True
+        return
+    if sequences is None:
+        state.batch_line_pending = False
+        try:
+            samples, _ = batch_tokens(batch, shifted_targets=False)
+        except TypeError:  # not a (batch, seq_len) tensor or a dict of them: nothing to count
+            return
+        length = _sequence_length(batch)
+        sequences = samples * dp * accumulate
+        tokens = sequences * length
     rank_zero_info(
-        f"LLMParallelStrategy: global batch {sequences if sequences is not None else 'unknown'} sequences, "
-        f"{tokens if tokens is not None else 'unknown'} tokens per optimizer step (micro-batch × dp={dp} × "
-        f"accumulate_grad_batches={accumulate} × seq_len)"
+        f"LLMParallelStrategy: global batch {sequences} sequences, {tokens if tokens is not None else 'unknown'} "
+        f"tokens per optimizer step (micro-batch × dp={dp} × accumulate_grad_batches={accumulate} × seq_len)"
     )
+
+
+def _sequence_length(batch: Any) -> int:
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    return int(batch.shape[1])

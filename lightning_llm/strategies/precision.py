@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llm._compat.torch import steps_with_amp_scaling
-from lightning_llm.parallel.grad_scaler import DistributedGradScaler
+from lightning_llm.parallel.grad_scaler import distributed_in_place
 
 ClipFn = Callable[[Optimizer, float], None]
 
@@ -82,7 +82,9 @@ def global_norm_precision(plugin: Precision | None, clip_fn: ClipFn) -> Precisio
     """The global-norm-clipping counterpart of Lightning's ``plugin`` (the same settings), or ``plugin`` itself.
 
     A plugin of another class (a user's own, bitsandbytes, transformer-engine) is returned unchanged;
-    :func:`check_clipping` refuses norm clipping with it before training.
+    :func:`check_clipping` refuses norm clipping with it before training. The counterpart holds the plugin's own loss
+    scaler, given the cross-rank unscale in place (:func:`~lightning_llm.parallel.grad_scaler.distributed_in_place`):
+    the scaler the user passed is the one that scales.
 
     Example::
 
@@ -93,8 +95,9 @@ def global_norm_precision(plugin: Precision | None, clip_fn: ClipFn) -> Precisio
     if type(plugin) is Precision:
         ours = GlobalNormPrecision()
     elif type(plugin) is MixedPrecision:
-        # fp16's loss scaler unscales plain and DTensor gradients alike and skips a step on every rank together.
-        scaler = None if plugin.scaler is None else DistributedGradScaler.like(plugin.scaler, plugin.device)
+        # fp16's loss scaler unscales plain and DTensor gradients alike and skips a step on every rank together; it
+        # stays the user's object (a callback reading the scaler they passed sees the run's scale).
+        scaler = None if plugin.scaler is None else distributed_in_place(plugin.scaler)
         ours = GlobalNormMixedPrecision(plugin.precision, plugin.device, scaler)
     elif type(plugin) is HalfPrecision:
         ours = GlobalNormHalfPrecision(plugin.precision)

@@ -32,6 +32,7 @@ class RunState:
     model_shape: ModelShape | None = None  # read before the model is sharded and cut into stages
     agreed_seed: int | None = None  # rank 0's seed, when setup found the ranks' generators differing
     meta_writes: Any = None  # values configure_model copied into meta tensors (parallel.init.meta_writes)
+    batch_line_pending: bool = False  # the global batch is logged from the first batch (a plain DataLoader)
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:

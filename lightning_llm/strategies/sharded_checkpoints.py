@@ -3,11 +3,12 @@
 Saves go through :mod:`lightning_llm.checkpointing.dcp` (one shard per rank, optimizer state keyed by
 parameter name), or Lightning's full-state file with ``save_distributed_checkpoint=False``; both carry the
 model's class and config for a Hugging Face export (:mod:`lightning_llm.hf.export_info`); a failed write
-raises the same error on every rank. Loads are strict both ways unless the module sets ``strict_loading=False``,
-and a checkpoint committed by CheckpointRotation is verified against its checksums first.
+raises the same error on every rank. Loads take any Lightning checkpoint (one device, DDP, FSDPStrategy,
+ModelParallelStrategy, DeepSpeed, this strategy's own) into any layout, strict both ways unless the module sets
+``strict_loading=False``; a checkpoint committed by CheckpointRotation is verified against its checksums first.
 
 :class:`ShardedCheckpoints` does the sharded part; the strategy's Lightning hooks call it and fall back to
-Lightning's own full-file save and load.
+Lightning's own full-file save.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from lightning_llm._compat.lightning import unwrap_optimizer
 from lightning_llm.checkpointing import dcp as dcp_checkpoint
+from lightning_llm.checkpointing import dcp_load
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.deepspeed_read import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from lightning_llm.checkpointing.errors import SAVE_ERRORS, SaveFailed, describe
-from lightning_llm.checkpointing.optimizer_layout import from_named_groups, named_by_position
+from lightning_llm.checkpointing.full_load import load_full, read_full_file
+from lightning_llm.checkpointing.optimizer_layout import from_named_groups
 from lightning_llm.hf.export_info import EXPORT_KEY, describe_model
 from lightning_llm.strategies.parallel_contract import AsyncSave
 
@@ -41,6 +48,20 @@ class ShardedCheckpoints:
         self.distributed = distributed
         self.saver = dcp_checkpoint.AsyncSaver()
 
+    def check_checkpoint_io(self, checkpoint_io: Any) -> None:
+        """Say once that a CheckpointIO the user gave is not what writes sharded checkpoints (DCP does, one shard per
+        rank, as under Lightning's ModelParallelStrategy); a full-file save (``save_distributed_checkpoint=False``)
+        goes through it."""
+        kind = type(checkpoint_io)
+        if not self.distributed or kind is TorchCheckpointIO or kind.__module__.startswith("lightning_llm."):
+            return
+        rank_zero_warn(
+            f"LLMParallelStrategy writes sharded checkpoints with torch.distributed.checkpoint, so your checkpoint_io "
+            f"({kind.__name__}) is not used for saves, as under Lightning's ModelParallelStrategy. "
+            "LLMParallelStrategy(save_distributed_checkpoint=False) writes one file through it; for asynchronous "
+            "sharded saves use CheckpointRotation(async_save=True)."
+        )
+
     def optimizer_state(self, model, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (see :mod:`lightning_llm.checkpointing.dcp`)."""
         return dcp_checkpoint.optimizer_state(model, optimizer)
@@ -51,27 +72,6 @@ class ShardedCheckpoints:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(model, unwrap_optimizer(optimizer), options=options)
         return from_named_groups(state) if state else {}
-
-    def load_file_optimizers(
-        self, model, optimizers: list, checkpoint: dict[str, Any], strict: bool, source: str = "checkpoint"
-    ) -> None:
-        """Load each optimizer's state from a full checkpoint (``checkpoint["optimizer_states"]``, torch's layout
-        or name-keyed), reading positions in the optimizer's own group order (:func:`named_by_position`);
-        ``source`` names the file in a refusal."""
-        if optimizers and "optimizer_states" not in checkpoint:
-            raise KeyError(
-                "Trying to restore optimizer state but the checkpoint contains only the model. This is probably due "
-                "to `ModelCheckpoint.save_weights_only` being set to `True`."
-            )
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-            optimizer = unwrap_optimizer(optimizer)
-            if state.get("state") and isinstance(next(iter(state["state"])), int):
-                try:
-                    state = named_by_position(model, optimizer, state)
-                except ValueError as err:
-                    raise ValueError(f"Checkpoint {source}: {err}") from None
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
     def save(self, checkpoint: dict[str, Any], path: str, rank: int, storage_options: Any | None) -> bool:
         """Write ``checkpoint`` as DCP shards at ``path`` (in the background when ``storage_options`` is an
@@ -88,15 +88,25 @@ class ShardedCheckpoints:
             return True
         return False
 
-    def check_file(self, model, path, strict: bool, weights_only: bool | None = None) -> None:
-        """Refuse a full checkpoint file that holds more than tensors and plain values (read weights-only), (when
-        ``strict``) one whose tensors do not match the model's, both ways, and one saved untied for a model that
-        ties. ``weights_only=False``: the caller trusts the file (``trainer.fit(..., weights_only=False)``)."""
-        dcp_checkpoint.check_file(model, path, strict, weights_only)
-
     def load(self, model, optimizers, path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-        """Load a DCP checkpoint directory into this layout, whatever layout saved it (DCP reshards by name)."""
-        return dcp_checkpoint.load(model, optimizers, path, strict, weights_only)
+        """Load any Lightning checkpoint into this layout, whatever strategy and layout saved it; returns Lightning's
+        other entries (loops, callbacks, schedulers).
+
+        A sharded directory (this strategy's, ModelParallelStrategy's, FSDPStrategy's) through DCP, which reshards
+        by name (:mod:`lightning_llm.checkpointing.dcp_load`); a DeepSpeed directory through DeepSpeed's own
+        consolidation (:mod:`lightning_llm.checkpointing.deepspeed_read`); a single file (one device, DDP,
+        FSDPStrategy's full files) read whole on every rank, each keeping its shards
+        (:mod:`lightning_llm.checkpointing.full_load`).
+        """
+        if cfs.isfile(path):
+            checkpoint = read_full_file(path, weights_only)
+        elif is_deepspeed_checkpoint(cfs.local_path(path)):
+            checkpoint = read_deepspeed_checkpoint(cfs.local_path(path), weights_only)
+        else:
+            return dcp_load.load(model, optimizers, path, strict, weights_only)
+        load_full(model, optimizers, checkpoint, str(path), strict)
+        checkpoint.pop("state_dict")  # loaded; Lightning's own loader hands on the rest the same way
+        return checkpoint
 
     def wait(self) -> None:
         """Block until the last asynchronous checkpoint is fully written on this rank."""

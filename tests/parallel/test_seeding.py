@@ -103,8 +103,12 @@ def test_global_batch_is_micro_batch_times_dp_times_accumulation(monkeypatch):
     assert parallel_setup.global_batch(*_run(batch_size=4)) == (24, None)
     assert parallel_setup.global_batch(*_run()) == (None, None)
     parallel_setup.log_global_batch(*_run(batch_size=4))
-    parallel_setup.log_global_batch(*_run())
+    plain_loader = _run()  # neither the options nor a datamodule say the micro-batch: read off the first batch
+    parallel_setup.log_global_batch(*plain_loader)
+    assert plain_loader[2].batch_line_pending and len(lines) == 1
+    parallel_setup.log_global_batch(*plain_loader, batch={"input_ids": torch.zeros(5, 16, dtype=torch.long)})
+    assert not plain_loader[2].batch_line_pending
     parallel_setup.log_global_batch(*_run(batch_size=4, seq_len=32, fn="validate"))  # not fitting: nothing
     assert len(lines) == 2
     assert "global batch 24 sequences, unknown tokens" in lines[0]
-    assert "global batch unknown sequences, unknown tokens" in lines[1]
+    assert "global batch 30 sequences, 480 tokens" in lines[1]  # 5 x dp 2 x accumulate 3, x 16
