@@ -126,7 +126,9 @@ def test_user_classes_keep_their_own_defaults(form, tmp_path, monkeypatch):
 
 
 def test_help_lists_every_subcommand(capsys):
-    main(["--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "{fit,validate,test,predict,plan,prepare,export}" in out.splitlines()[0]
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ") and not line.startswith("   ")]

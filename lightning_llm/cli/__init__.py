@@ -61,7 +61,7 @@ def main(args: list[str] | None = None) -> None:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and Lightning relaunches it for the other ranks)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
-        return
+        sys.exit(0)  # as argparse's --help does
     command = next((arg for arg in argv if arg in SUBCOMMANDS), "")
     errors.FirstBatch.started = False  # this call's run (main may be called again in one process)
     try:

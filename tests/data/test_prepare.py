@@ -350,8 +350,10 @@ def test_command_line_prints_one_line_per_file_and_names_bad_values(tmp_path, ca
     assert exit_info.value.code == 2 and "text_key='body'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
-    # argparse wraps the epilog at hyphens too ("lightning-\nllm").
-    assert "lightning-llm prepare FILES" in " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    assert "prepare   tokenize .txt/.jsonl files" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    assert "usage: lightning-llm prepare [-h] --output_dir OUTPUT_DIR" in capsys.readouterr().out
 
 
 class _Batches(L.Callback):
