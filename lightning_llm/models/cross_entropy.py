@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm._compat.versions import torch_at_least
 from lightning_llm.validation import check_choice, check_int
 
 IMPLEMENTATIONS = ("auto", "torch", "liger")
@@ -35,6 +36,11 @@ CHUNK_LOGITS_BYTES = 2**29
 # Mesh axes FSDP2 and replicate shard or copy parameters over: lightning_llm.parallel.mesh's data-parallel axes and
 # Lightning's ModelParallelStrategy's. A head's DTensor weight on any other axis is split by tensor parallelism.
 DATA_PARALLEL_AXES = frozenset({"dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "data_parallel"})
+# Pipelining's zero-bubble schedules split a backward at the nodes the input and weight gradients share, and the
+# weight pass asks such a node for its input metadata, which torch < 2.13 cannot give for a Python Function's node
+# ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase", seen on torch 2.11 with
+# InterleavedZeroBubble). There the weight's gradient leaves the Function by built-in ops instead.
+WEIGHT_GRAD_THROUGH_FUNCTION = torch_at_least("2.13")
 
 
 def default_chunk_size(vocab_size: int, tokens: int) -> int:
@@ -106,7 +112,19 @@ def linear_cross_entropy(
         return _liger(hidden.to(dtype), weight.to(dtype), targets, ignore_index)
     grads = (hidden.requires_grad, weight.requires_grad) if torch.is_grad_enabled() else (False, False)
     size = chunk_size or default_chunk_size(weight.shape[0], hidden.shape[0])
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, size, dtype, grads)
+    if WEIGHT_GRAD_THROUGH_FUNCTION or not grads[1]:
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, size, dtype, grads)
+    loss, grad_weight = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight.detach(), targets, ignore_index, size, dtype, grads, True
+    )
+    return _with_gradient(loss, weight, grad_weight)
+
+
+def _with_gradient(loss: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``loss`` unchanged in value, with ``grad`` (times the incoming gradient) as its gradient for ``weight``,
+    through built-in ops: ``link - link.detach()`` is exactly zero and its gradient is ``grad``."""
+    link = (weight * grad).sum()
+    return loss + (link - link.detach())
 
 
 def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **options) -> torch.Tensor:
@@ -159,7 +177,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in the forward, chunk by chunk; the backward scales the stored gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype, needs_grads):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, dtype, needs_grads, return_grad_weight=False):
         with _autocast_off(hidden.device.type):
             loss, grad_hidden, grad_weight = _loss_and_grads(
                 hidden,
@@ -171,17 +189,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grads=needs_grads,
             )
         ctx.dtypes = hidden.dtype, weight.dtype
+        if return_grad_weight:  # see WEIGHT_GRAD_THROUGH_FUNCTION: the caller attaches it to the weight
+            ctx.save_for_backward(grad_hidden, None)
+            ctx.mark_non_differentiable(grad_weight)
+            return loss, grad_weight
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_of_grad_weight=None):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         # Out of place: a second backward (retain_graph=True) finds the stored gradients unchanged.
         grad_hidden = (grad_hidden * grad_loss).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad_weight * grad_loss).to(weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _loss_and_grads(

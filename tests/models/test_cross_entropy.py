@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.models import CausalLM, LlamaConfig, head_cross_entropy, linear_cross_entropy
+from lightning_llm.models import cross_entropy
 from lightning_llm.models.cross_entropy import default_chunk_size, vocab_parallel
 from lightning_llm.testing import run_distributed
 
@@ -39,6 +40,23 @@ def test_loss_and_gradients_match_f_cross_entropy_in_fp32(chunk_size):
     loss = linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size)
     got = (loss, *torch.autograd.grad(loss, (hidden, weight)))
     for a, b in zip(got, _reference(hidden, weight, targets)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("through_function", [True, False], ids=["function", "builtin_ops"])
+def test_both_weight_gradient_routes_match_and_split_at_a_gradient_edge_as_zero_bubble_does(
+    through_function, monkeypatch
+):
+    # builtin_ops: torch < 2.13's route (see WEIGHT_GRAD_THROUGH_FUNCTION), run on every torch here.
+    monkeypatch.setattr(cross_entropy, "WEIGHT_GRAD_THROUGH_FUNCTION", through_function)
+    hidden, weight, targets = _inputs()
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    want = _reference(hidden, weight, targets)
+    # Pipelining's split backward: input gradients first, then weights from the loss node's gradient edge.
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    edge = torch.autograd.graph.GradientEdge(loss.grad_fn, 0)
+    (grad_weight,) = torch.autograd.grad([edge], [weight], grad_outputs=[torch.tensor(2.0)])
+    for a, b in zip((loss, grad_hidden, grad_weight), (want[0], want[1], 2.0 * want[2])):
         torch.testing.assert_close(a, b, **TOL)
 
 
