@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_llm.models import CausalLM, LlamaConfig, head_cross_entropy, linear_cross_entropy
-from lightning_llm.models import cross_entropy
+from lightning_llm.models import CausalLM, LlamaConfig, cross_entropy, head_cross_entropy, linear_cross_entropy
 from lightning_llm.models.cross_entropy import default_chunk_size, vocab_parallel
 from lightning_llm.testing import run_distributed
 
