@@ -12,11 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_llm._compat.torch_distributed import flatten_mesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Meshes built in this process, by device type and shape, with the world group they were built in. Each mesh makes a
+# process group per axis (gloo: threads per peer) that nothing frees, so a later fit in the same process (a sweep,
+# Lightning's tuner, a test session) takes the same mesh instead of adding groups; a new world builds anew.
+_MESHES: dict[tuple, tuple[object, DeviceMesh, dict[str, DeviceMesh]]] = {}
 
 
 @dataclass
@@ -112,13 +117,20 @@ class ParallelDims:
         context parallelism, ``dp_shard_cp`` and ``dp_cp``), and the names Lightning's ``ModelParallelStrategy`` gives
         its mesh (``data_parallel``, ``tensor_parallel``), so a ``configure_model`` written for it finds its axes here."""
         shape = tuple(getattr(self, axis) for axis in AXES)
-        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        world = dist.group.WORLD if dist.is_initialized() else None
+        built = _MESHES.get((device_type, shape))
+        if built is None or world is None or built[0] is not world:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            built = _MESHES[(device_type, shape)] = (world, mesh, self._flattened(mesh))
+        _, self.mesh, self.flattened = built
+        return self.mesh
+
+    def _flattened(self, mesh: DeviceMesh) -> dict[str, DeviceMesh]:
         axes = {"dp": ("dp_replicate", "dp_shard"), "data_parallel": ("dp_replicate", "dp_shard")}
         axes["tensor_parallel"] = ("tp",)
         if self.cp > 1:
             axes |= {"dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
-        self.flattened = {name: flatten_mesh(self.mesh[dims], name) for name, dims in axes.items()}
-        return self.mesh
+        return {name: flatten_mesh(mesh[dims], name) for name, dims in axes.items()}
 
     def axis(self, name: str) -> DeviceMesh:
         """The 1-D mesh of axis ``name``: one of the five or a flattened one (``dp``, ``data_parallel``, ...).

@@ -200,3 +200,25 @@ def test_sharded_checkpoint_reshards_into_other_layouts(tmp_path):
     assert state["global_step"] == STEPS // 2
     for name, tensor in plain.state_dict().items():
         torch.testing.assert_close(tensor, saved_state[name], rtol=0, atol=0)
+
+
+def _threads() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
+
+
+def _fits_in_one_process():
+    # Two fits of the same layout, then one of another: the OS's thread count after each (gloo runs threads per group).
+    counts, meshes = [], []
+    for tp in (2, 2, 1):
+        train("reference", LLMParallelStrategy(tensor_parallel_size=tp, zero_stage=3), devices=2, dp=2 // tp, steps=1)
+        counts.append(_threads())
+        meshes.append(ParallelDims(world_size=2, tp=tp).build_mesh("cpu"))
+    return counts, [meshes[0] is meshes[1], meshes[1] is meshes[2]]
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_a_second_fit_in_one_process_takes_the_same_mesh_and_adds_no_threads():
+    for counts, same in run_distributed(_fits_in_one_process, 2, timeout=240):
+        assert same == [True, False]  # one mesh per shape
+        assert counts[1] == counts[0], counts  # the second fit of a layout started no more gloo threads
