@@ -117,11 +117,10 @@ class ParallelDims:
         context parallelism, ``dp_shard_cp`` and ``dp_cp``), and the names Lightning's ``ModelParallelStrategy`` gives
         its mesh (``data_parallel``, ``tensor_parallel``), so a ``configure_model`` written for it finds its axes here."""
         shape = tuple(getattr(self, axis) for axis in AXES)
-        world = dist.group.WORLD if dist.is_initialized() else None
         built = _MESHES.get((device_type, shape))
-        if built is None or world is None or built[0] is not world:
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-            built = _MESHES[(device_type, shape)] = (world, mesh, self._flattened(mesh))
+        if built is None or not dist.is_initialized() or built[0] is not dist.group.WORLD:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)  # initializes the world if not yet
+            built = _MESHES[(device_type, shape)] = (dist.group.WORLD, mesh, self._flattened(mesh))
         _, self.mesh, self.flattened = built
         return self.mesh
 
