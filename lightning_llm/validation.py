@@ -117,13 +117,13 @@ def check_timeout(name: str, value: Any, optional: bool = False) -> timedelta | 
 
 
 def check_memory_size(name: str, value: Any) -> None:
-    """``None``, a positive number of bytes, or a positive size string such as ``"80GB"``."""
+    """``None``, a positive number of bytes, or a device's memory as a string: ``"H100"``, ``"80GB"``, ``"24GiB"``."""
     if value is not None and not isinstance(value, str):
         check_int(name, value, minimum=1, hint="bytes per device, or a size such as '80GB'")
     elif value is not None:
-        from lightning_llm.planning.zero import parse_size
+        from lightning_llm.planning.device_memory import device_memory_bytes
 
-        if parse_size(value) <= 0:
+        if device_memory_bytes(value) <= 0:
             raise ValueError(f"{name}={value!r} must be a positive size such as '80GB'.")
 
 

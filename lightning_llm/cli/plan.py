@@ -29,14 +29,19 @@ def plan(args: list[str]) -> str:
 
     import torch
 
-    from lightning_llm.planning.zero import MemoryPlanError, parse_size
+    from lightning_llm.planning.device_memory import device_memory_bytes
+    from lightning_llm.planning.zero import MemoryPlanError
     from lightning_llm.strategies.zero_auto import choose_zero_stage
 
     parser = argparse.ArgumentParser(prog="lightning-llm plan", description=plan.__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a lightning-llm / LightningCLI YAML config")
     parser.add_argument("--devices", type=int, help="devices per node (default: the config's trainer.devices)")
     parser.add_argument("--num_nodes", type=int, help="nodes (default: the config's trainer.num_nodes)")
-    parser.add_argument("--device_memory", default="80GB", help="memory per device, e.g. 80GB, 141GB, 24GiB")
+    parser.add_argument(
+        "--device_memory",
+        default="80GB",
+        help="memory per device: a name (H100, H200, A100-40GB), a size as sold (80GB, 141GB) or exact (79.6GiB)",
+    )
     parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
     options = parser.parse_args(args)
@@ -61,7 +66,7 @@ def plan(args: list[str]) -> str:
     backend = options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native")
     hparams = cli.datamodule.hparams
     settings = dict(
-        device_memory=parse_size(options.device_memory),
+        device_memory=device_memory_bytes(options.device_memory),
         world_size=devices * nodes,
         tp=strategy.tensor_parallel_size if native else 1,
         pp=strategy.pipeline_parallel_size if native else 1,
@@ -90,7 +95,7 @@ def plan(args: list[str]) -> str:
     sequences = settings["micro_batch_size"] * dp * cli.trainer.accumulate_grad_batches
     header = (
         f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
-        f"{options.device_memory}; tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
+        f"{options.device_memory} ({settings['device_memory'] / 2**30:.1f} GiB); tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
         f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}\n"
         f"global batch: {sequences} sequences, {sequences * settings['seq_len']:,} tokens per optimizer step "
         f"(micro-batch {settings['micro_batch_size']} x dp {dp} x accumulate_grad_batches "
@@ -159,7 +164,7 @@ def _quiet():
 
 def _check_plan_options(options) -> None:
     """Flags of ``plan`` that are wrong whatever the model: refused before anything is built."""
-    from lightning_llm.planning.zero import parse_size
+    from lightning_llm.planning.device_memory import device_memory_bytes
 
     for flag, value in (("--devices", options.devices), ("--num_nodes", options.num_nodes)):
         if value is not None:
@@ -167,7 +172,7 @@ def _check_plan_options(options) -> None:
     check_float("--margin", options.margin, minimum=0, hint="the fraction of device memory kept free, in [0, 1)")
     if options.margin >= 1:
         raise ValueError(f"--margin={options.margin!r} must be below 1 (the fraction of device memory kept free).")
-    if parse_size(options.device_memory) <= 0:
+    if device_memory_bytes(options.device_memory) <= 0:
         raise ValueError(f"--device_memory={options.device_memory!r} must be a positive size such as 80GB.")
 
 

@@ -280,7 +280,7 @@ def measure_model_activations(
 
         sizes = measure_model_activations(module, micro_batch_size=1, seq_len=4096, saves_output=saves_output)
     """
-    device = next(module.parameters()).device
+    device = planning_device(module)
     batch = (
         batch_fn(micro_batch_size, seq_len)
         if batch_fn
@@ -291,7 +291,7 @@ def measure_model_activations(
     outside = []
 
     def measure(sample: list) -> MeasuredBlocks:
-        sizes = measure_activations(module, sample, step, saves_output=saves_output)
+        sizes = measure_activations(module, sample, step, device=device, saves_output=saves_output)
         outside.append(sizes.outside)
         return sizes
 
@@ -305,6 +305,18 @@ def measure_model_activations(
     )
     result.outside = outside[-1] // 2 if half else outside[-1]
     return result
+
+
+def planning_device(module: nn.Module) -> torch.device:
+    """Where a model's forward is faked to measure it: its parameters' device, or the CPU for a meta-device model.
+
+    On the meta device ``scaled_dot_product_attention`` takes its math path, which keeps the whole attention matrix
+    (heads x s^2 per layer) for backward; no kernel a run uses keeps it (flash, memory-efficient and cuDNN attention on
+    GPUs, the flash kernel on CPUs: each keeps q, k, v, the output and the log-sum-exp). Fake CPU tensors dispatch to
+    the CPU flash kernel, so what a meta model saves is counted as a run saves it, still without allocating.
+    """
+    device = next(module.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def measure_activations(

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from lightning_llm.models.cross_entropy import head_cross_entropy, vocab_parallel
-from lightning_llm.models.llama import PRESETS, Llama, LlamaConfig
+from lightning_llm.models.llama import Llama, LlamaConfig
 from lightning_llm.models.moe import MoEFeedForward, Router, update_expert_biases
+from lightning_llm.models.presets import PRESETS
 from lightning_llm.validation import check_bool, check_float, check_int
 
 
@@ -50,7 +51,7 @@ class CausalLM(L.LightningModule):
     and ``val_loss``/``val_ppl`` per validation run.
 
     Arguments:
-        config: a preset name from :data:`~lightning_llm.models.llama.PRESETS` or a full :class:`LlamaConfig`.
+        config: a preset name from :data:`~lightning_llm.models.presets.PRESETS` or a full :class:`LlamaConfig`.
         learning_rate: peak learning rate of AdamW.
         weight_decay: decoupled weight decay for matrices; norms and biases get none.
         betas: AdamW betas (0.9, 0.95) as in GPT-3 and Llama.

@@ -22,6 +22,7 @@ from lightning_llm.parallel.devices import total_device_memory
 from lightning_llm.parallel.kv_cache import disable_kv_cache
 from lightning_llm.parallel.pipeline.stages import split_microbatches
 from lightning_llm.planning.activation_budget import plan_for_budget, resolve_budget
+from lightning_llm.planning.device_memory import device_memory_bytes
 from lightning_llm.strategies.zero_auto import example_batch
 
 
@@ -82,7 +83,8 @@ def _auto_policies(trainer, module, blocks, *, options, tp, sequence_parallel, n
     # Per rank: what a block keeps is split over tp (heads, MLP width); its input only under SP.
     saved = [s.saved // tp for s in sizes]
     inputs = [s.input // (tp if sequence_parallel else 1) for s in sizes]
-    budget = resolve_budget(options.budget, options.device_memory or total_device_memory(device))
+    memory = options.device_memory
+    budget = resolve_budget(options.budget, device_memory_bytes(memory) if memory else total_device_memory(device))
     policies, predicted = plan_for_budget(saved, inputs, budget)
     rank_zero_info(
         f"Activation checkpointing 'auto': budget {budget / 2**20:.1f} MiB, measured {sum(saved) / 2**20:.1f} MiB "

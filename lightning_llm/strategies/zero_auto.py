@@ -26,8 +26,9 @@ from lightning_llm.parallel.activation_checkpointing import ACOptions, block_pol
 from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
 from lightning_llm.parallel.ep.apply import find_experts
 from lightning_llm.planning.activation_budget import predicted_peak
+from lightning_llm.planning.device_memory import device_memory_bytes
 from lightning_llm.planning.memory import ModelFootprint
-from lightning_llm.planning.zero import GiB, ZeroDecision, parse_size, plan_zero_stage
+from lightning_llm.planning.zero import GiB, ZeroDecision, plan_zero_stage
 
 
 def model_footprint(
@@ -126,7 +127,7 @@ def planning_inputs(
     if not micro_batch_size or not seq_len:
         batch_size, batch_seq_len = first_batch_shape(trainer, device)
         micro_batch_size, seq_len = micro_batch_size or batch_size, seq_len or batch_seq_len
-    memory = parse_size(device_memory) if device_memory is not None else total_device_memory(device)
+    memory = device_memory_bytes(device_memory) if device_memory is not None else total_device_memory(device)
     memory = min_over_ranks(memory)  # every rank plans from the same memory, so all choose the same stage
     return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
 

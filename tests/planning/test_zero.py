@@ -103,7 +103,7 @@ def _sweep(world, preset):
 
 @pytest.mark.parametrize(
     "config, chosen",
-    [("llama7b.yaml", "Chosen: ZeRO 3, offload none"), ("llama70b.yaml", "Chosen: ZeRO 2, offload none")],
+    [("llama7b.yaml", "Chosen: ZeRO 2, offload none"), ("llama70b.yaml", "Chosen: ZeRO 2, offload none")],
 )
 def test_plan_command_prints_the_table_in_seconds(config, chosen):
     start = time.monotonic()
@@ -133,6 +133,20 @@ def test_sizes_parse():
     assert parse_size("80GB") == 80 * 10**9 and parse_size("80GiB") == 80 * 2**30 and parse_size("24G") == 24 * 2**30
     with pytest.raises(ValueError, match="Cannot read the size 'lots'"):
         parse_size("lots")
+
+
+def test_device_memory_reads_names_and_sizes_as_sold_as_the_cards_capacity():
+    from lightning_llm.planning.device_memory import device_memory_bytes
+
+    h100 = 81_559 * 2**20  # nvidia-smi's memory.total of an H100 80GB HBM3: 79.6 GiB, not 80e9 bytes (74.5 GiB)
+    assert device_memory_bytes("H100") == device_memory_bytes("80GB") == device_memory_bytes(" h100 ") == h100
+    assert device_memory_bytes("141GB") == device_memory_bytes("H200") == 143_771 * 2**20
+    assert device_memory_bytes("a100_40gb") == 40 * 2**30
+    assert device_memory_bytes("24GB") == 23_028 * 2**20  # several cards are sold as 24GB: the smallest of them
+    assert device_memory_bytes("96GB") == 96 * 2**30  # no known card: the vendors' binary gigabytes
+    assert device_memory_bytes("80GiB") == 80 * 2**30 and device_memory_bytes(12345) == 12345
+    with pytest.raises(ValueError, match=r"Cannot read the device memory 'B300'.*H100, H200"):
+        device_memory_bytes("B300")
 
 
 def test_fp8_precisions_plan_like_16_bit_weights():
