@@ -23,6 +23,7 @@ from lightning_llm.callbacks.checkpoint_options import (
     staging_location,
     validate_options,
 )
+from lightning_llm.callbacks.preemption import PreemptionFlag, stop_for_preemption
 from lightning_llm.checkpointing import errors, files
 from lightning_llm.checkpointing import fs as cfs
 from lightning_llm.checkpointing.commit import (
@@ -95,6 +96,9 @@ class CheckpointRotation(ModelCheckpoint):
         require_monitor: raise at a save where ``monitor`` was never logged (as Lightning's ModelCheckpoint
             does), naming the metrics that were; before the first validation of a run that validates, only
             warn. ``False``: save such checkpoints without a score.
+        save_on_preemption: on SIGTERM (a preempted or cancelled job), every rank saves the step in progress once it
+            ends, verified, and ``fit`` stops (:mod:`lightning_llm.callbacks.preemption`). ``False`` leaves SIGTERM
+            to Lightning, which stops without saving.
 
     Example::
 
@@ -116,12 +120,14 @@ class CheckpointRotation(ModelCheckpoint):
         async_save: bool = False,
         verify: Literal["files", "load"] = "files",
         require_monitor: bool = True,
+        save_on_preemption: bool = True,
     ) -> None:
         validate_options(
             every_n_train_steps, every_n_minutes, keep_last, monitor, mode, keep_best, save_on_train_end, verify
         )
         check_bool("async_save", async_save)
         check_bool("require_monitor", require_monitor)
+        check_bool("save_on_preemption", save_on_preemption)
         if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):
             raise ValueError(
                 f"dirpath={dirpath!r} names no directory; give a path or URL, or leave it None for "
@@ -149,6 +155,8 @@ class CheckpointRotation(ModelCheckpoint):
         self._pending: Pending | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self.require_monitor, self._validated = require_monitor, False
+        self.save_on_preemption, self._preemption = save_on_preemption, PreemptionFlag()
+        self.preempted = False  # True once a SIGTERM stopped this fit: the job is not finished, relaunch it
         self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
 
     @property
@@ -184,6 +192,7 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._preemption.uninstall()  # also after an exception, before Lightning restores the original handlers
         # The strategy's checkpoint_io is the user's again once the fit that needed checked loads is over.
         if isinstance(trainer.strategy.checkpoint_io, VerifiedLoad):
             trainer.strategy.checkpoint_io = trainer.strategy.checkpoint_io.inner
@@ -208,6 +217,8 @@ class CheckpointRotation(ModelCheckpoint):
         # A resumed run's state at this step is the checkpoint it resumed from: never save it again.
         self._last_saved_step = self._last_step_seen = trainer.global_step
         self._last_save_time = time.monotonic()
+        if self.save_on_preemption:  # after Lightning installed its SIGTERM handler, which this one stands in for
+            self._preemption.install()
         if self._rng_to_restore is not None:  # restored last, so nothing between here and the step draws from it
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
@@ -237,12 +248,25 @@ class CheckpointRotation(ModelCheckpoint):
             self.tokens_seen += batch_tokens(batch, shifted_targets=True)[1] * contract_of(trainer).layout.dp
         step = trainer.global_step
         stepped, self._last_step_seen = step != self._last_step_seen, step
-        if not stepped or step == self._last_saved_step:  # accumulating, or saved already
+        if not stepped:  # accumulating
+            return
+        if self.save_on_preemption and self._preemption.any_rank(trainer.strategy):
+            self._save_for_preemption(trainer, pl_module)
+            return
+        if step == self._last_saved_step:
             return
         by_steps = self.save_every_n_steps is not None and step % self.save_every_n_steps == 0
         by_time = self.every_n_minutes is not None and self._minutes_since_save(trainer) >= self.every_n_minutes
         if by_steps or by_time:
             self._save(trainer, pl_module)
+
+    def _save_for_preemption(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        start, saved_now = time.monotonic(), trainer.global_step != self._last_saved_step
+        self.preempted = True
+        if saved_now:
+            self._save(trainer, pl_module, sync=True)
+        self._finish_pending(trainer)  # an asynchronous save still in flight is committed before the exit
+        stop_for_preemption(trainer, saved_now, time.monotonic() - start)
 
     def _minutes_since_save(self, trainer: L.Trainer) -> float:
         # Rank 0's clock decides, so every rank takes part in the same saves.
@@ -258,11 +282,12 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._preemption.uninstall()
         if self.save_on_train_end and trainer.global_step != self._last_saved_step:
             self._save(trainer, pl_module)
         self._finish_pending(trainer)
 
-    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule, sync: bool = False) -> None:
         self._finish_pending(trainer)
         self._check_monitor(trainer)
         final = cfs.join(self.directory, f"step={trainer.global_step:08d}.ckpt")
@@ -273,7 +298,9 @@ class CheckpointRotation(ModelCheckpoint):
         # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
         # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
         try:
-            if self._async:  # returns once the state is staged in host memory; the files are written meanwhile
+            if (
+                self._async and not sync
+            ):  # returns once the state is staged in host memory; the files are written meanwhile
                 pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
                 if trainer.is_global_zero and self.verify_mode != "load":
                     pending.future = committed_after(
@@ -293,7 +320,7 @@ class CheckpointRotation(ModelCheckpoint):
             pending.error = errors.describe(err, self.directory)
         self._pending = pending
         self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
-        if not self._async or pending.error is not None:
+        if not self._async or sync or pending.error is not None:
             self._finish_pending(trainer)
 
     def _check_monitor(self, trainer: L.Trainer) -> None:

@@ -1,0 +1,91 @@
+"""Driver for tests/callbacks/test_preemption.py: train, optionally take SIGTERM at given steps, save the weights.
+
+    python _preemption.py DIR MAX_STEPS OUT [RANK:STEP,...] [--ranks 2]
+
+``RANK:STEP`` sends SIGTERM to that rank's own process at the end of that optimizer step (a real signal, delivered
+by the OS; several ranks may take it at different steps). The weights at the end are written to OUT (rank 0, whole
+tensors), and a JSON line reports the step reached and the seconds from the first signal to the end of ``fit``.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_llm.callbacks import CheckpointRotation
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+from lightning_llm.strategies import LLMParallelStrategy
+
+
+class SigtermAt(L.Callback):
+    """Sends SIGTERM to this rank's process at its step; notes the wall time in ``{stamp}.{rank}`` for rank 0."""
+
+    def __init__(self, steps: dict[int, int], stamp: str) -> None:
+        self.steps, self.stamp = steps, stamp
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.steps.get(trainer.global_rank) == trainer.global_step:
+            with open(f"{self.stamp}.{trainer.global_rank}", "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def first_signal(self) -> float | None:
+        stamps = [Path(f"{self.stamp}.{rank}") for rank in self.steps]
+        times = [float(p.read_text()) for p in stamps if p.exists()]
+        return min(times, default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("max_steps", type=int)
+    parser.add_argument("out")
+    parser.add_argument("signals", nargs="?", default="")
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--async_save", action="store_true")
+    args = parser.parse_args()
+    steps = {int(r): int(s) for r, s in (item.split(":") for item in args.signals.split(",") if item)}
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    sigterm = SigtermAt(steps, args.out + ".signal")
+    rotation = CheckpointRotation(
+        dirpath=args.directory, every_n_train_steps=4, keep_last=2, async_save=args.async_save
+    )
+    layout = dict(devices=2, strategy=LLMParallelStrategy(zero_stage=3)) if args.ranks == 2 else {}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rotation, sigterm],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        **layout,
+    )
+    module = CausalLM("tiny", warmup_steps=2)
+    trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=4), ckpt_path="last")
+    ended = time.time()
+    weights = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()
+    }
+    if trainer.is_global_zero:
+        torch.save(weights, args.out)
+        first = sigterm.first_signal()
+        seconds = None if first is None else ended - first
+        print(
+            json.dumps({"step": trainer.global_step, "seconds_after_signal": seconds, "preempted": rotation.preempted})
+        )
+
+
+if __name__ == "__main__":
+    main()
