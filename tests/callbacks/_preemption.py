@@ -1,10 +1,11 @@
-"""Driver for tests/callbacks/test_preemption.py: train, optionally take SIGTERM at given steps, save the weights.
+"""Driver for tests/callbacks/test_preemption.py: a straight run, a run that takes SIGTERM, and its relaunch.
 
-    python _preemption.py DIR MAX_STEPS OUT [RANK:STEP,...] [--ranks 2]
+    python _preemption.py WORKDIR MAX_STEPS RANK:STEP[,RANK:STEP] [--ranks 2] [--async_save]
 
 ``RANK:STEP`` sends SIGTERM to that rank's own process at the end of that optimizer step (a real signal, delivered
-by the OS; several ranks may take it at different steps). The weights at the end are written to OUT (rank 0, whole
-tensors), and a JSON line reports the step reached and the seconds from the first signal to the end of ``fit``.
+by the OS; several ranks may take it at different steps). Each fit writes its final weights (rank 0, whole tensors)
+to WORKDIR and prints a JSON line: the step reached, the seconds from the first signal to the end of ``fit``, and
+whether it was preempted.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.callbacks import CheckpointRotation
+from lightning_llm.checkpointing.files import complete_checkpoints
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -44,26 +46,15 @@ class SigtermAt(L.Callback):
         return min(times, default=None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("directory")
-    parser.add_argument("max_steps", type=int)
-    parser.add_argument("out")
-    parser.add_argument("signals", nargs="?", default="")
-    parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--async_save", action="store_true")
-    args = parser.parse_args()
-    steps = {int(r): int(s) for r, s in (item.split(":") for item in args.signals.split(",") if item)}
-    torch.set_num_threads(1)
+def train(directory: Path, max_steps: int, out: Path, steps: dict[int, int], ranks: int, async_save: bool) -> None:
+    """One ``fit`` to ``max_steps`` (from the newest checkpoint in ``directory``, if any); prints its JSON report."""
     L.seed_everything(0)
-    sigterm = SigtermAt(steps, args.out + ".signal")
-    rotation = CheckpointRotation(
-        dirpath=args.directory, every_n_train_steps=4, keep_last=2, async_save=args.async_save
-    )
-    layout = dict(devices=2, strategy=LLMParallelStrategy(zero_stage=3)) if args.ranks == 2 else {}
+    sigterm = SigtermAt(steps, f"{out}.signal")
+    rotation = CheckpointRotation(dirpath=str(directory), every_n_train_steps=4, keep_last=2, async_save=async_save)
+    layout = dict(devices=2, strategy=LLMParallelStrategy(zero_stage=3)) if ranks == 2 else {}
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=args.max_steps,
+        max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -79,12 +70,30 @@ def main() -> None:
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()
     }
     if trainer.is_global_zero:
-        torch.save(weights, args.out)
+        torch.save(weights, out)
         first = sigterm.first_signal()
         seconds = None if first is None else ended - first
-        print(
-            json.dumps({"step": trainer.global_step, "seconds_after_signal": seconds, "preempted": rotation.preempted})
-        )
+        report = {"step": trainer.global_step, "seconds_after_signal": seconds, "preempted": rotation.preempted}
+        report["committed"] = [Path(c).name for c in complete_checkpoints(directory)]
+        print(json.dumps(report), flush=True)
+
+
+def main() -> None:
+    """Three fits in one process tree (process start-up dominates these runs): a straight one to MAX_STEPS; one
+    into a new directory that takes the signals; the relaunch of that one, from its newest checkpoint."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("max_steps", type=int)
+    parser.add_argument("signals")
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--async_save", action="store_true")
+    args = parser.parse_args()
+    steps = {int(r): int(s) for r, s in (item.split(":") for item in args.signals.split(","))}
+    torch.set_num_threads(1)
+    common = dict(ranks=args.ranks, async_save=args.async_save)
+    train(args.workdir / "straight", args.max_steps, args.workdir / "straight.pt", {}, **common)
+    train(args.workdir / "run", args.max_steps, args.workdir / "stopped.pt", steps, **common)
+    train(args.workdir / "run", args.max_steps, args.workdir / "resumed.pt", {}, **common)
 
 
 if __name__ == "__main__":
