@@ -43,10 +43,14 @@ class PreemptionFlag:
 
     def install(self) -> None:
         """Take SIGTERM (only the main thread may set signal handlers; elsewhere nothing changes)."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
             return
         self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        # Still ours when a fit ended by an exception (Lightning then restores its handlers, not the callbacks)
+        # and the next fit installs again: keep the handler from before the first install.
+        if previous != self._handle:
+            self._previous = previous
         self._installed = True
 
     def uninstall(self) -> None:

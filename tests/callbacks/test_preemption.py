@@ -63,3 +63,27 @@ def test_sigterm_saves_the_interrupted_step_and_the_relaunch_continues_exactly(t
 
     assert resumed["step"] == 10 and not resumed["preempted"]
     assert _max_difference(tmp_path / "straight.pt", tmp_path / "resumed.pt") <= 1e-6
+
+
+def test_the_flag_records_sigterm_and_gives_back_the_handler_it_replaced_even_when_installed_twice():
+    """A fit that ended by an exception leaves the flag installed (Lightning restores its own handlers, not the
+    callbacks'); the next fit installs it again, and uninstalling must still restore the handler from before."""
+    import os
+    import signal
+    import time
+
+    from lightning_llm.callbacks.preemption import PreemptionFlag
+
+    original = signal.getsignal(signal.SIGTERM)
+    flag = PreemptionFlag()
+    flag.install()
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not flag.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert flag.received
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == original
