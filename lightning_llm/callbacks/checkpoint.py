@@ -217,6 +217,7 @@ class CheckpointRotation(ModelCheckpoint):
         # A resumed run's state at this step is the checkpoint it resumed from: never save it again.
         self._last_saved_step = self._last_step_seen = trainer.global_step
         self._last_save_time = time.monotonic()
+        self.preempted = False
         if self.save_on_preemption:  # after Lightning installed its SIGTERM handler, which this one stands in for
             self._preemption.install()
         if self._rng_to_restore is not None:  # restored last, so nothing between here and the step draws from it
@@ -250,6 +251,9 @@ class CheckpointRotation(ModelCheckpoint):
         stepped, self._last_step_seen = step != self._last_step_seen, step
         if not stepped:  # accumulating
             return
+        # One all-reduce of a bit per optimizer step (multi-rank only): Lightning already syncs the host at every step
+        # start for its own SIGTERM broadcast, so this adds a tiny collective's latency, and a signal is acted on
+        # within one step of the grace period.
         if self.save_on_preemption and self._preemption.any_rank(trainer.strategy):
             self._save_for_preemption(trainer, pl_module)
             return
@@ -298,9 +302,8 @@ class CheckpointRotation(ModelCheckpoint):
         # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
         # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
         try:
-            if (
-                self._async and not sync
-            ):  # returns once the state is staged in host memory; the files are written meanwhile
+            # Asynchronous: returns once the state is staged in host memory; the files are written meanwhile.
+            if self._async and not sync:
                 pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
                 if trainer.is_global_zero and self.verify_mode != "load":
                     pending.future = committed_after(

@@ -70,9 +70,6 @@ class PreemptionFlag:
 def stop_for_preemption(trainer: L.Trainer, saved_now: bool, seconds: float) -> None:
     """End ``fit`` after this step (``trainer.should_stop``) and say what was saved."""
     trainer.should_stop = True
-    what = (
-        f"checkpoint of step {trainer.global_step} saved and verified in {seconds:.1f} s"
-        if saved_now
-        else (f"step {trainer.global_step} was already checkpointed")
-    )
+    step = trainer.global_step
+    what = f"checkpoint of step {step} saved and verified in {seconds:.1f} s" if saved_now else f"step {step} was saved"
     rank_zero_info(f"Preempted (SIGTERM): {what}; stopping. Resume with ckpt_path='last'.")

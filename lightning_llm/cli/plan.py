@@ -95,7 +95,8 @@ def plan(args: list[str]) -> str:
     sequences = settings["micro_batch_size"] * dp * cli.trainer.accumulate_grad_batches
     header = (
         f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
-        f"{options.device_memory} ({settings['device_memory'] / 2**30:.1f} GiB); tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
+        f"{options.device_memory} ({settings['device_memory'] / 2**30:.1f} GiB); "
+        f"tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
         f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}\n"
         f"global batch: {sequences} sequences, {sequences * settings['seq_len']:,} tokens per optimizer step "
         f"(micro-batch {settings['micro_batch_size']} x dp {dp} x accumulate_grad_batches "
