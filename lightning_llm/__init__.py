@@ -11,7 +11,6 @@ Example::
 
 from importlib.metadata import PackageNotFoundError, version
 
-from lightning_llm._compat import known_warnings
 from lightning_llm.callbacks import (
     CheckpointRotation,
     GradNormMonitor,
@@ -23,8 +22,6 @@ from lightning_llm.callbacks import (
 )
 from lightning_llm.contract import ParallelLayout, StrategyContract, contract_of
 from lightning_llm.strategies import LLMDeepSpeedStrategy, LLMParallelStrategy
-
-known_warnings.install()
 
 try:
     __version__ = version("lightning_llm")

@@ -1,8 +1,10 @@
-"""Warnings that installed upstream versions print about each other, filtered by their exact text, with why.
+"""Warning filters the package adds for the length of a run, and removes when the run ends.
 
-Each entry is a deprecation one upstream package raises about another's code, that a user can do nothing
-about and that changes nothing in the run. Nothing else is filtered: warnings about the user's code or
-setup stay visible. Installed when :mod:`lightning_llm` is imported.
+:data:`KNOWN` holds the deprecations one upstream package raises about another's code, that a user can do nothing
+about and that change nothing in the run, filtered by their exact text. Nothing else is filtered: warnings about the
+user's code or setup stay visible. No filter is added at import: a strategy adds them in ``setup_environment`` and
+removes them at ``teardown`` (:class:`ScopedFilters`), so a process that trains and then does something else sees
+every warning again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,37 @@ KNOWN = {
 }
 
 
-def install() -> None:
-    """Filter the :data:`KNOWN` messages (process-wide, as ``warnings.filterwarnings`` is)."""
-    for message in KNOWN:
-        warnings.filterwarnings("ignore", message=message)
+class ScopedFilters:
+    """``warnings.filterwarnings("ignore", ...)`` entries that :meth:`remove` takes out again, and only them.
+
+    ``warnings.catch_warnings`` cannot serve: the warnings filtered here are raised long after the call that knows
+    about them returns (Lightning's fit loop, torch's backward), and restoring the whole filter list at the end would
+    also undo filters the user added meanwhile.
+
+    Example::
+
+        filters = ScopedFilters()
+        filters.ignore(".*returned a view tensor.*")
+        ...  # the run
+        filters.remove()
+    """
+
+    def __init__(self) -> None:
+        self._added: list[tuple] = []
+
+    def ignore(self, message: str, category: type[Warning] = Warning) -> None:
+        """Ignore warnings of ``category`` whose text matches ``message`` (a regex) until :meth:`remove`."""
+        warnings.filterwarnings("ignore", message=message, category=category)
+        self._added.append(warnings.filters[0])
+
+    def ignore_known(self) -> None:
+        """Ignore the :data:`KNOWN` upstream deprecations."""
+        for message in KNOWN:
+            self.ignore(message)
+
+    def remove(self) -> None:
+        """Take out every filter this object added (a filter the user also added stays, once per time they did)."""
+        for entry in reversed(self._added):
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        self._added.clear()

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, SequentialSampler
 
 from lightning_llm._compat.lightning import rebuild_dataloader
 
 log = logging.getLogger(__name__)
+
+# Lightning's hint (a PossibleUserWarning) that a plain loader restarts its epoch: not true of a loader rebuilt here.
+RESUMED_MID_EPOCH = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 class SkipTrained(Sampler[int]):
@@ -58,7 +59,8 @@ def resume_mid_epoch(dataloader: Any, trainer: Any) -> Any:
     """The training ``dataloader`` of a run resumed mid-epoch, continuing where the checkpoint stopped.
 
     Anything else (not resuming, not training, a stateful loader, an order that depends on more than the epoch) is
-    returned unchanged. Called from the strategy's ``process_dataloader``, after Lightning restored the loops.
+    returned unchanged. Called from the strategy's ``process_dataloader``, after Lightning restored the loops; a
+    rebuilt loader makes Lightning's :data:`RESUMED_MID_EPOCH` warning untrue, which the strategy filters for the run.
 
     Example::
 
@@ -74,12 +76,6 @@ def resume_mid_epoch(dataloader: Any, trainer: Any) -> Any:
         return dataloader
     skipped = SkipTrained(batch_sampler.sampler, epoch, batches * batch_sampler.batch_size)
     log.info("Resuming epoch %d after its %d trained batches: they are skipped, not read again", epoch, batches)
-    # Lightning's hint that the loader is not resumable no longer holds for this loader.
-    warnings.filterwarnings(
-        "ignore",
-        message="You're resuming from a checkpoint that ended before the epoch ended",
-        category=PossibleUserWarning,
-    )
     return rebuild_dataloader(dataloader, skipped)
 
 

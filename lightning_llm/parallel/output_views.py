@@ -12,10 +12,10 @@ its gradient. With the check in place the warning is filtered.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
+
+from lightning_llm._compat.known_warnings import ScopedFilters
 
 VIEW_WARNING = r".*FSDP2-wrapped module .* returned a view tensor.*"
 
@@ -35,8 +35,13 @@ class OutputViewGuard:
         self._pending: list[tuple[str, list[bool]]] = []
         for root in roots:
             root.register_forward_hook(self._record)
-        # The condition it warns about is checked by `check`, on rank 0 and every other rank.
-        warnings.filterwarnings("ignore", message=VIEW_WARNING)
+        self._filters = ScopedFilters()
+        self.silence()
+
+    def silence(self) -> None:
+        """Filter FSDP2's warning until :meth:`close`: ``check`` tests its condition on every rank instead."""
+        self._filters.remove()
+        self._filters.ignore(VIEW_WARNING)
 
     def _record(self, module: nn.Module, args, output) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and output._is_view():
@@ -54,3 +59,7 @@ class OutputViewGuard:
                 "drops FSDP2's pre-backward hook on it, which can leave gradients wrong. Use out-of-place ops "
                 "(`logits = logits + bias`) or `.clone()` the output before modifying it."
             )
+
+    def close(self) -> None:
+        """Show FSDP2's warning again (the strategy's teardown); a later fit of the same model calls :meth:`silence`."""
+        self._filters.remove()

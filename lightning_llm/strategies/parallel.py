@@ -22,11 +22,12 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
 from lightning_llm._compat import lightning as compat
 from lightning_llm.checkpointing import resumed_settings
-from lightning_llm.data.resume import resume_mid_epoch
+from lightning_llm.data.resume import RESUMED_MID_EPOCH, resume_mid_epoch
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_micro_batch
 from lightning_llm.parallel.float8 import precompute_fp8_scales
@@ -128,6 +129,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
 
     @override
     def setup_environment(self) -> None:
+        self.run_state.warning_filters.ignore_known()  # until teardown (lightning_llm._compat.known_warnings)
         compat.setup_distributed(self)
         destroy_process_group_at_exit()
         if self.options.parallel.tensor_parallel_size == "auto":  # Lightning's meaning: every device of a node
@@ -168,7 +170,10 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # A user's training loader continues a resumed epoch where the checkpoint stopped (lightning_llm.data.resume).
-        return resume_mid_epoch(dataloader, self.lightning_module.trainer)
+        resumed = resume_mid_epoch(dataloader, self.lightning_module.trainer)
+        if resumed is not dataloader:  # Lightning's hint that the loader is not resumable no longer holds for it
+            self.run_state.warning_filters.ignore(RESUMED_MID_EPOCH, PossibleUserWarning)
+        return resumed
 
     @override
     def setup(self, trainer) -> None:
@@ -183,6 +188,8 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
             parallel_setup.parallelize_module(trainer, module, self.options, state, self.root_device)
         if not reused:
             applied_layouts.record(module, self.options, state, self.world_size)
+        if state.report.output_guard is not None:
+            state.report.output_guard.silence()
         self.model = self.precision_plugin.convert_module(module)
         if not state.cpu_offload:
             self.model_to_device()
@@ -239,6 +246,16 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         tensors = [*self.model.parameters(), *self.model.buffers()]
         if any(t.device != self.root_device for t in tensors):
             self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:  # the run's warning filters go with it (lightning_llm._compat.known_warnings)
+            report = self.run_state.report
+            if report is not None and report.output_guard is not None:
+                report.output_guard.close()
+            self.run_state.warning_filters.remove()
 
     @contextmanager
     @override

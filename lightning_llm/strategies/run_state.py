@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec
@@ -33,6 +34,7 @@ class RunState:
     agreed_seed: int | None = None  # rank 0's seed, when setup found the ranks' generators differing
     meta_writes: Any = None  # values configure_model copied into meta tensors (parallel.init.meta_writes)
     batch_line_pending: bool = False  # the global batch is logged from the first batch (a plain DataLoader)
+    warning_filters: ScopedFilters = field(default_factory=ScopedFilters)  # from setup_environment to teardown
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:
