@@ -21,7 +21,7 @@ from lightning_llm.validation import check_bool, check_float, check_int
 
 def staging_location(final: str, trainer: L.Trainer) -> str:
     """Where a checkpoint is written before it is committed: a temporary name beside ``final`` on a local disk
-    (renamed into place by :func:`commit`), ``final`` itself where the filesystem has no atomic rename.
+    (renamed into place by :func:`~lightning_llm.checkpointing.commit.commit`), ``final`` itself where the filesystem has no atomic rename.
 
     Written in place, an older checkpoint of the same step (a timeline abandoned by resuming an older
     checkpoint) is removed first, marker first, by rank 0 while the other ranks wait.

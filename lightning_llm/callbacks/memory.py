@@ -53,7 +53,7 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 class MemoryMonitor(L.Callback):
-    """Logs :func:`memory_metrics` of this rank's device on the Trainer's logging steps.
+    """Logs :func:`~lightning_llm.callbacks.memory.memory_metrics` of this rank's device on the Trainer's logging steps.
 
     Example::
 

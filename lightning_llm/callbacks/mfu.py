@@ -34,7 +34,7 @@ class MFUMonitor(L.Callback):
     ``train/flops_per_sec`` (whole job), ``train/device/flops_per_sec`` (model FLOP/s of one device) and
     ``train/device/mfu``; and, when activation checkpointing recomputes, ``train/device/hfu`` (hardware FLOPs
     including recomputation). The progress bar shows tokens/s and MFU as ``tok/s`` and ``mfu``. MFU needs a peak: the
-    table in :data:`~lightning_llm.planning.flops.PEAK_FLOPS`, Lightning's for other cards, or ``peak_flops``.
+    table in ``lightning_llm.planning.flops.PEAK_FLOPS``, Lightning's for other cards, or ``peak_flops``.
 
     Arguments:
         log_every_n_steps: optimizer steps between logs (the first log comes after the first window); default:

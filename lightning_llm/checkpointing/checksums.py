@@ -6,7 +6,7 @@ with probability 1 - 2**-32, and is 3-4x faster than ``hashlib.blake2b`` (measur
 checkpoint: 0.1-0.2 s against 0.43 s, torch.save itself 1.7 s, on a loaded 2-core machine). It is no
 protection against deliberate tampering, which a training checkpoint need not resist.
 The size of each file is recorded too, so truncation is found without reading anything. Files are read
-through fsspec (:mod:`.checkpoint_fs`): on an object store, checking a checkpoint downloads it once.
+through fsspec (:mod:`.fs`): on an object store, checking a checkpoint downloads it once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A checkpoint counts once its marker is written: the data is verified, checksummed, and (on a local
 disk) made durable and renamed into place first; on other filesystems it was written in place and
-the marker alone commits it (:mod:`.checkpoint_fs`). Rotation deletes only complete checkpoints that
+the marker alone commits it (:mod:`.fs`). Rotation deletes only complete checkpoints that
 are neither among the newest, the best, nor the one the run resumed from, and nothing outside the
 checkpoint directory.
 """
@@ -133,7 +133,7 @@ def last_candidate(checkpoint: str) -> str:
     directories (object stores, ``memory://``) cannot answer for a sharded checkpoint's directory (a bare
     ``FileNotFoundError``). The marker is a file written with the checkpoint; LLMParallelStrategy, the one
     strategy that writes sharded checkpoints there, loads the checkpoint a marker names
-    (:func:`.checkpoint_files.checkpoint_of`), and ``trainer.ckpt_path`` names the marker.
+    (:func:`.files.checkpoint_of`), and ``trainer.ckpt_path`` names the marker.
     """
     fs, path = cfs.filesystem(checkpoint)
     try:

@@ -41,7 +41,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 class AsyncSaver:
     """Writes sharded checkpoints in the background, one at a time; training waits only for the host copy.
 
-    Every tensor is copied to host buffers reused from save to save (:mod:`.host_staging`), then
+    Every tensor is copied to host buffers reused from save to save (:mod:`.staging`), then
     written by a background thread whose collectives run on a gloo group of their own, so they cannot
     interleave with the training's collectives; :meth:`save` waits for the previous write before it
     overwrites the buffers. Rank 0 also writes the rest of Lightning's dict (loops, callbacks,

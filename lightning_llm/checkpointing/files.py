@@ -5,7 +5,7 @@ its marker ``step=00000100.ckpt.meta.json`` exists. The data is written (on a lo
 temporary name, then renamed into place), verified, and the marker is written last, so a crash at
 any point leaves either a complete checkpoint or leftovers that :func:`clean_incomplete` removes.
 Deleting reverses the order: marker first, then data. Every operation goes through fsspec
-(:mod:`.checkpoint_fs`, which also says what "atomic" means on each kind of filesystem); checkpoints
+(:mod:`.fs`, which also says what "atomic" means on each kind of filesystem); checkpoints
 are named by locations, strings that are local paths or URLs.
 
 Three layouts are recognised: a single torch archive (single device, DDP), a

@@ -241,7 +241,7 @@ class StagedWrite(CheckpointIO):
         executor: where the write runs (one worker keeps saves in order).
         host_copy: copies the tensors to host buffers (reused across saves: the caller must not stage the
             next save before this one's ``future`` is done).
-        gate: if given, held at the save and the write starts once it is released (:class:`~.write_gate.WriteGate`).
+        gate: if given, held at the save and the write starts once it is released (:class:`~lightning_llm.checkpointing.write_gate.WriteGate`).
     """
 
     def __init__(

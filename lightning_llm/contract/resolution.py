@@ -13,9 +13,9 @@ _MEMBERS = tuple(name for name in vars(StrategyContract) if not name.startswith(
 
 
 def contract_of(run: L.Trainer | Strategy) -> StrategyContract:
-    """The trainer's strategy if it implements :class:`StrategyContract`, else a :class:`LightningContract` for it.
+    """The trainer's strategy if it implements :class:`StrategyContract`, else a :class:`~lightning_llm.contract.lightning.LightningContract` for it.
 
-    ``run`` may also be a strategy not attached to a trainer (yet): its :class:`LightningContract` then answers
+    ``run`` may also be a strategy not attached to a trainer (yet): its :class:`~lightning_llm.contract.lightning.LightningContract` then answers
     only the members about how it checkpoints (``saves_to_urls`` and the like).
 
     Example::

@@ -4,7 +4,7 @@ Model FLOPs per token follow the PaLM / Chinchilla accounting torchtitan uses:
 ``6 * N + 12 * L * H * d_head * T`` for forward plus backward, with N the parameters doing
 matmuls (input embedding tables excluded, a tied output head included, a mixture of experts' active ones only), L attention blocks, H * d_head the
 attention width and T the sequence length (summed per block: a hybrid's Mamba blocks add no ``T`` term). Hardware FLOPs add what activation checkpointing
-recomputes. :func:`counted_flops_per_token` is the independent check: torch's FLOP counter on a
+recomputes. :func:`~lightning_llm.modeling.shape.counted_flops_per_token` is the independent check: torch's FLOP counter on a
 fake-tensor forward (nothing allocated).
 """
 

@@ -44,7 +44,7 @@ WEIGHT_GRAD_THROUGH_FUNCTION = torch_at_least("2.13")
 
 
 def default_chunk_size(vocab_size: int, tokens: int) -> int:
-    """Tokens per chunk: all of them where their fp32 logits fit in :data:`CHUNK_LOGITS_BYTES`, else an eighth of
+    """Tokens per chunk: all of them where their fp32 logits fit in ``CHUNK_LOGITS_BYTES``, else an eighth of
     them, at most as many as fit (a multiple of 64 from 64 up): 1024 of 8192 tokens at a 128256 vocabulary.
 
     Chunks are kept large because each one adds a pass over the weight's gradient (vocabulary × dim, fp32) besides
@@ -86,7 +86,7 @@ def linear_cross_entropy(
         hidden: (..., dim) final hidden states; ``targets`` has the same leading shape.
         weight: (vocab, dim) the output head's weight (no bias).
         ignore_index: targets with this value add no loss and no gradient, as in ``F.cross_entropy``.
-        chunk_size: tokens per chunk; ``None``: :func:`default_chunk_size` (1024 of 8192 tokens at a 128K vocabulary).
+        chunk_size: tokens per chunk; ``None``: :func:`~lightning_llm.models.cross_entropy.default_chunk_size` (1024 of 8192 tokens at a 128K vocabulary).
         implementation: "torch" (this module's chunks), "liger" (Liger-Kernel's fused kernel, CUDA), or "auto":
             Liger on CUDA where ``liger-kernel`` is installed, else "torch".
 

@@ -51,7 +51,7 @@ class CausalLM(L.LightningModule):
     and ``val_loss``/``val_ppl`` per validation run.
 
     Arguments:
-        config: a preset name from :data:`~lightning_llm.models.presets.PRESETS` or a full :class:`LlamaConfig`.
+        config: a preset name from ``lightning_llm.models.presets.PRESETS`` or a full :class:`LlamaConfig`.
         learning_rate: peak learning rate of AdamW.
         weight_decay: decoupled weight decay for matrices; norms and biases get none.
         betas: AdamW betas (0.9, 0.95) as in GPT-3 and Llama.

@@ -78,7 +78,7 @@ class AsyncSave:
 
 
 class ContractMembersMixin:
-    """The :class:`~lightning_llm.contract.StrategyContract` members of ``LLMParallelStrategy`` (documented there)
+    """The :class:`~lightning_llm.StrategyContract` members of ``LLMParallelStrategy`` (documented there)
     but those of checkpoints: calls of this module's functions of ``self.run_state``."""
 
     run_state: RunState

@@ -2,7 +2,7 @@
 
 Stages are contiguous runs of transformer blocks. The first stage also runs what comes before
 the blocks (embeddings), the last what comes after (final norm, head, loss). The automatic split
-balances modelled training FLOPs (:mod:`.pipeline_costs`: blocks with attention's sequence term,
+balances modelled training FLOPs (:mod:`.costs`: blocks with attention's sequence term,
 the head and its loss on the last stage, the embeddings on the first); an explicit split names the
 blocks of each stage.
 """

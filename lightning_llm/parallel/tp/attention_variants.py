@@ -14,7 +14,7 @@ attention modules need more, and each is recognised here from widths, head count
   up-projections split per head, the output projection row-wise;
 - **ALiBi** (a forward argument ``alibi`` or ``position_bias`` with one slice per head) and **per-head
   parameters** of the attention module itself (attention sinks): handled when the plan is applied, by
-  :func:`shard_attention_heads`, for whatever plan split the heads.
+  :func:`.attention_heads.shard_attention_heads`, for whatever plan split the heads.
 
 :func:`attention_plan` gives the plan entries, :func:`check_attention_variants` refuses what cannot be
 split before anything else is looked at.
