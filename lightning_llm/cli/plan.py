@@ -179,10 +179,11 @@ def _check_plan_options(options) -> None:
 
 def _check_strategy_layout(strategy, module, world_size: int) -> None:
     """What LLMParallelStrategy's setup checks before parallelizing: the mesh's degrees and the pipeline stages."""
+    from lightning_llm.modeling.blocks import find_blocks
     from lightning_llm.strategies.parallel_setup import check_pipeline_stages, parallel_dims
 
     parallel_dims(strategy.options, world_size)  # data_parallel_size, replicate groups, ... against the world
-    check_pipeline_stages(module, strategy.options)
+    check_pipeline_stages(find_blocks(module, strategy.options.parallel.blocks), strategy.options)
 
 
 def _check_layout(module, world_size: int, tp: int, pp: int, cp: int = 1) -> None:

@@ -24,6 +24,7 @@ parallelism, fp8 by block) needs a container and says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from torch import nn
 
@@ -32,6 +33,25 @@ BlockStack = nn.ModuleList | nn.Sequential
 
 BlocksOverride = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 """What ``blocks=`` takes: a container's dotted name, the blocks' dotted names, or ``(name, module) -> bool``."""
+
+
+class FoundBlocks(NamedTuple):
+    """What :func:`find_blocks` found: the container's dotted name and the blocks. Setup finds them once and hands
+    this on; :func:`found_blocks` passes it through instead of searching again.
+
+    Example::
+
+        name, blocks = found = find_blocks(model)
+        assert found_blocks(model, found) is found
+    """
+
+    name: str
+    blocks: BlockStack
+
+
+def found_blocks(module: nn.Module, blocks: FoundBlocks | BlocksOverride) -> FoundBlocks:
+    """``blocks`` if it was found already, else :func:`find_blocks` with it as the override."""
+    return blocks if isinstance(blocks, FoundBlocks) else find_blocks(module, blocks)
 
 
 class BlockSet(nn.ModuleList):
@@ -83,7 +103,7 @@ def entry_modules(block: nn.Module, called: list[nn.Module] | None = None) -> li
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str, BlockStack]:
+def find_blocks(module: nn.Module, override: BlocksOverride = None) -> FoundBlocks:
     """The dotted name and the container (``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``) of blocks in ``module``.
 
     Without ``override`` it is the container of layers holding the most parameters, then the most
@@ -107,16 +127,16 @@ def find_blocks(module: nn.Module, override: BlocksOverride = None) -> tuple[str
         name, blocks = find_blocks(model, lambda n, m: isinstance(m, MyBlock))
     """
     if isinstance(override, str):
-        return override, _named_stack(module, override)
+        return FoundBlocks(override, _named_stack(module, override))
     if override is not None:
-        return "", _chosen_set(module, override)
+        return FoundBlocks("", _chosen_set(module, override))
     candidates = [
         (name, m, name.count(".")) for name, m in module.named_modules() if name and _holds_layers(m) and len(m)
     ]
     if not candidates:
-        return "", default_units(module)
+        return FoundBlocks("", default_units(module))
     name, blocks, _ = max(candidates, key=lambda c: (_numel(c[1]), -c[2], len(c[1])))
-    return name, _dict_blocks(name, blocks) if isinstance(blocks, nn.ModuleDict) else blocks
+    return FoundBlocks(name, _dict_blocks(name, blocks) if isinstance(blocks, nn.ModuleDict) else blocks)
 
 
 def _dict_blocks(name: str, blocks: nn.ModuleDict) -> BlockSet:

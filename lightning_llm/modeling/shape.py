@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.blocks import BlocksOverride, FoundBlocks, found_blocks
 from lightning_llm.modeling.experts import inactive_expert_parameters
 from lightning_llm.modeling.fake import fake_parameters
 
@@ -76,9 +76,9 @@ class ModelShape:
     block_attention_widths: list[int]
 
     @classmethod
-    def of(cls, module: nn.Module, blocks: str | None = None) -> ModelShape:
+    def of(cls, module: nn.Module, blocks: FoundBlocks | BlocksOverride = None) -> ModelShape:
         """Read from ``module`` (parameters may be DTensors or on the meta device)."""
-        _, block_list = find_blocks(module, blocks)
+        _, block_list = found_blocks(module, blocks)
         return cls(
             matmul_parameters=matmul_parameters(module),
             block_matmul_parameters=[

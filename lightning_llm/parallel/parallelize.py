@@ -14,20 +14,20 @@ FSDP then shards over ``dp × cp``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import (
-    BlockSet,
-    BlockStack,
-    block_modules,
-    block_names,
-    distinct_blocks,
-    entry_modules,
-    find_blocks,
-    loose_blocks,
+from lightning_llm.modeling.blocks import BlocksOverride, FoundBlocks, found_blocks, loose_blocks
+from lightning_llm.modeling.tied import tied_parameter_names
+from lightning_llm.parallel.block_units import (
+    block_entries,
+    check_block_set,
+    data_parallel_roots,
+    refuse_pipeline_without_block_forward,
+    refuse_ties_across_units,
+    shared_between_blocks,
 )
-from lightning_llm.modeling.tied import modules_shared_by_blocks, tied_parameter_names
 from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.ep.apply import (
@@ -39,22 +39,13 @@ from lightning_llm.parallel.ep.mesh import build_expert_meshes
 from lightning_llm.parallel.float8 import apply_fp8
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.output_views import OutputViewGuard
-from lightning_llm.parallel.pipeline.costs import stage_costs
-from lightning_llm.parallel.pipeline.gates import StageChunk, outer_modules, prune_to_stages
-from lightning_llm.parallel.pipeline.split import balanced_split, explicit_split, stage_to_rank, validate_schedule
-from lightning_llm.parallel.tp.apply import (
-    apply_tensor_parallel,
-    check_head_counts,
-    head_split_parts,
-    resolve_plan,
-    validate_plan,
-    with_per_head_lists,
-    with_region_parameters,
-)
-from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
-from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
+from lightning_llm.parallel.pipeline.gates import prune_to_stages
+from lightning_llm.parallel.pipeline.stage_plan import PipelineSpec, assign_stages
+from lightning_llm.parallel.tp.apply import apply_tensor_parallel
 from lightning_llm.parallel.tp.float8 import fp8_tp_exclusions
-from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
+from lightning_llm.parallel.tp.model_plan import plan_tensor_parallel, refuse_uncalled_split_parts
+
+__all__ = ["ParallelizeReport", "PipelineSpec", "parallelize", "plan_tensor_parallel", "refuse_ties_across_units"]
 
 
 @dataclass
@@ -78,204 +69,6 @@ class ParallelizeReport:
     output_guard: OutputViewGuard | None = None  # checks the view logits TP returns after each backward
 
 
-def data_parallel_roots(module: nn.Module, blocks_name: str, blocks: BlockStack | None = None) -> list[nn.Module]:
-    """The modules to make FSDP/replicate roots: the top-level child holding the blocks, plus any other child with parameters.
-
-    The LightningModule itself cannot be the root: Lightning calls ``training_step``, not
-    ``forward``, so FSDP2's root forward hook (which gathers embeddings and head) would never run.
-    Blocks without a container (:class:`BlockSet`): the top-level children with parameters that are not blocks.
-    """
-    if loose_blocks(blocks):
-        units = {id(b) for b in blocks}
-        return [c for _, c in module.named_children() if id(c) not in units and any(True for _ in c.parameters())]
-    top = blocks_name.split(".")[0]
-    roots = [module.get_submodule(top)] if top != blocks_name else []
-    for name, child in module.named_children():
-        if name != top and any(True for _ in child.parameters()):
-            roots.append(child)
-    if not roots:  # the blocks are a direct child of the LightningModule
-        roots = [module]
-    return roots
-
-
-def shared_between_blocks(blocks_name: str, blocks, dims: ParallelDims) -> list[nn.Module]:
-    """The modules several blocks call (sharded once, as units of their own); refused where a layout splits blocks.
-
-    Tensor parallelism splits a shared module once (its heads too: :func:`.tp.apply.apply_tensor_parallel`);
-    pipeline parallelism puts blocks on different ranks, where a module called from several blocks would be needed
-    on two stages.
-    """
-    shared = modules_shared_by_blocks(block_modules(blocks), block_names(blocks_name, blocks))
-    if shared and dims.pp > 1:
-        module, places = shared[0]
-        raise ValueError(
-            f"{places[0]} ({type(module).__name__}) is one module called from {len(places)} blocks ({places}); "
-            f"pipeline_parallel_size={dims.pp} puts blocks on different ranks, and the module would be needed on "
-            "two stages. Train this model with tensor or data parallelism (ZeRO 0-3), which split or shard a "
-            "shared module once."
-        )
-    if shared and (dims.dp * dims.cp > 1) and (loose_blocks(blocks) or "." not in blocks_name):
-        raise ValueError(
-            f"{shared[0][1][0]} is one module called from several blocks, and the blocks {blocks_name or 'found'} "
-            "are direct children of the LightningModule: data parallelism needs one module holding the blocks "
-            "(the model: embedding, blocks, head) to own the shared module's unit. Hold the model in one attribute "
-            "of the LightningModule (self.model = ...)."
-        )
-    return [module for module, _ in shared]
-
-
-def check_block_set(blocks: BlockSet, dims: ParallelDims, fp8: str | None) -> None:
-    """Refuse what needs the blocks in one container (cut, split or hooked by position) before anything changes."""
-    asked = [
-        f"{what}={size}"
-        for what, size in (
-            ("tensor_parallel_size", dims.tp),
-            ("pipeline_parallel_size", dims.pp),
-            ("context_parallel_size", dims.cp),
-        )
-        if size > 1
-    ] + ([f"fp8={fp8!r}"] if fp8 is not None else [])
-    if asked:
-        raise ValueError(
-            f"{', '.join(asked)} needs the model's transformer blocks in one nn.ModuleList, nn.Sequential or nn.ModuleDict, but "
-            f"the blocks here share no container ({blocks.names[:4]}). Hold the blocks in an nn.ModuleList and "
-            "pass blocks='dotted.name' if the search misses it, or parallelize in configure_model by hand on "
-            "self.device_mesh['tensor_parallel'] (the strategy then keeps that layout)."
-        )
-
-
-def block_entries(
-    blocks_name: str, blocks: BlockStack, block_calls: dict[str, list[str]] | None, root: nn.Module
-) -> dict[int, list[nn.Module]]:
-    """Block (by id) -> the modules its computation is entered through (:func:`entry_modules`); ``block_calls``: what a
-    traced forward called inside the blocks whose own forward it did not call (names in ``root``)."""
-    calls = block_calls or {}
-    return {
-        id(block): entry_modules(block, [root.get_submodule(n) for n in calls[name]] if name in calls else None)
-        for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks))
-    }
-
-
-def refuse_pipeline_without_block_forward(
-    blocks_name: str, blocks: BlockStack, entries: dict[int, list[nn.Module]]
-) -> None:
-    """Pipeline stages stand in for other stages' blocks when the model calls them; a block the model does not call
-    (its slots called one by one, or its forward bypassed) cannot be stood in for."""
-    for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
-        if entries[id(block)] != [block]:
-            raise ValueError(
-                f"pipeline_parallel_size > 1 needs each block to be one module the model calls, but {name} "
-                f"({type(block).__name__}) is entered through {len(entries[id(block)])} modules of its own (the model's "
-                "forward calls its parts one by one, or calls another method than its forward), so a stage cannot "
-                "stand in for the blocks of other stages. Use tensor parallelism or ZeRO (zero_stage=3) for this model."
-            )
-
-
-def refuse_uncalled_split_parts(plan: dict[str, str], blocks_name: str, blocks: BlockStack, called: set[str]) -> None:
-    """Refuse splitting the heads of a part the model's forward does not call as a module (``called``: the traced
-    forward's calls): it runs another of its methods (yet-another-retnet's ``forward_parallel``), where the
-    first-forward checks that catch a wrong split cannot watch it."""
-    for name, part in head_split_parts(plan, blocks_name, blocks):
-        if name not in called:
-            raise ValueError(
-                f"Tensor parallelism would split the heads of {name} ({type(part).__name__}), but the model's forward "
-                "does not call it as a module (it runs another of its methods), so the split cannot be checked "
-                f"against the whole part in the first forward. Keep it whole: tensor_parallel_replicate="
-                f"['{wildcard_index(name)}'], or use ZeRO or pipeline parallelism for this model."
-            )
-
-
-def refuse_ties_across_units(module: nn.Module, blocks: BlockSet) -> None:
-    """Refuse a tensor held by two of the FSDP units (blocks and roots) of a model without a block container:
-    each unit would shard it on its own. A container's ties (embedding and head) sit in one root instead."""
-    roots = {id(r) for r in data_parallel_roots(module, "", blocks)}
-    units = list(zip(blocks.names, blocks)) + [(n, c) for n, c in module.named_children() if id(c) in roots]
-    inside_block = tuple(f"{name}." for name in blocks.names)  # a root holds what its blocks do not
-    owners: dict[int, dict[str, str]] = {}
-    for name, unit in units:
-        for param_name, param in unit.named_parameters(remove_duplicate=False):
-            full = f"{name}.{param_name}"
-            if name not in blocks.names and full.startswith(inside_block):
-                continue
-            owners.setdefault(id(param), {}).setdefault(name, full)
-    shared = [sorted(held.values()) for held in owners.values() if len(held) > 1]
-    if shared:
-        raise ValueError(
-            f"Parameters {shared[0]} are one tensor held by two of the units {[n for n, _ in units][:6]}, which "
-            "data parallelism shards separately. Pass blocks= listing units that keep each tied pair inside one "
-            "unit (e.g. their common parent), or untie the weights."
-        )
-
-
-def plan_tensor_parallel(
-    module: nn.Module,
-    *,
-    tp: int,
-    blocks_name: str,
-    blocks: nn.ModuleList,
-    user_plan: dict[str, str] | None,
-    replicate: list[str] | tuple[str, ...] = (),
-    expert_parallel: list[str] | tuple[str, ...] = (),
-) -> tuple[dict[str, str], str]:
-    """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early.
-
-    ``expert_parallel`` names the experts modules expert parallelism splits: TP leaves them to it (whole experts
-    per EP rank, the same on every tp rank, which all hold the same tokens there).
-    """
-    user_plan = {**(user_plan or {}), **dict.fromkeys(expert_parallel, "expert_parallel")}
-    config = model_config(module)
-    for name, block in distinct_blocks(blocks_name, blocks):  # a variant that cannot be split is refused first
-        check_attention_variants(block, tp, config, where=name)
-    hook = getattr(module, "tensor_parallel_plan", None)
-    module_plan = hook() if callable(hook) else None
-    plan, source, unknown, contested = resolve_plan(
-        module,
-        blocks_name=blocks_name,
-        blocks=blocks,
-        user_plan=user_plan,
-        module_plan=module_plan,
-        replicate=replicate,
-    )
-    plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
-    plan = with_per_head_lists(plan, blocks_name, blocks)
-    validate_plan(module, plan, tp)
-    check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
-    check_coverage(blocks_name, blocks, plan, unknown, tp)
-    return with_region_parameters(plan, blocks_name, blocks), source
-
-
-@dataclass
-class PipelineSpec:
-    """How to cut the model into pipeline stages (see :mod:`lightning_llm.parallel.pipeline.gates`)."""
-
-    schedule: str = "1F1B"
-    num_microbatches: int | None = None
-    virtual_stages: int | None = None
-    split: list[list[str]] | None = None
-    seq_len: int | None = None  # tokens per sample, for attention's share of the modelled stage FLOPs
-
-    def stages_per_rank(self) -> int:
-        return validate_schedule(self.schedule, self.virtual_stages)
-
-
-def assign_stages(module: nn.Module, blocks_name: str, blocks: BlockStack, dims: ParallelDims, spec: PipelineSpec):
-    """Every stage's block range and rank; returns (chunks of this rank, rank of each stage)."""
-    num_stages = dims.pp * spec.stages_per_rank()
-    if spec.split is not None:
-        ranges = explicit_split(spec.split, blocks_name, len(blocks), num_stages, block_names(blocks_name, blocks))
-    else:
-        costs = stage_costs(module, blocks, *outer_modules(module, blocks_name), seq_len=spec.seq_len)
-        ranges = balanced_split(costs.blocks, num_stages, head_cost=costs.last, first_cost=costs.first)
-    ranks = stage_to_rank(num_stages, dims.pp, spec.schedule)
-    pp_rank = dims.mesh["pp"].get_local_rank()
-    chunks = [
-        StageChunk(index=s, blocks=ranges[s], is_first=s == 0, is_last=s == num_stages - 1)
-        for s in range(num_stages)
-        if ranks[s] == pp_rank
-    ]
-    return chunks, ranks
-
-
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
@@ -285,7 +78,7 @@ def parallelize(
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | None = None,
-    blocks: str | list[str] | None = None,
+    blocks: FoundBlocks | BlocksOverride = None,
     block_calls: dict[str, list[str]] | None = None,
     called: set[str] | None = None,
     cpu_offload: bool = False,
@@ -300,13 +93,9 @@ def parallelize(
 ) -> ParallelizeReport:
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
-    ``activation_checkpointing`` is a callable ``(blocks, entries) -> None`` applied between TP and FSDP,
-    or ``None``; ``entries`` maps ``id(block)`` to the modules the block is entered through (the block itself,
-    or its slots when the stack runs them from its own forward), which is what it checkpoints. With ``pipeline`` (and ``dims.pp > 1``) this rank keeps only its stages; the
-    pipeline runtime is built from the report afterwards. ``fp8`` ("tensorwise"/"rowwise") trains
-    the blocks' Linear layers in fp8 (:mod:`lightning_llm.parallel.float8`). ``expert_parallel_size > 1``
-    splits every experts module by expert over that many data-parallel ranks (:mod:`lightning_llm.parallel.ep`). With ``dims.cp > 1`` every sequence
-    is split over the ``cp`` axis (:mod:`lightning_llm.parallel.cp`), and FSDP shards over ``dp × cp``.
+    ``blocks``: the :class:`~lightning_llm.modeling.blocks.FoundBlocks` the strategy found, or what ``find_blocks``
+    takes. ``activation_checkpointing``: ``(blocks, entries) -> None``, applied between TP and FSDP to the modules
+    each block is entered through. The other arguments are the strategy's options of the same names.
 
     Example::
 
@@ -314,109 +103,201 @@ def parallelize(
         dims.build_mesh("cpu")
         parallelize(lightning_module, dims, zero_stage=3)
     """
-    blocks_name, block_list = find_blocks(module, blocks)
-    report = ParallelizeReport(blocks_name=blocks_name, num_blocks=len(block_list), zero_stage=zero_stage)
-    entries = block_entries(blocks_name, block_list, block_calls, module)
-    if pipeline is not None and dims.pp > 1:
-        refuse_pipeline_without_block_forward(blocks_name, block_list, entries)
-    if loose_blocks(block_list):
-        check_block_set(block_list, dims, fp8)
-        if dims.dp * dims.cp > 1:
-            refuse_ties_across_units(module, block_list)
-        report.block_names = list(block_list.names)
-    if dims.cp > 1:  # refused before anything is changed
-        check_context_parallel(module, blocks_name=blocks_name, blocks=list(block_list))
-    shared = shared_between_blocks(blocks_name, block_list, dims)
-    ep_split = (
-        check_expert_parallel_model(module, expert_parallel_size, expert_parallel_plan)
-        if expert_parallel_size > 1
-        else []
+    found = found_blocks(module, blocks)
+    report = ParallelizeReport(blocks_name=found.name, num_blocks=len(found.blocks), zero_stage=zero_stage)
+    pipelined = pipeline is not None and dims.pp > 1
+    units = Units(found, block_entries(found.name, found.blocks, block_calls, module), list(found.blocks))
+    units.shared = check_layout(module, units, dims, report, pipelined=pipelined, fp8=fp8)
+    if expert_parallel_size > 1:
+        units.ep_split = check_expert_parallel_model(module, expert_parallel_size, expert_parallel_plan)
+    plan_splits(
+        module, units, dims, report, tensor_parallel_plan, tensor_parallel_replicate, called, context_parallel_method
     )
-    if dims.tp > 1:  # planned on the whole model, so errors do not depend on the pipeline rank
+    if pipelined:
+        cut_pipeline(module, units, dims, pipeline, report)
+    if expert_parallel_size > 1:
+        report.expert_parallel_modules = split_experts(module, units, dims, expert_parallel_size)
+    if fp8 is not None:
+        report.fp8_layers = swap_fp8(module, found.name, dims, report.tp_plan, fp8, fp8_exclude, zero_stage=zero_stage)
+    if dims.tp > 1:
+        check_parts = dims.cp == 1 and expert_parallel_size == 1 and _first_pipeline_rank(dims)
+        report.tp_coverage = split_layers(module, units, dims, report.tp_plan, sequence_parallel, check_parts)
+    if activation_checkpointing is not None:
+        activation_checkpointing(units.owned, units.entries)
+    for unit in units.entered() if compile_blocks else ():
+        unit.compile()
+    if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
+        shard(module, units, dims, report, zero_stage=zero_stage, precision=precision, cpu_offload=cpu_offload)
+    return report
+
+
+@dataclass
+class Units:
+    """The blocks, the modules each is entered through, and what the steps before data parallelism leave for it."""
+
+    found: FoundBlocks
+    entries: dict[int, list[nn.Module]]  # id(block) -> the block, or its slots the stack's forward calls
+    owned: list[nn.Module]  # this rank's blocks (all of them without pipeline parallelism)
+    roots: list[nn.Module] | None = None  # with pipeline parallelism: the modules outside the blocks this rank keeps
+    shared: list[nn.Module] = field(default_factory=list)  # modules several blocks call
+    ep_split: list[str] = field(default_factory=list)  # with expert parallelism: the experts modules it splits
+    experts: list[nn.Module] = field(default_factory=list)  # ... and those modules once split
+    expert_meshes: Any = None
+
+    def entered(self) -> list[nn.Module]:
+        """The modules this rank's blocks are entered through (what compile wraps)."""
+        return [unit for block in self.owned for unit in self.entries[id(block)]]
+
+
+def shard(
+    module: nn.Module,
+    units: Units,
+    dims: ParallelDims,
+    report: ParallelizeReport,
+    *,
+    zero_stage: int,
+    precision: str,
+    cpu_offload: bool,
+) -> None:
+    """ZeRO data parallelism (FSDP2) over ``dp × cp``: the experts' units first, then each block and the roots."""
+    dp_roots = (
+        units.roots if units.roots is not None else data_parallel_roots(module, units.found.name, units.found.blocks)
+    )
+    policy = mixed_precision_policy(precision)
+    if units.experts:
+        apply_expert_data_parallel(
+            units.experts, meshes=units.expert_meshes, zero_stage=zero_stage, mp_policy=policy, cpu_offload=cpu_offload
+        )
+    apply_data_parallel(
+        dp_roots,
+        units.owned,
+        dp_mesh=dims.data_parallel_mesh(),
+        zero_stage=zero_stage,
+        mp_policy=policy,
+        cpu_offload=cpu_offload,
+        shared=units.shared,
+        entries=units.entries,
+    )
+    if dims.tp > 1 and units.roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
+        report.output_guard = OutputViewGuard(dp_roots)
+
+
+def plan_splits(
+    module: nn.Module,
+    units: Units,
+    dims: ParallelDims,
+    report: ParallelizeReport,
+    user_plan: dict[str, str] | None,
+    replicate: list[str] | None,
+    called: set[str] | None,
+    context_parallel_method: str,
+) -> None:
+    """The tensor-parallel plan, planned on the whole model (its errors do not depend on the pipeline rank), and
+    context parallelism's hooks on the model's input/output and each block's attention (before TP copies any
+    config for its head counts)."""
+    found = units.found
+    if dims.tp > 1:
         report.tp_plan, report.tp_plan_source = plan_tensor_parallel(
             module,
             tp=dims.tp,
-            blocks_name=blocks_name,
-            blocks=block_list,
-            user_plan=tensor_parallel_plan,
-            replicate=tensor_parallel_replicate or (),
-            expert_parallel=ep_split,
+            blocks_name=found.name,
+            blocks=found.blocks,
+            user_plan=user_plan,
+            replicate=replicate or (),
+            expert_parallel=units.ep_split,
         )
         if called is not None:
-            refuse_uncalled_split_parts(report.tp_plan, blocks_name, block_list, called)
-    if dims.cp > 1:  # hooks on the model's input/output and each block's attention, before TP copies any config
+            refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, called)
+    if dims.cp > 1:
         report.context_parallel = apply_context_parallel(
             module,
-            blocks_name=blocks_name,
-            blocks=list(block_list),
+            blocks_name=found.name,
+            blocks=list(found.blocks),
             cp_mesh=dims.mesh["cp"],
             method=context_parallel_method,
             tp=dims.tp,
         )
-    owned_blocks, roots = list(block_list), None
-    if pipeline is not None and dims.pp > 1:
-        report.tied = tied_parameter_names(module)
-        report.chunks, report.stage_ranks = assign_stages(module, blocks_name, block_list, dims, pipeline)
-        report.outer = prune_to_stages(module, blocks_name, block_list, report.chunks)
-        owned_blocks = [block_list[i] for c in report.chunks for i in c.blocks]
-        roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
-    expert_meshes, experts = None, []
-    if expert_parallel_size > 1:
-        expert_meshes = build_expert_meshes(dims, expert_parallel_size)
-        experts = apply_expert_parallel(module, ep_split, meshes=expert_meshes)
-        report.expert_parallel_modules = len(experts)
-    if fp8 is not None:
-        shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
-        # Under TP only the column/row-split layers train in fp8 (see parallel/tp/float8.py).
-        split_only = fp8_tp_exclusions(module, report.tp_plan, blocks_name) if dims.tp > 1 else []
-        report.fp8_layers = apply_fp8(
-            module,
-            blocks_name=blocks_name,
-            recipe=fp8,
-            exclude=[*(fp8_exclude or ()), *split_only],
-            fsdp_float8_all_gather=shards and fp8 == "tensorwise",
-        )
-    if dims.tp > 1:
-        report.tp_coverage = apply_tensor_parallel(
-            module,
-            report.tp_plan,
-            tp_mesh=dims.mesh["tp"],
-            blocks=owned_blocks,
-            sequence_parallel=sequence_parallel,
-            blocks_name=blocks_name,
-            entries=entries,
-            check_parts=dims.cp == 1 and expert_parallel_size == 1 and _first_pipeline_rank(dims),
-        )
-    if activation_checkpointing is not None:
-        activation_checkpointing(owned_blocks, entries)
-    if compile_blocks:
-        for block in owned_blocks:
-            for unit in entries[id(block)]:
-                unit.compile()
-    if dims.dp * dims.cp > 1 or cpu_offload:  # one replica: the precision plugin autocasts, FSDP would only copy
-        dp_mesh = dims.data_parallel_mesh()
-        if experts:
-            apply_expert_data_parallel(
-                experts,
-                meshes=expert_meshes,
-                zero_stage=zero_stage,
-                mp_policy=mixed_precision_policy(precision),
-                cpu_offload=cpu_offload,
-            )
-        dp_roots = roots if roots is not None else data_parallel_roots(module, blocks_name, block_list)
-        apply_data_parallel(
-            dp_roots,
-            owned_blocks,
-            dp_mesh=dp_mesh,
-            zero_stage=zero_stage,
-            mp_policy=mixed_precision_policy(precision),
-            cpu_offload=cpu_offload,
-            shared=shared,
-            entries=entries,
-        )
-        if dims.tp > 1 and roots is None:  # the TP head's gathered logits are a view (see parallel/output_views.py)
-            report.output_guard = OutputViewGuard(dp_roots)
-    return report
+
+
+def split_layers(
+    module: nn.Module,
+    units: Units,
+    dims: ParallelDims,
+    plan: dict[str, str],
+    sequence_parallel: bool,
+    check_parts: bool,
+) -> list[str]:
+    """Tensor parallelism on this rank's blocks (and the model's embedding and head); returns the coverage lines."""
+    return apply_tensor_parallel(
+        module,
+        plan,
+        tp_mesh=dims.mesh["tp"],
+        blocks=units.owned,
+        sequence_parallel=sequence_parallel,
+        blocks_name=units.found.name,
+        entries=units.entries,
+        check_parts=check_parts,
+    )
+
+
+def split_experts(module: nn.Module, units: Units, dims: ParallelDims, size: int) -> int:
+    """Expert parallelism: whole experts per rank of the ``ep`` axis; returns how many experts modules it split."""
+    units.expert_meshes = build_expert_meshes(dims, size)
+    units.experts = apply_expert_parallel(module, units.ep_split, meshes=units.expert_meshes)
+    return len(units.experts)
+
+
+def check_layout(
+    module: nn.Module, units: Units, dims: ParallelDims, report: ParallelizeReport, *, pipelined: bool, fp8: str | None
+) -> list[nn.Module]:
+    """Refuse what this layout cannot do with these blocks, before anything is changed; returns the modules several
+    blocks share (sharded once, as units of their own)."""
+    found = units.found
+    if pipelined:
+        refuse_pipeline_without_block_forward(found.name, found.blocks, units.entries)
+    if loose_blocks(found.blocks):
+        check_block_set(found.blocks, dims, fp8)
+        if dims.dp * dims.cp > 1:
+            refuse_ties_across_units(module, found.blocks)
+        report.block_names = list(found.blocks.names)
+    if dims.cp > 1:
+        check_context_parallel(module, blocks_name=found.name, blocks=list(found.blocks))
+    return shared_between_blocks(found.name, found.blocks, dims)
+
+
+def cut_pipeline(
+    module: nn.Module, units: Units, dims: ParallelDims, pipeline: PipelineSpec, report: ParallelizeReport
+) -> None:
+    """Keep this rank's pipeline stages: its blocks, and the modules outside them it keeps (embedding, head)."""
+    found = units.found
+    report.tied = tied_parameter_names(module)
+    report.chunks, report.stage_ranks = assign_stages(module, found.name, found.blocks, dims, pipeline)
+    report.outer = prune_to_stages(module, found.name, found.blocks, report.chunks)
+    units.owned = [found.blocks[i] for chunk in report.chunks for i in chunk.blocks]
+    units.roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
+
+
+def swap_fp8(
+    module: nn.Module,
+    blocks_name: str,
+    dims: ParallelDims,
+    tp_plan: dict[str, str],
+    recipe: str,
+    exclude: list[str] | None,
+    *,
+    zero_stage: int,
+) -> list[str]:
+    """Swap the blocks' Linear layers for torchao's fp8 ones (before TP and FSDP wrap them); returns their names."""
+    shards = zero_stage in (1, 2, 3) and dims.dp_shard > 1
+    # Under TP only the column/row-split layers train in fp8 (see parallel/tp/float8.py).
+    split_only = fp8_tp_exclusions(module, tp_plan, blocks_name) if dims.tp > 1 else []
+    return apply_fp8(
+        module,
+        blocks_name=blocks_name,
+        recipe=recipe,
+        exclude=[*(exclude or ()), *split_only],
+        fsdp_float8_all_gather=shards and recipe == "tensorwise",
+    )
 
 
 def _first_pipeline_rank(dims: ParallelDims) -> bool:

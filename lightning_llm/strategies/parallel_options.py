@@ -18,7 +18,7 @@ from typing import Literal
 from lightning_llm.modeling.blocks import BlocksOverride
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
-from lightning_llm.parallel.parallelize import PipelineSpec
+from lightning_llm.parallel.pipeline.stage_plan import PipelineSpec
 from lightning_llm.strategies import option_checks as checks
 from lightning_llm.strategies.declarations import build, check_each, option
 from lightning_llm.strategies.option_combinations import check_combinations

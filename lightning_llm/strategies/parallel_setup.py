@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.hf.load import load_pretrained
-from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.blocks import FoundBlocks, find_blocks
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.modeling.structure import TracedBlocks, traced_blocks
@@ -72,63 +72,22 @@ def read_blocks(trainer, module, device: torch.device) -> TracedBlocks | None:
 
 
 def parallelize_module(trainer, module, options: StrategyOptions, state: RunState, device: torch.device) -> None:
-    """Read the model's shape, plan, then split, shard and (from the meta device) materialize ``module`` in place."""
-    parallel, planning = options.parallel, options.planning
+    """Read the model's structure once, plan, then split, shard and (from the meta device) materialize ``module``.
+
+    The plan step (:func:`plan_layout`) decides the ZeRO stage, micro-batches and activation checkpointing from the
+    whole model; the apply step (:func:`~lightning_llm.parallel.parallelize.parallelize`) lays it out. Both take
+    the blocks found here.
+    """
     on_meta = any(p.is_meta for p in module.parameters())
     if not on_meta:
         module.to(device)
-    traced = read_blocks(trainer, module, device) if parallel.blocks is None else None
-    blocks = parallel.blocks if traced is None else traced.override(module)
-    try:  # read before the model is cut into shards and stages; MFUMonitor uses it
-        state.model_shape = ModelShape.of(module, blocks)
-    except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
-        state.model_shape = None
-    check_pipeline_stages(module, options)  # the root cause first: too few blocks, before the micro-batch count
-    resolve_microbatches(trainer, options, state, device)
-    check_microbatches(
-        trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches, options.pipeline.num_microbatches
-    )
-    if state.zero_stage == "auto":
-        choose_zero_stage(trainer, module, options, state, device)
-    pipelined = parallel.pipeline_parallel_size > 1
-    state.ac_policies, checkpointing = plan_checkpointing(
-        trainer,
-        module,
-        find_blocks(module, blocks)[1],
-        mode=planning.activation_checkpointing,
-        options=planning.ac_options,
-        tp=parallel.tensor_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
-        num_microbatches=state.pipeline.num_microbatches if pipelined else None,
-        device=device,
-    )
-    if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
-        hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
-        state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
+    traced = read_blocks(trainer, module, device) if options.parallel.blocks is None else None
+    found = find_blocks(module, options.parallel.blocks if traced is None else traced.override(module))
+    checkpointing = plan_layout(trainer, module, found, options, state, device)
     init_fills = record_init(module) if on_meta else None  # the whole model's init, before it is cut up
     loaded = state.meta_writes.by_name(module) if on_meta and state.meta_writes is not None else {}
     state.meta_writes = None  # the recorded copies are host tensors as large as what was loaded: not kept past setup
-    state.report = parallelize(
-        module,
-        state.parallel_dims,
-        zero_stage=state.zero_stage,
-        precision=str(trainer.precision),
-        sequence_parallel=parallel.sequence_parallel,
-        tensor_parallel_plan=parallel.tensor_parallel_plan,
-        tensor_parallel_replicate=parallel.tensor_parallel_replicate,
-        blocks=blocks,
-        block_calls=traced.bypassed() if traced is not None else None,
-        called=traced.called if traced is not None else None,
-        cpu_offload=state.cpu_offload,
-        compile_blocks=parallel.compile_blocks,
-        pipeline=state.pipeline if pipelined else None,
-        activation_checkpointing=checkpointing,
-        fp8=check_fp8_device(parallel.fp8, device),
-        fp8_exclude=parallel.fp8_exclude,
-        expert_parallel_size=parallel.expert_parallel_size,
-        expert_parallel_plan=parallel.expert_parallel_plan,
-        context_parallel_method=parallel.context_parallel_method,
-    )
+    state.report = apply_layout(module, found, traced, checkpointing, options, state, str(trainer.precision), device)
     if on_meta:  # each rank allocates only its shards, filled as the unsharded model's own init would
         state.agreed_seed = agree_on_seed()  # ranks whose generators differ (not seeded alike) take rank 0's seed
         materialize(module, device, init_fills)
@@ -139,12 +98,70 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
 
 
-def check_pipeline_stages(module, options: StrategyOptions) -> None:
+def plan_layout(trainer, module, found: FoundBlocks, options: StrategyOptions, state: RunState, device: torch.device):
+    """The model's shape, the pipeline micro-batches, the ZeRO stage ("auto") and activation checkpointing, planned on
+    the whole model before anything is cut; returns the function that checkpoints a rank's blocks (or ``None``)."""
+    parallel, planning = options.parallel, options.planning
+    try:  # read before the model is cut into shards and stages; MFUMonitor uses it
+        state.model_shape = ModelShape.of(module, found)
+    except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
+        state.model_shape = None
+    check_pipeline_stages(found, options)  # the root cause first: too few blocks, before the micro-batch count
+    resolve_microbatches(trainer, options, state, device)
+    check_microbatches(
+        trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches, options.pipeline.num_microbatches
+    )
+    if state.zero_stage == "auto":
+        choose_zero_stage(trainer, module, options, state, device)
+    pipelined = parallel.pipeline_parallel_size > 1
+    if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
+        hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+        state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
+    state.ac_policies, checkpointing = plan_checkpointing(
+        trainer,
+        module,
+        found.blocks,
+        mode=planning.activation_checkpointing,
+        options=planning.ac_options,
+        tp=parallel.tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        num_microbatches=state.pipeline.num_microbatches if pipelined else None,
+        device=device,
+    )
+    return checkpointing
+
+
+def apply_layout(module, found: FoundBlocks, traced, checkpointing, options, state: RunState, precision, device):
+    """:func:`~lightning_llm.parallel.parallelize.parallelize` with the strategy's options and the run's plan."""
+    parallel = options.parallel
+    return parallelize(
+        module,
+        state.parallel_dims,
+        zero_stage=state.zero_stage,
+        precision=precision,
+        sequence_parallel=parallel.sequence_parallel,
+        tensor_parallel_plan=parallel.tensor_parallel_plan,
+        tensor_parallel_replicate=parallel.tensor_parallel_replicate,
+        blocks=found,
+        block_calls=traced.bypassed() if traced is not None else None,
+        called=traced.called if traced is not None else None,
+        cpu_offload=state.cpu_offload,
+        compile_blocks=parallel.compile_blocks,
+        pipeline=state.pipeline if parallel.pipeline_parallel_size > 1 else None,
+        activation_checkpointing=checkpointing,
+        fp8=check_fp8_device(parallel.fp8, device),
+        fp8_exclude=parallel.fp8_exclude,
+        expert_parallel_size=parallel.expert_parallel_size,
+        expert_parallel_plan=parallel.expert_parallel_plan,
+        context_parallel_method=parallel.context_parallel_method,
+    )
+
+
+def check_pipeline_stages(found: FoundBlocks, options: StrategyOptions) -> None:
     """Refuse more pipeline stages (``pipeline_parallel_size`` x ``virtual_stages``) than the model has blocks."""
     pp = options.parallel.pipeline_parallel_size
     if pp > 1 and options.pipeline.split is None:  # an explicit split is checked where it is read
-        blocks = find_blocks(module, options.parallel.blocks)[1]
-        check_stages_fit(pp * options.pipeline.spec().stages_per_rank(), len(blocks))
+        check_stages_fit(pp * options.pipeline.spec().stages_per_rank(), len(found.blocks))
 
 
 def resolve_microbatches(trainer, options: StrategyOptions, state: RunState, device: torch.device) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.parallel.mesh import ParallelDims
-from lightning_llm.parallel.parallelize import ParallelizeReport, PipelineSpec
+from lightning_llm.parallel.parallelize import ParallelizeReport
+from lightning_llm.parallel.pipeline.stage_plan import PipelineSpec
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps
 

@@ -1,0 +1,73 @@
+"""Which package files a tp2 x ZeRO-3 setup runs, and how often it looks for the blocks.
+
+A profiler hook (``sys.setprofile``) records every Python function entered from the callbacks' ``setup`` hook to
+``on_fit_start`` (configure_model, the strategy's ``setup``: plan, split, shard, materialize), on each of 4 CPU
+ranks (tp=2, dp=2, ZeRO 3, the tiny reference Llama). Prints, for rank 0, the number of package files and calls of
+:func:`lightning_llm.modeling.blocks.find_blocks` and the model-reading entry points, and the files by sub-package.
+
+    python benchmarks/setup_files.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+PACKAGE = str(Path(__file__).resolve().parents[1] / "lightning_llm")
+COUNTED = ("find_blocks", "traced_blocks", "block_modules")
+
+
+class SetupProfile(L.Callback):
+    """Files and call counts of the package's code run between ``setup`` and ``on_fit_start``."""
+
+    def __init__(self) -> None:
+        self.files: set[str] = set()
+        self.calls: collections.Counter = collections.Counter()
+
+    def _record(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            self.files.add(os.path.relpath(frame.f_code.co_filename, PACKAGE))
+            if frame.f_code.co_name in COUNTED:
+                self.calls[frame.f_code.co_name] += 1
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        sys.setprofile(self._record)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        sys.setprofile(None)
+
+
+def _rank() -> tuple[list[str], dict[str, int]]:
+    from lightning_llm import LLMParallelStrategy
+    from lightning_llm.data import LLMDataModule
+    from lightning_llm.models import CausalLM, LlamaConfig
+    from lightning_llm.testing import cpu_trainer
+
+    torch.manual_seed(0)
+    profile = SetupProfile()
+    strategy = LLMParallelStrategy(tensor_parallel_size=2, zero_stage=3)
+    trainer = cpu_trainer(devices=4, strategy=strategy, max_steps=1, callbacks=[profile])
+    model = CausalLM(LlamaConfig.from_name("tiny", n_layers=2), max_steps=1)
+    trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=16, batch_size=2))
+    return sorted(profile.files), dict(profile.calls)
+
+
+def main() -> None:
+    from lightning_llm.testing import run_distributed
+
+    files, calls = run_distributed(_rank, 4, timeout=300)[0]
+    by_package = collections.Counter(f.split("/")[0] if "/" in f else "." for f in files)
+    print(f"package files run by a tp2 x ZeRO-3 setup (rank 0): {len(files)}")
+    print(f"calls: {calls}")
+    print(f"by sub-package: {dict(sorted(by_package.items()))}")
+    for name in files:
+        print(f"  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The whole model's tensor-parallel plan, resolved, validated and checked before any layer is split.
+
+The plan is planned on the whole model (not one pipeline stage's part), so a refusal does not depend on the rank:
+the user's entries, the module's ``tensor_parallel_plan()`` hook, the Hugging Face ``_tp_plan`` and inference
+(:mod:`.plan`), then the layouts the traced forward shows (:mod:`.traced_layouts`), per-head lists, head counts and
+coverage (:mod:`.coverage`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_llm.modeling.blocks import BlockStack, distinct_blocks
+from lightning_llm.parallel.tp.apply import (
+    check_head_counts,
+    head_split_parts,
+    resolve_plan,
+    validate_plan,
+    with_per_head_lists,
+    with_region_parameters,
+)
+from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
+from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
+from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
+
+
+def plan_tensor_parallel(
+    module: nn.Module,
+    *,
+    tp: int,
+    blocks_name: str,
+    blocks: nn.ModuleList,
+    user_plan: dict[str, str] | None,
+    replicate: list[str] | tuple[str, ...] = (),
+    expert_parallel: list[str] | tuple[str, ...] = (),
+) -> tuple[dict[str, str], str]:
+    """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early.
+
+    ``expert_parallel`` names the experts modules expert parallelism splits: TP leaves them to it (whole experts
+    per EP rank, the same on every tp rank, which all hold the same tokens there).
+
+    Example::
+
+        plan, source = plan_tensor_parallel(model, tp=2, blocks_name="model.layers", blocks=layers, user_plan=None)
+    """
+    user_plan = {**(user_plan or {}), **dict.fromkeys(expert_parallel, "expert_parallel")}
+    config = model_config(module)
+    for name, block in distinct_blocks(blocks_name, blocks):  # a variant that cannot be split is refused first
+        check_attention_variants(block, tp, config, where=name)
+    hook = getattr(module, "tensor_parallel_plan", None)
+    module_plan = hook() if callable(hook) else None
+    plan, source, unknown, contested = resolve_plan(
+        module,
+        blocks_name=blocks_name,
+        blocks=blocks,
+        user_plan=user_plan,
+        module_plan=module_plan,
+        replicate=replicate,
+    )
+    plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
+    plan = with_per_head_lists(plan, blocks_name, blocks)
+    validate_plan(module, plan, tp)
+    check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
+    check_coverage(blocks_name, blocks, plan, unknown, tp)
+    return with_region_parameters(plan, blocks_name, blocks), source
+
+
+def refuse_uncalled_split_parts(plan: dict[str, str], blocks_name: str, blocks: BlockStack, called: set[str]) -> None:
+    """Refuse splitting the heads of a part the model's forward does not call as a module (``called``: the traced
+    forward's calls): it runs another of its methods (yet-another-retnet's ``forward_parallel``), where the
+    first-forward checks that catch a wrong split cannot watch it."""
+    for name, part in head_split_parts(plan, blocks_name, blocks):
+        if name not in called:
+            raise ValueError(
+                f"Tensor parallelism would split the heads of {name} ({type(part).__name__}), but the model's forward "
+                "does not call it as a module (it runs another of its methods), so the split cannot be checked "
+                f"against the whole part in the first forward. Keep it whole: tensor_parallel_replicate="
+                f"['{wildcard_index(name)}'], or use ZeRO or pipeline parallelism for this model."
+            )
