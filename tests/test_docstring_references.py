@@ -74,7 +74,7 @@ def _exists(target: str, role: str, module: str, cls: str | None) -> bool:
     if relative:
         return False
     head = name.split(".")[0]
-    return hasattr(builtins, head) or not _resolve(f"{module}.{head}") and "." in name  # another library's name
+    return hasattr(builtins, head) or (not _resolve(f"{module}.{head}") and "." in name)  # another library's name
 
 
 def _missing() -> list[str]:
