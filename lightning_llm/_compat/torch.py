@@ -117,8 +117,8 @@ register(
         used_by=(
             "modeling/repeated_blocks.py",
             "parallel/init/zero3_build.py",
-            "parallel/pipeline/gates.py",
-            "parallel/tp/experts.py",
+            "parallel/lent_weights.py",
+            "parallel/pipeline/stand_ins.py",
             "parallel/tp/hf_styles.py",
             "parallel/tp/per_head.py",
         ),

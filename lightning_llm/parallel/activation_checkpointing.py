@@ -223,6 +223,20 @@ def apply_activation_checkpointing(
     """
     blocks = list(blocks)
     validate_options(mode, selective, every_n_layers)
+    _refuse_missing_inputs(blocks, mode, budget, measure_fn, auto_policies)
+    indices = _positions(blocks, block_indices)
+    report = ACReport(mode=mode)
+    if mode == "auto" and auto_policies is None:
+        auto_policies = _plan_auto(blocks, report, budget, device_memory, measure_fn)
+    report.policies = block_policies(mode, indices, selective, every_n_layers, auto_policies)
+    _checkpoint_blocks(blocks, report.policies, _selective_context(recompute_every_other_matmul), entries or {})
+    if mode != "none":
+        log.info(report.summary(selective))
+    return report
+
+
+def _refuse_missing_inputs(blocks: list[nn.Module], mode: str, budget, measure_fn, auto_policies) -> None:
+    """Refuse, before anything is measured or changed, no blocks, and an "auto" without a plan nor what makes one."""
     if not blocks:
         raise ValueError("apply_activation_checkpointing got no blocks; pass the model's nn.ModuleList of blocks.")
     if mode == "auto" and auto_policies is None:
@@ -231,21 +245,22 @@ def apply_activation_checkpointing(
                 "activation_checkpointing='auto' needs measure_fn: a callable running one forward of the model."
             )
         validate_budget(budget)
+
+
+def _positions(blocks: list[nn.Module], block_indices: Sequence[int] | None) -> list[int]:
+    """The blocks' positions in the whole model: ``block_indices``, checked, or 0, 1, ..."""
     indices = list(block_indices) if block_indices is not None else list(range(len(blocks)))
     if len(indices) != len(blocks):
         raise ValueError(f"block_indices has {len(indices)} entries for {len(blocks)} blocks; give one per block.")
-    report = ACReport(mode=mode)
-    if mode == "auto" and auto_policies is None:
-        auto_policies = _plan_auto(blocks, report, budget, device_memory, measure_fn)
-    report.policies = block_policies(mode, indices, selective, every_n_layers, auto_policies)
-    context = _selective_context(recompute_every_other_matmul)
-    for block, policy in zip(blocks, report.policies):
+    return indices
+
+
+def _checkpoint_blocks(blocks: list[nn.Module], policies: list[str], selective: Callable, entries: dict) -> None:
+    """Checkpoint every module each block is entered through, fully or with the ``selective`` context."""
+    for block, policy in zip(blocks, policies):
         if policy != "none":
-            for unit in (entries or {}).get(id(block)) or entry_modules(block):
-                checkpoint_block(unit, context if policy == "op" else None)
-    if mode != "none":
-        log.info(report.summary(selective))
-    return report
+            for unit in entries.get(id(block)) or entry_modules(block):
+                checkpoint_block(unit, selective if policy == "op" else None)
 
 
 def _plan_auto(blocks, report: ACReport, budget, memory: int | None, measure_fn) -> list[str]:

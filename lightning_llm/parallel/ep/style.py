@@ -9,8 +9,8 @@ num_experts)`` could not take), and the router's scores stay on the router's ran
 
 The expert weights are ``Shard(0)`` DTensors on the EP mesh for everything outside the forward (checkpoints,
 optimizer, FSDP2, clipping); inside it the module indexes them by local expert id, which a DTensor cannot do, so the
-pre-hook lends the module its local shards for the call and the forward hook puts the DTensors back (as
-:mod:`lightning_llm.parallel.tp.experts` does).
+pre-hook lends the module its local shards for the call and the forward hook puts the DTensors back
+(:mod:`lightning_llm.parallel.lent_weights`, as :mod:`lightning_llm.parallel.tp.experts` does).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llm._compat.torch import module_parameters
 from lightning_llm.parallel.ep.dispatch import combine, dispatch
+from lightning_llm.parallel.lent_weights import lend, restore
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -60,17 +60,11 @@ class ExpertParallel(ParallelStyle):
         self.grad_scale = grad_scale
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        total, scale = module.num_experts, self.grad_scale
-        names = routed_arguments(module)
-        signature = inspect.signature(module.forward)
+        calls = _ExpertCalls(module, device_mesh, self.grad_scale)
         distribute_module(module, device_mesh, partition_fn=_shard_by_expert)
-        module.num_experts = total // device_mesh.size()  # the module's own code now counts its local experts
-        module._ep_calls = []  # one entry per call in flight (activation checkpointing re-enters)
-        module.register_forward_pre_hook(
-            lambda m, args, kwargs: _enter(m, signature, names, args, kwargs, device_mesh, total, scale),
-            with_kwargs=True,
-        )
-        module.register_forward_hook(lambda m, args, output: _exit(m, output, device_mesh), always_call=True)
+        module.num_experts = calls.total // device_mesh.size()  # the module's own code now counts its local experts
+        module.register_forward_pre_hook(calls.enter, with_kwargs=True)
+        module.register_forward_hook(lambda m, args, output: calls.exit(output), always_call=True)
         return module
 
 
@@ -82,41 +76,52 @@ def _shard_by_expert(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(param_name, sharded)
 
 
-def _enter(module, signature, names, args, kwargs, mesh, total, scale):
-    bound = signature.bind(*args, **kwargs)
-    hidden, index, weights = (bound.arguments[n] for n in names)
-    rows, local_ids, routing = dispatch(hidden, index, mesh, total)
-    bound.arguments[names[0]] = rows
-    bound.arguments[names[1]] = local_ids.unsqueeze(-1)
-    # Unit weights: the module's own weighting becomes an exact no-op; combine() applies the router's scores.
-    bound.arguments[names[2]] = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
-    lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    for name, param in lent.items():
-        local = param.to_local()
-        module_parameters(module)[name] = local if scale == 1.0 else scale_grad(local, scale)  # _exit restores
-    module._ep_calls.append((routing, weights, hidden.dtype, rows, lent))
-    return bound.args, bound.kwargs
+class _ExpertCalls:
+    """One experts module's calls under expert parallelism: routes dispatched in, outputs combined back out.
 
+    Holds, per call in flight (activation checkpointing re-enters the forward inside backward), what the forward
+    hook needs to send the outputs home and the loan of the module's local weights.
+    """
 
-def _exit(module, output, mesh):
-    if not module._ep_calls:  # the pre-hook itself raised: nothing was lent or dispatched
-        return output
-    routing, weights, dtype, rows, lent = module._ep_calls.pop()
-    local = [module_parameters(module)[name] for name in lent]
-    for name, param in lent.items():
-        module_parameters(module)[name] = param
-    if output is None:  # the forward raised; the hook only restores the parameters
-        return None
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(
-            f"expert parallelism expects the experts module to return one tensor, got {type(output).__name__}."
-        )
-    if rows.shape[0] == 0:
-        # No route reached this rank's experts: tie the (empty) output to the received rows and the local weights,
-        # so backward still runs this rank's half of both all-to-alls and the weights get a zero gradient, as the
-        # single process gives experts no token reached.
-        output = output + sum((p.sum() * 0 for p in local), rows.sum() * 0)
-    return combine(output, weights, routing, mesh, dtype)
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, scale: float) -> None:
+        self.routed = routed_arguments(module)
+        self.signature = inspect.signature(module.forward)
+        self.names = [name for name, _ in module.named_parameters(recurse=False)]
+        self.mesh, self.total, self.scale = mesh, module.num_experts, scale
+        self.calls: list[tuple] = []
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Dispatch this rank's routes to the ranks holding their experts; the local weights lent for the call."""
+        bound = self.signature.bind(*args, **kwargs)
+        hidden, index, weights = (bound.arguments[n] for n in self.routed)
+        rows, local_ids, routing = dispatch(hidden, index, self.mesh, self.total)
+        bound.arguments[self.routed[0]] = rows
+        bound.arguments[self.routed[1]] = local_ids.unsqueeze(-1)
+        # Unit weights: the module's own weighting becomes an exact no-op; combine() applies the router's scores.
+        bound.arguments[self.routed[2]] = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=weights.device)
+        scale = self.scale
+        loan = lend(module, self.names, None if scale == 1.0 else lambda local: scale_grad(local, scale))
+        self.calls.append((routing, weights, hidden.dtype, rows, loan))
+        return bound.args, bound.kwargs
+
+    def exit(self, output: torch.Tensor | None) -> torch.Tensor | None:
+        """Send the outputs home and weight them by the router's scores; the lent weights put back."""
+        if not self.calls:  # the pre-hook itself raised: nothing was lent or dispatched
+            return output
+        routing, weights, dtype, rows, loan = self.calls.pop()
+        restore(loan)
+        if output is None:  # the forward raised; the hook only restores the parameters
+            return None
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"expert parallelism expects the experts module to return one tensor, got {type(output).__name__}."
+            )
+        if rows.shape[0] == 0:
+            # No route reached this rank's experts: tie the (empty) output to the received rows and the local
+            # weights, so backward still runs this rank's half of both all-to-alls and the weights get a zero
+            # gradient, as the single process gives experts no token reached.
+            output = output + sum((p.sum() * 0 for p in loan.local), rows.sum() * 0)
+        return combine(output, weights, routing, self.mesh, dtype)
 
 
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -21,65 +21,30 @@ Graph tracing (``torch.distributed.pipelining.pipeline``) was not used: it needs
 ``training_step`` (loss included) to export as one graph, which Hugging Face models and most
 user code do not. The schedules, stages and communication are torch's
 (``torch.distributed.pipelining``); only the stage boundary logic is ours.
+
+This module holds the gates (the gated block container and embeddings) and what the block list yields; the stages'
+shared state lives in :mod:`.stage_state`, the stand-ins for what other ranks hold and the pruning in
+:mod:`.stand_ins`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm._compat.torch import module_parameters
 from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
 from lightning_llm.parallel.kv_cache import disable_kv_cache
 from lightning_llm.parallel.pipeline.block_outputs import BlockOutputs, probe
+from lightning_llm.parallel.pipeline.stage_state import PipelineState, StageChunk, StageOutput
+from lightning_llm.parallel.pipeline.stand_ins import RemovedBlock, outer_modules, prune_to_stages
 
-
-class StageOutput(Exception):
-    """Raised after a non-last stage's last block to leave the user's forward with the hidden state."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("pipeline stage boundary")
-        self.hidden = hidden
-
-
-@dataclass
-class StageChunk:
-    """One pipeline stage held by this rank."""
-
-    index: int
-    blocks: range
-    is_first: bool
-    is_last: bool
-
-
-@dataclass
-class PipelineState:
-    """What the running schedule needs: the active stage, the micro-batches and the step function."""
-
-    chunks: list[StageChunk]
-    num_microbatches: int
-    active: StageChunk | None = None
-    received: torch.Tensor | None = None
-    microbatches: list = field(default_factory=list)
-    step_fn: Callable | None = None
-    batch_idx: int = 0
-    loss_scale: float = 1.0
-    logs: dict[int, dict[str, tuple[torch.Tensor, dict]]] = field(default_factory=dict)
-
-    @contextmanager
-    def activate(self, chunk: StageChunk, received: torch.Tensor | None):
-        self.active, self.received = chunk, received
-        try:
-            yield
-        finally:
-            self.active, self.received = None, None
+# The stage state and the pruning are imported from here too (the setup in parallelize.py, tests).
+__all__ = ["PipelineState", "StageChunk", "StageOutput", "install_gates", "outer_modules", "prune_to_stages"]
 
 
 def _hidden_arg_name(block: nn.Module) -> str:
@@ -139,39 +104,12 @@ class _PassThrough:
 
     def __getattr__(self, name: str) -> Any:
         block = self.__dict__["_block"]
-        if isinstance(block, _RemovedBlock):
+        if isinstance(block, RemovedBlock):
             try:
                 return block.attributes[name]
             except KeyError:
                 raise AttributeError(name) from None
         return getattr(block, name)
-
-
-class _RemovedBlock(nn.Module):
-    """Stands in for a block another pipeline rank holds (no parameters)."""
-
-    is_pipeline_placeholder = True
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.attributes = _plain_attributes(block)
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("A block of another pipeline stage was called outside the pipeline schedule.")
-
-
-class _Shadow:
-    """A submodule of a block another rank holds, as its plain attributes (and its submodules' shadows): a model's
-    forward may read them off its first block (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.__dict__.update(_plain_attributes(module))
-
-
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    """``module``'s public attributes that are neither tensors nor modules, with a :class:`_Shadow` per submodule."""
-    plain = {k: v for k, v in vars(module).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
-    return {**plain, **{name: _Shadow(child) for name, child in module.named_children()}}
 
 
 class _Gate:
@@ -247,39 +185,6 @@ class _GatedDict(_Gate, nn.ModuleDict):
         return list(zip(nn.ModuleDict.keys(self), self._calls()))
 
 
-class _ZeroEmbedding(nn.Module):
-    """Stands in for an embedding on stages after the first: the real input arrives from the previous stage."""
-
-    is_pipeline_placeholder = True
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        self.embedding_dim, self.dtype = embedding.embedding_dim, embedding.weight.dtype
-        # Models read the embedding's device off its weight (Llama 4: input_ids.to(embed_tokens.weight.device)):
-        # an empty stand-in that follows the module's device and is in no checkpoint.
-        empty = torch.empty(0, self.embedding_dim, dtype=self.dtype, device=embedding.weight.device)
-        self.register_buffer("weight", empty, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
-
-
-class _Unreachable(nn.Module):
-    """Stands in for what follows the blocks on ranks without the last stage."""
-
-    is_pipeline_placeholder = True
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.module_name = name
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(
-            f"{self.module_name!r} runs after the transformer blocks, yet was called on a pipeline rank without the "
-            "last stage. Pipeline parallelism needs everything but embeddings to follow the block loop."
-        )
-
-
 def _gated_embedding_class(base: type, state: PipelineState) -> type:
     # A second Trainer call on the same model gates it again: follow the new state, not the first one's gate.
     base = getattr(base, "_pipeline_base", base)
@@ -296,52 +201,13 @@ def _gated_embedding_class(base: type, state: PipelineState) -> type:
     return type(f"PipelineGated{base.__name__}", (base,), {"forward": forward, "_pipeline_base": base})
 
 
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, attr, module)
-
-
-def outer_modules(module: nn.Module, blocks_name: str) -> tuple[list[str], list[str]]:
-    """Modules with parameters outside the blocks: (before the blocks: embeddings, after: the rest)."""
-    prefix = blocks_name + "."
-    before, after = [], []
-    for name, m in module.named_modules():
-        if not name or name.startswith(prefix) or name == blocks_name or not module_parameters(m):
-            continue
-        (before if isinstance(m, nn.Embedding) else after).append(name)
-    return before, after
-
-
-def prune_to_stages(
-    module: nn.Module, blocks_name: str, blocks: BlockStack, chunks: list[StageChunk]
-) -> dict[str, list]:
-    """Drop what this rank's stages do not run; return the module names each stage owns (for its runner)."""
-    owned = {i for c in chunks for i in c.blocks}
-    container = module.get_submodule(blocks.container) if getattr(blocks, "container", None) else None
-    for index, key in enumerate(list(container or range(len(blocks)))):
-        if index not in owned:
-            blocks[index] = _RemovedBlock(blocks[index])
-            if container is not None:  # a ModuleDict's blocks: the dict itself holds the stand-in
-                container[key] = blocks[index]
-    before, after = outer_modules(module, blocks_name)
-    has_first, has_last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
-    for name in before if not has_first else []:
-        _set_submodule(module, name, _ZeroEmbedding(module.get_submodule(name)))
-    for name in after if not has_last else []:
-        _set_submodule(module, name, _Unreachable(name))
-    return {
-        "before": before if has_first else [],
-        "after": after if has_last else [],
-    }
-
-
 def install_gates(
     module: nn.Module, blocks_name: str, blocks: BlockStack, owned_outer: dict[str, list], state: PipelineState
 ) -> None:
     """Make the block list and the embeddings follow ``state`` (the stage boundaries described above)."""
     disable_kv_cache(module, "Pipeline parallelism", "a training forward needs no KV cache; a stage holds some layers")
     modules = block_modules(blocks)
-    hidden_names = [_hidden_arg_name(b) if not isinstance(b, _RemovedBlock) else "hidden_states" for b in modules]
+    hidden_names = [_hidden_arg_name(b) if not isinstance(b, RemovedBlock) else "hidden_states" for b in modules]
     names = block_names(blocks_name, blocks)
     gated = {nn.Sequential: _GatedSequential, nn.ModuleDict: _GatedDict}
     blocks.__class__ = next((g for base, g in gated.items() if isinstance(blocks, base)), _GatedBlocks)

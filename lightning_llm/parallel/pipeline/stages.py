@@ -18,13 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llm.modeling.blocks import BlockStack, block_modules, block_names
 from lightning_llm.parallel.dtensor import local_tensor
-from lightning_llm.parallel.pipeline.gates import (
-    PipelineState,
-    StageChunk,
-    StageOutput,
-    install_gates,
-)
+from lightning_llm.parallel.pipeline.gates import install_gates
 from lightning_llm.parallel.pipeline.split import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from lightning_llm.parallel.pipeline.stage_state import PipelineState, StageChunk, StageOutput
 
 
 class StageRunner(nn.Module):

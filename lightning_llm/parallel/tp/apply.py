@@ -1,8 +1,9 @@
 """Tensor (+ sequence) parallelism for any model: apply a resolved plan with ``parallelize_module``.
 
-Plan resolution lives in :mod:`.tp_plan` (and HF style translation in :mod:`.tp_hf_styles`),
-style construction in :mod:`.tp_styles`, head counts in :mod:`.tp_heads`, and the replicated
-parameters of the head-sharded region in :mod:`.tp_replicated_grads`. With sequence parallelism
+Plan resolution lives in :mod:`.plan` (and HF style translation in :mod:`.hf_styles`, the entries
+sequence parallelism adds in :mod:`.sequence_parallel_plan`), style construction in :mod:`.styles`,
+head counts in :mod:`.heads`, and the replicated parameters of the head-sharded region in
+:mod:`.replicated_grads`. With sequence parallelism
 the activations between blocks stay sequence-sharded DTensors, so model code that reads
 ``x.shape`` keeps seeing global shapes.
 """
@@ -24,22 +25,19 @@ from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, 
 from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
 from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
 from lightning_llm.parallel.tp.local_widths import explain_first_forward
+from lightning_llm.parallel.tp.patterns import matches
 from lightning_llm.parallel.tp.per_head import per_head_lists
-from lightning_llm.parallel.tp.plan import (
-    STYLES,
-    _matches,
-    add_sequence_parallel_boundaries,
-    add_sequence_parallel_norms,
-    infer_plan,
-    resolve_plan,
-    validate_plan,
-)
+from lightning_llm.parallel.tp.plan import STYLES, infer_plan, resolve_plan, validate_plan
 from lightning_llm.parallel.tp.replicated_grads import (
     region_owners,
     sharded_region_modules,
     verify_on_first_forward,
 )
 from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
+from lightning_llm.parallel.tp.sequence_parallel_plan import (
+    add_sequence_parallel_boundaries,
+    add_sequence_parallel_norms,
+)
 from lightning_llm.parallel.tp.split_outputs import watch_first_forward
 from lightning_llm.parallel.tp.style_kinds import opens
 from lightning_llm.parallel.tp.styles import parallel_style
@@ -76,7 +74,7 @@ def local_styles(block_name: str, block: nn.Module, plan: dict[str, str]) -> dic
         name: style
         for name, _ in block.named_modules()
         for pattern, style in plan.items()
-        if name and _matches(f"{block_name}.{name}", pattern)
+        if name and matches(f"{block_name}.{name}", pattern)
     }
 
 
@@ -103,7 +101,7 @@ def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[
     for name, block, members in representatives:
         local = local_styles(name, block, plan)
         for part in per_head_lists(block, lambda attention, local=local: splits_heads(attention, local)):
-            if any(_matches(f"{name}.{part}", p) for p in plan):
+            if any(matches(f"{name}.{part}", p) for p in plan):
                 continue
             if len(representatives) == 1:
                 plan[f"{blocks_name}.*.{part}"] = "per_head"
@@ -148,31 +146,56 @@ def apply_tensor_parallel(
     part sees a shard of the sequence and its attention reaches the other shards through the ring).
     Returns the coverage report of this rank's blocks (see :func:`.coverage.coverage_lines`).
     """
-    tp = tp_mesh.size()
     if sequence_parallel:
         plan = add_sequence_parallel_norms(
             model, add_sequence_parallel_boundaries(model, plan, blocks_name), blocks_name
         )
     tied = tied_parameter_names(model)
-    # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
-    modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
-    explicit, styled = {}, set()
-    # Inside a module that gathers the whole sequence (an MoE block under SP), layers see whole sequences.
-    gathered = [n for n in modules for p, s in plan.items() if s == "gather_sequence" and _matches(n, p)]
-    for pattern, style in plan.items():
-        for name, module in modules.items():
-            sp_here = sequence_parallel and not any(name.startswith(g + ".") for g in gathered)
-            if _matches(name, pattern) and (torch_style := parallel_style(style, sp_here, module)) is not None:
-                explicit[name] = torch_style
-                styled.add(id(module))
+    explicit, styled = _torch_styles(model, plan, sequence_parallel)
     wholes = _whole_parts(model, plan, blocks) if check_parts else {}  # the split parts, copied before the split
     parallelize_module(model, tp_mesh, explicit)
     _retie(model, tied)
     if sequence_parallel:
         adapt_block_parts(blocks, tp_mesh, skip=styled)
-    names, config = {id(m): n for n, m in model.named_modules()}, model_config(model)
+    heads = _split_blocks_heads(model, plan, blocks, tp_mesh, entries or {})
+    for label, (part, whole) in wholes.items():
+        check_first_forward(part, whole, label)
+    log.info(
+        "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
+        tp_mesh.size(),
+        ", sequence parallel" if sequence_parallel else "",
+        len(explicit),
+        heads,
+    )
+    return coverage_lines(blocks)
+
+
+def _torch_styles(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> tuple[dict, set[int]]:
+    """The torch ``ParallelStyle`` of each module ``plan`` names (module name -> style), and the styled modules' ids."""
+    # Pipeline placeholders stand where another rank's modules are; they have nothing to shard.
+    modules = {n: m for n, m in model.named_modules() if n and not getattr(m, "is_pipeline_placeholder", False)}
+    # Inside a module that gathers the whole sequence (an MoE block under SP), layers see whole sequences.
+    gathered = [n for n in modules for p, s in plan.items() if s == "gather_sequence" and matches(n, p)]
+    explicit, styled = {}, set()
+    for pattern, style in plan.items():
+        for name, module in modules.items():
+            sp_here = sequence_parallel and not any(name.startswith(g + ".") for g in gathered)
+            if matches(name, pattern) and (torch_style := parallel_style(style, sp_here, module)) is not None:
+                explicit[name] = torch_style
+                styled.add(id(module))
+    return explicit, styled
+
+
+def _split_blocks_heads(
+    model: nn.Module, plan: dict[str, str], blocks: list[nn.Module], tp_mesh: DeviceMesh, entries: dict
+) -> int:
+    """Split each block's per-head state, divide its head counts and set up its first-forward checks.
+
+    Returns how many head counts were divided.
+    """
+    names, config, tp = {id(m): n for n, m in model.named_modules()}, model_config(model), tp_mesh.size()
     heads = 0
-    # A module several blocks call (Zamba's shared transformer) is styled once above (named_modules lists it once);
+    # A module several blocks call (Zamba's shared transformer) is styled once (named_modules lists it once);
     # its heads are split and its counts divided once, at its first block.
     split, divided, explained = set(), set(), set()
     for block in blocks:
@@ -182,27 +205,28 @@ def apply_tensor_parallel(
         whole_counts = block_head_counts(block)
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None, divided)
-            for owner in sorted(region_owners(local) or {""}):
-                part = block.get_submodule(owner) if owner else block
-                if id(part) not in explained:
-                    explained.add(id(part))
-                    explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
-        counts, entered = (whole_counts, block_head_counts(block)), _entered(block, (entries or {}).get(id(block)))
-        verify_on_first_forward(block, local, label=name, last=entered[-1][1])
-        for rel, unit in entered:
-            styles = _relative(local, rel)
-            label = f"{name}.{rel}" if rel else name
-            watch_first_forward(unit, [n for n, s in styles.items() if s == "colwise"], label=label, heads=counts)
-    for label, (part, whole) in wholes.items():
-        check_first_forward(part, whole, label)
-    log.info(
-        "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
-        tp,
-        ", sequence parallel" if sequence_parallel else "",
-        len(explicit),
-        heads,
-    )
-    return coverage_lines(blocks)
+            _explain_parts(block, name, local, tp, explained)
+        _watch_first_forward(block, name, local, (whole_counts, block_head_counts(block)), entries.get(id(block)))
+    return heads
+
+
+def _explain_parts(block: nn.Module, name: str, local: dict[str, str], tp: int, explained: set[int]) -> None:
+    """Have each head-split part of ``block`` explain a failing first forward (once per part, see ``explained``)."""
+    for owner in sorted(region_owners(local) or {""}):
+        part = block.get_submodule(owner) if owner else block
+        if id(part) not in explained:
+            explained.add(id(part))
+            explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
+
+
+def _watch_first_forward(block: nn.Module, name: str, local: dict[str, str], counts: tuple, units) -> None:
+    """Check on ``block``'s first forward its replicated parameters and the outputs of its column splits."""
+    entered = _entered(block, units)
+    verify_on_first_forward(block, local, label=name, last=entered[-1][1])
+    for rel, unit in entered:
+        styles = _relative(local, rel)
+        label = f"{name}.{rel}" if rel else name
+        watch_first_forward(unit, [n for n, s in styles.items() if s == "colwise"], label=label, heads=counts)
 
 
 def _whole_parts(model: nn.Module, plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, tuple]:

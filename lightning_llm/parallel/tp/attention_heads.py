@@ -6,8 +6,8 @@ plan split them (inferred, Hugging Face's or the user's):
 - **per-head parameters** (HF GptOss ``self_attn.sinks``, per-head scales: dim 0 = the head count) become
   ``Shard(0)`` DTensors on the tp mesh, contiguous heads per rank like the projections, so checkpoints,
   the optimizer and FSDP see ordinary shards. The attention code indexes them beside plain local
-  activations, so a forward pre-hook lends the module its local shard for the call and a forward hook
-  puts the DTensor back (FSDP2 and Hugging Face's ``local_params`` lend parameters the same way);
+  activations, so the module is lent its local shard for each call
+  (:mod:`lightning_llm.parallel.lent_weights`);
 - **ALiBi**: the model builds one bias slice per head (HF Bloom's ``alibi``: batch x heads rows, MPT's
   ``position_bias``: heads rows) and passes it to every attention module; a forward pre-hook
   (``with_kwargs=True``) hands the module this rank's heads' rows only, so each rank applies its own
@@ -24,9 +24,9 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_llm._compat.torch import module_parameters
+from lightning_llm.parallel.lent_weights import lend_during_calls
 from lightning_llm.parallel.tp.attention_variants import (
     alibi_argument,
     head_count,
@@ -87,22 +87,8 @@ def _shard_per_head(module: nn.Module, heads: int, mesh: DeviceMesh) -> list[str
             name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
         )
     if names:
-        module.register_forward_pre_hook(lambda m, args: _lend(m, names))
-        module.register_forward_hook(lambda m, args, output: _give_back(m), always_call=True)
+        lend_during_calls(module, names)
     return names
-
-
-def _lend(module: nn.Module, names: list[str]) -> None:
-    # Read at call time: FSDP2 may have swapped in its unsharded parameter (still a DTensor on the tp mesh).
-    slots = module_parameters(module)
-    module._lent_heads = {n: slots[n] for n in names if isinstance(slots[n], DTensor)}
-    for name, param in module._lent_heads.items():
-        slots[name] = param.to_local()
-
-
-def _give_back(module: nn.Module) -> None:
-    module_parameters(module).update(getattr(module, "_lent_heads", {}))
-    module._lent_heads = {}
 
 
 def _slice_alibi(module: nn.Module, argument: str, heads: int, lo: int, hi: int) -> None:

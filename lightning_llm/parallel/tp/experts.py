@@ -13,8 +13,8 @@ Why the pieces:
 - The weights stay ``Shard(0)`` DTensors for everything outside the forward (checkpoints, optimizer,
   exact initialization, pretrained loading, export, clipping), so a checkpoint keeps the model's own
   layout. Inside the forward the experts code indexes the weights with local expert ids, which a
-  DTensor cannot do, so a forward pre-hook lends the module its local shards for the duration of the
-  call, the way FSDP2 lends unsharded parameters (and Hugging Face's ``_use_local_dtensor_params``).
+  DTensor cannot do, so the module is lent its local shards for the duration of the call
+  (:mod:`lightning_llm.parallel.lent_weights`).
 - Only the routes to this rank's experts reach the module, one row per route (token, expert) with the local
   expert id, the way expert parallelism's dispatch hands them over without the all-to-all; the rows are added
   back onto their tokens after. The module never sees an expert it does not hold, so no transformers release's
@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llm._compat.torch import module_parameters
 from lightning_llm.modeling.experts import expert_count
+from lightning_llm.parallel.lent_weights import lend, restore
 
 INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -97,16 +97,13 @@ class ExpertsParallel(ParallelStyle):
         tp, count = device_mesh.size(), expert_count(module)
         distribute_module(module, device_mesh, partition_fn=_shard_experts)
         module.num_experts = count // tp
-        first = device_mesh.get_local_rank() * module.num_experts
+        calls = _ExpertCalls(module, device_mesh)
         if takes_expert_rows(module):
-            module.register_forward_pre_hook(lambda m, args: _enter_rows(m, args, device_mesh, first, tp))
-            module.register_forward_hook(lambda m, args, output: _exit_rows(m, output, device_mesh), always_call=True)
-            return module
-        signature = inspect.signature(module.forward)
-        module.register_forward_pre_hook(
-            lambda m, args, kwargs: _enter(m, signature, args, kwargs, device_mesh, first), with_kwargs=True
-        )
-        module.register_forward_hook(lambda m, args, output: _exit(m, output, device_mesh), always_call=True)
+            module.register_forward_pre_hook(calls.enter_rows)
+            module.register_forward_hook(lambda m, args, output: calls.exit_rows(output), always_call=True)
+        else:
+            module.register_forward_pre_hook(calls.enter, with_kwargs=True)
+            module.register_forward_hook(lambda m, args, output: calls.exit(output), always_call=True)
         return module
 
 
@@ -118,67 +115,78 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(param_name, sharded)
 
 
-def _enter(module, signature, args, kwargs, mesh, first):
-    bound = signature.bind(*args, **kwargs)
-    hidden, index, weights = (bound.arguments[n] for n in INPUTS)
-    local = module.num_experts
-    # Only this rank's routes go in, one row each with its local expert id: the module never sees an expert it
-    # does not hold (no sentinel id, which each transformers release handles differently) and does 1/tp of the work.
-    tokens, slots = ((index >= first) & (index < first + local)).nonzero(as_tuple=True)
-    bound.arguments["top_k_index"] = (index[tokens, slots] - first)[:, None]
-    # The shared inputs' gradients, partial on each rank (its own routes), are summed over the tp group.
-    bound.arguments["top_k_weights"] = sum_grad(weights, mesh)[tokens, slots][:, None]
-    bound.arguments["hidden_states"] = sum_grad(hidden, mesh)[tokens]
-    module._routes = (tokens, hidden.shape[0])
-    _lend(module)
-    return bound.args, bound.kwargs
+class _ExpertCalls:
+    """One experts module's calls under tensor parallelism: this rank's routes (or rows) in, the sum over tp out.
 
+    Holds, per call in flight (activation checkpointing re-enters the forward inside backward), where the rows go
+    back and the loan of the module's local weights.
+    """
 
-def _lend(module) -> None:
-    module._lent = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    for name, param in module._lent.items():
-        module_parameters(module)[name] = param.to_local()  # lent for this call; the exit hook puts the DTensor back
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.mesh, self.tp, self.local = mesh, mesh.size(), module.num_experts
+        self.first = mesh.get_local_rank() * self.local
+        self.signature = inspect.signature(module.forward)
+        self.names = [name for name, _ in module.named_parameters(recurse=False)]
+        self.calls: list[tuple] = []
 
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """This rank's routes in, one row each with its local expert id; the local weights lent for the call."""
+        bound = self.signature.bind(*args, **kwargs)
+        hidden, index, weights = (bound.arguments[n] for n in INPUTS)
+        first, mesh = self.first, self.mesh
+        # Only this rank's routes go in, one row each with its local expert id: the module never sees an expert it
+        # does not hold (no sentinel id, which each transformers release handles differently) and does 1/tp of the work.
+        tokens, slots = ((index >= first) & (index < first + self.local)).nonzero(as_tuple=True)
+        bound.arguments["top_k_index"] = (index[tokens, slots] - first)[:, None]
+        # The shared inputs' gradients, partial on each rank (its own routes), are summed over the tp group.
+        bound.arguments["top_k_weights"] = sum_grad(weights, mesh)[tokens, slots][:, None]
+        bound.arguments["hidden_states"] = sum_grad(hidden, mesh)[tokens]
+        self.calls.append(((tokens, hidden.shape[0]), lend(module, self.names)))
+        return bound.args, bound.kwargs
 
-def _enter_rows(module, args, mesh, first, tp):
-    # Expert-major rows, one block of tokens per expert: this rank's experts' blocks go in.
-    rows = sum_grad(args[0], mesh)
-    local = module.num_experts
-    if rows.shape[0] % (local * tp):
-        raise RuntimeError(
-            f"Tensor parallelism: {type(module).__name__} takes one tensor of {rows.shape[0]} rows, not one block of "
-            f"tokens per expert ({local * tp} experts), so its rows cannot be split by expert. Keep it whole: "
-            "tensor_parallel_plan={'<its name>': 'replicate', ...}."
-        )
-    module._rows = (rows.shape[0] // (local * tp), rows.shape[0])
-    _lend(module)
-    return (rows.unflatten(0, (local * tp, -1))[first : first + local].flatten(0, 1), *args[1:])
+    def enter_rows(self, module: nn.Module, args: tuple) -> tuple:
+        """Expert-major rows, one block of tokens per expert: this rank's experts' blocks go in."""
+        rows, experts = sum_grad(args[0], self.mesh), self.local * self.tp
+        if rows.shape[0] % experts:
+            raise RuntimeError(
+                f"Tensor parallelism: {type(module).__name__} takes one tensor of {rows.shape[0]} rows, not one block "
+                f"of tokens per expert ({experts} experts), so its rows cannot be split by expert. Keep it whole: "
+                "tensor_parallel_plan={'<its name>': 'replicate', ...}."
+            )
+        self.calls.append(((rows.shape[0] // experts, rows.shape[0]), lend(module, self.names)))
+        mine = rows.unflatten(0, (experts, -1))[self.first : self.first + self.local]
+        return (mine.flatten(0, 1), *args[1:])
 
+    def exit(self, output: torch.Tensor | None) -> torch.Tensor | None:
+        """Each route's row back onto its token, summed over tp; the lent weights put back."""
+        routes = self._finish()
+        if routes is None or output is None:  # the pre-hook or the forward raised
+            return output
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"'experts' expects the experts module to return one tensor, got {type(output).__name__}.")
+        tokens, count = routes
+        # A token's routes to this rank's experts add up; then the sum over tp.
+        per_token = output.new_zeros(count, *output.shape[1:]).index_add(0, tokens, output)
+        return _sum(per_token, self.mesh)
 
-def _exit_rows(module, output, mesh):
-    _return_lent(module)
-    tokens, count = module._rows
-    # This rank's experts summed per token, then over tp: the MoE block's sum over experts sees it in the first
-    # expert's rows and zeros in the others, so its own reshape-and-sum gives the total.
-    summed = _sum(output.unflatten(0, (-1, tokens)).sum(0), mesh)
-    return torch.cat([summed, summed.new_zeros(count - tokens, *summed.shape[1:])])
+    def exit_rows(self, output: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's experts summed per token, then over tp, in the first expert's rows; the weights put back."""
+        routes = self._finish()
+        if routes is None or output is None:  # the pre-hook or the forward raised
+            return output
+        tokens, count = routes
+        # The MoE block's sum over experts sees the total in the first expert's rows and zeros in the others, so
+        # its own reshape-and-sum gives the total.
+        summed = _sum(output.unflatten(0, (-1, tokens)).sum(0), self.mesh)
+        return torch.cat([summed, summed.new_zeros(count - tokens, *summed.shape[1:])])
 
-
-def _return_lent(module) -> None:
-    for name, param in getattr(module, "_lent", {}).items():
-        module_parameters(module)[name] = param
-    module._lent = {}
-
-
-def _exit(module, output, mesh):
-    _return_lent(module)
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"'experts' expects the experts module to return one tensor, got {type(output).__name__}.")
-    tokens, count = module._routes
-    module._routes = None
-    # Each route's row back onto its token (a token's routes to this rank's experts add up), then summed over tp.
-    per_token = output.new_zeros(count, *output.shape[1:]).index_add(0, tokens, output)
-    return _sum(per_token, mesh)
+    def _finish(self) -> tuple | None:
+        """The newest call's routes, its loan settled (``None`` when its pre-hook raised before lending)."""
+        if not self.calls:
+            return None
+        routes, loan = self.calls.pop()
+        restore(loan)
+        return routes
 
 
 def sum_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

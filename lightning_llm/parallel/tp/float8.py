@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
-from lightning_llm.parallel.tp.plan import _matches
+from lightning_llm.parallel.tp.patterns import matches
 
 FP8_TP_STYLES = ("colwise", "rowwise")
 FP8_TP_RECIPE = "tensorwise"
@@ -61,7 +61,7 @@ def _tensorwise(module: nn.Module) -> bool:
 def style_of(name: str, plan: dict[str, str]) -> str | None:
     """The style ``plan`` gives module ``name`` as :func:`.apply.apply_tensor_parallel` applies it: the last
     matching pattern's, where "replicate" (which applies nothing) only counts when no other pattern matches."""
-    styles = [style for pattern, style in plan.items() if _matches(name, pattern)]
+    styles = [style for pattern, style in plan.items() if matches(name, pattern)]
     applied = [style for style in styles if style != "replicate"]
     return (applied or styles or [None])[-1]
 

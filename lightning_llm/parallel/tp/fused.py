@@ -27,6 +27,8 @@ transpose of ``nn.Linear``; torch's Colwise/RowwiseParallel accept only ``nn.Lin
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -202,8 +204,36 @@ class Regroup:
         return received.movedim(0, -1)
 
 
-class Conv1DColwise(ParallelStyle):
+class Conv1DParallel(ParallelStyle):
+    """A ``Conv1D`` layer's parameters sharded by :attr:`PLACEMENTS`, its input brought to :attr:`COMPUTED_ON`.
+
+    The common part of :class:`Conv1DColwise` and :class:`Conv1DRowwise`, which say where each parameter is split
+    and which layout the layer computes on; the input arrives as ``input_layouts`` and the output leaves as
+    ``output_layouts`` (a local tensor when ``use_local_output``).
+    """
+
+    PLACEMENTS: ClassVar[dict[str, Placement]]
+    COMPUTED_ON: ClassVar[Placement]
+
+    def __init__(self, input_layouts: Placement, output_layouts: Placement, use_local_output: bool) -> None:
+        super().__init__()
+        self.input_layouts, self.output_layouts, self.use_local_output = input_layouts, output_layouts, use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_partition(self.PLACEMENTS, self.src_data_rank),
+            input_fn=_inputs(self.input_layouts, self.COMPUTED_ON),
+            output_fn=_outputs(self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DColwise(Conv1DParallel):
     """ColwiseParallel for ``Conv1D``: weight ``Shard(1)`` (outputs), bias ``Shard(0)``; input gathered to Replicate."""
+
+    PLACEMENTS: ClassVar[dict[str, Placement]] = {"weight": Shard(1), "bias": Shard(0)}
+    COMPUTED_ON = Replicate()
 
     def __init__(
         self,
@@ -211,21 +241,14 @@ class Conv1DColwise(ParallelStyle):
         output_layouts: Placement = Shard(-1),
         use_local_output: bool = True,
     ) -> None:
-        super().__init__()
-        self.input_layouts, self.output_layouts, self.use_local_output = input_layouts, output_layouts, use_local_output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=_partition({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
-            input_fn=_inputs(self.input_layouts, Replicate()),
-            output_fn=_outputs(self.output_layouts, self.use_local_output),
-        )
+        super().__init__(input_layouts, output_layouts, use_local_output)
 
 
-class Conv1DRowwise(ParallelStyle):
+class Conv1DRowwise(Conv1DParallel):
     """RowwiseParallel for ``Conv1D``: weight ``Shard(0)`` (inputs), bias whole; output reduced to ``output_layouts``."""
+
+    PLACEMENTS: ClassVar[dict[str, Placement]] = {"weight": Shard(0), "bias": Replicate()}
+    COMPUTED_ON = Shard(-1)
 
     def __init__(
         self,
@@ -233,17 +256,7 @@ class Conv1DRowwise(ParallelStyle):
         output_layouts: Placement = Replicate(),
         use_local_output: bool = True,
     ) -> None:
-        super().__init__()
-        self.input_layouts, self.output_layouts, self.use_local_output = input_layouts, output_layouts, use_local_output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=_partition({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
-            input_fn=_inputs(self.input_layouts, Shard(-1)),
-            output_fn=_outputs(self.output_layouts, self.use_local_output),
-        )
+        super().__init__(input_layouts, output_layouts, use_local_output)
 
 
 def _partition(placements: dict[str, Placement], src_data_rank: int | None):

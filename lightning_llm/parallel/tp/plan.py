@@ -11,50 +11,44 @@ A plan maps fnmatch patterns over module names (``"layers.*.attention.q_proj"``)
 A plan naming a module also owns what is inside it. HF plans often cover part of a model only (the
 embedding and head; the experts), so taking the first plan found as the whole plan would leave the rest
 whole on every rank without a word: :mod:`.coverage` reports and refuses what stays whole.
+
+The entries sequence parallelism adds are in :mod:`.sequence_parallel_plan`, the pattern matching in
+:mod:`.patterns`.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import re
-from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import block_names
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
 from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
-from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, output_head, variant_plan
+from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, variant_plan
 from lightning_llm.parallel.tp.multihead_attention import check_multihead_attention
-from lightning_llm.parallel.tp.style_kinds import KINDS, back_to_shards, kind_of, owns_subtree
-from lightning_llm.parallel.tp.style_kinds import whole as is_whole
+from lightning_llm.parallel.tp.patterns import coverer, matches
+from lightning_llm.parallel.tp.sequence_parallel_plan import (
+    add_sequence_parallel_boundaries,
+    add_sequence_parallel_norms,
+)
+from lightning_llm.parallel.tp.style_kinds import KINDS, kind_of
 
-__all__ = ["STYLES", "check_style", "infer_plan", "resolve_plan", "validate_plan"]
+__all__ = [
+    "STYLES",
+    "add_sequence_parallel_boundaries",
+    "add_sequence_parallel_norms",
+    "check_style",
+    "infer_plan",
+    "resolve_plan",
+    "validate_plan",
+]
 
 STYLES = tuple(KINDS)
 
 
 def is_fused_style(style: str) -> bool:
     return style == "fused_qkv" or style.startswith(FUSED_PREFIX)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern)
-
-
-def _coverer(model: nn.Module, plan: dict[str, str]) -> Callable[[str], bool]:
-    """Whether a module name is named by ``plan``, directly or under an entry that owns its subtree."""
-    owners = [p for p, s in plan.items() if owns_subtree(s)]
-
-    def covered(name: str) -> bool:
-        if any(_matches(name, p) for p in plan):
-            return True
-        parts = name.split(".")
-        return any(_matches(".".join(parts[:k]), p) for p in owners for k in range(1, len(parts)))
-
-    return covered
 
 
 def merge_plans(model: nn.Module, sources: list[tuple[str, dict[str, str]]]) -> tuple[dict[str, str], list[str]]:
@@ -66,10 +60,10 @@ def merge_plans(model: nn.Module, sources: list[tuple[str, dict[str, str]]]) -> 
     used: list[str] = []
     names = [n for n, _ in model.named_modules() if n]
     for label, plan in sources:
-        covered = _coverer(model, merged)
+        covered = coverer(merged)
         kept = {}
         for pattern, style in plan.items():
-            matched = [n for n in names if _matches(n, pattern)]
+            matched = [n for n in names if matches(n, pattern)]
             free = [n for n in matched if not covered(n)]
             if len(free) == len(matched):
                 kept[pattern] = style
@@ -120,7 +114,7 @@ def resolve_plan(
     if hf_translated:
         sources.append(("hugging face", split_gathered_fused(model, hf_translated)))
     merged, used = merge_plans(model, sources)
-    inferred = infer_styles(model, blocks_name, blocks, _coverer(model, merged))
+    inferred = infer_styles(model, blocks_name, blocks, coverer(merged))
     _refuse_hf_entries(model, merged, inferred.plan, hf_translated, hf_refused)
     plan, more = merge_plans(model, [("merged", merged), ("inferred", inferred.plan)])
     used += [s for s in more if s != "merged"]
@@ -130,9 +124,9 @@ def resolve_plan(
 
 def _refuse_hf_entries(model, merged, inferred, translated, refused) -> None:
     """Raise for HF entries we do not apply on modules that neither an earlier source nor inference plans."""
-    planned = _coverer(model, {**merged, **inferred})
+    planned = coverer({**merged, **inferred})
     names = [n for n, _ in model.named_modules() if n]
-    left = {p: s for p, s in refused.items() if not all(planned(n) for n in names if _matches(n, p))}
+    left = {p: s for p, s in refused.items() if not all(planned(n) for n in names if matches(n, p))}
     if left:
         raise ValueError(hf_refusal(translated, left))
 
@@ -149,7 +143,7 @@ def split_gathered_fused(model: nn.Module, plan: dict[str, str]) -> dict[str, st
     names = dict(model.named_modules())
     for pattern, style in list(plan.items()):
         owner_pattern, _, leaf = pattern.rpartition(".")
-        owners = [m for n, m in names.items() if _matches(n, owner_pattern)]
+        owners = [m for n, m in names.items() if matches(n, owner_pattern)]
         fused = known_fused_style(owners[0], leaf) if style == "colwise_gather" and owners else None
         if fused:
             plan[pattern] = fused
@@ -166,102 +160,11 @@ def resolve_fused_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, st
         if style != "fused_qkv":
             continue
         for name, module in model.named_modules():
-            if name and _matches(name, pattern) and projection_dims(module) is not None:
+            if name and matches(name, pattern) and projection_dims(module) is not None:
                 owner = model.get_submodule(name.rpartition(".")[0])
                 resolved[pattern] = qkv_style(owner, projection_dims(module)[1], name)
                 break
     return resolved
-
-
-def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
-    """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
-
-    A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
-    next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
-    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
-    """
-    plan = dict(plan)
-    planned = [n for n, _ in model.named_modules() if n and any(_matches(n, p) for p in plan)]
-    whole = _coverer(model, {p: s for p, s in plan.items() if owns_subtree(s)})  # parts kept whole: theirs
-    # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
-    in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
-    beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
-    for name, module in model.named_modules():
-        if getattr(module, "is_pipeline_placeholder", False):
-            continue
-        is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
-        beside = name.rpartition(".")[0] in beside_projection and not _leads(model, name, planned)
-        if is_norm and name not in planned and not beside and not whole(name):
-            plan[name] = "sequence_parallel"
-    return plan
-
-
-def _leads(model: nn.Module, name: str, planned: list[str]) -> bool:
-    """Whether ``name`` comes before every planned sibling in an ``nn.Sequential`` (a pre-norm: it sees the stream)."""
-    parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    if not isinstance(parent, nn.Sequential):
-        return False
-    order = [c for c, _ in parent.named_children()]
-    siblings = [n[len(parent_name) + 1 :].split(".")[0] for n in planned if n.startswith(parent_name + ".")]
-    return all(order.index(leaf) < order.index(s) for s in siblings)
-
-
-def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
-    """Under sequence parallelism, the embeddings and output head the plan leaves out, split as :func:`infer_plan` would.
-
-    SP needs the first block's input to be a sequence-sharded DTensor and the output head to gather
-    it back; a plan without the embedding (HF GPT-NeoX) would hand the blocks a full-sequence plain
-    tensor that SP reads as a local shard.
-    """
-    plan = dict(plan)
-    prefix = blocks_name + "."
-
-    def covered(name: str) -> bool:
-        return any(_matches(name, p) for p in plan)
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and not name.startswith(prefix) and not covered(name):
-            plan[name] = "embedding"
-    head = output_head(model, prefix)
-    if head is not None and not covered(head):
-        plan[head] = "colwise_gather"
-    # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
-    # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
-    experts = [p for p, s in plan.items() if s in ("experts", "expert_parallel")]
-    for name, _ in model.named_modules():
-        parent = name.rpartition(".")[0]
-        if parent and any(_matches(name, p) for p in experts) and not covered(parent):
-            plan[parent] = "gather_sequence"
-    return _gather_parts_without_row_split(model, plan, blocks_name)
-
-
-def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
-    """A block part whose split layers all hand back whole outputs (HF's gathered plans: Qwen3-Next's linear
-    attention is ``colwise_gather`` only) computes on the whole sequence: it gets ``gather_sequence``."""
-    blocks = model.get_submodule(blocks_name)
-    for block_name in block_names(blocks_name, blocks):
-        for part, _ in model.get_submodule(block_name).named_children():
-            name = f"{block_name}.{part}"
-            # Styles of the layers inside the part; a part that is itself one planned layer (a q_proj beside the
-            # block's o_proj, the attention computed in the block's own forward) is not a part of its own.
-            inside = [
-                s
-                for n, _ in model.get_submodule(name).named_modules()
-                if n
-                for p, s in plan.items()
-                if _matches(f"{name}.{n}", p)
-            ]
-            split = [s for s in inside if s == "gather_sequence" or not is_whole(s)]
-            planned_itself = any(_matches(name, p) for p in plan)  # never replace an entry the plan already has
-            if (
-                split
-                and not planned_itself
-                and "gather_sequence" not in split
-                and not any(back_to_shards(s) for s in split)
-            ):
-                plan[name] = "gather_sequence"
-    return plan
 
 
 def check_style(pattern: str, style: str) -> None:
@@ -280,7 +183,7 @@ def validate_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, 
     matched: dict[str, list[str]] = {}
     for pattern, style in plan.items():
         check_style(pattern, style)
-        matched[pattern] = [n for n in names if n and _matches(n, pattern)]
+        matched[pattern] = [n for n in names if n and matches(n, pattern)]
         if not matched[pattern]:
             raise ValueError(
                 f"Tensor-parallel plan pattern {pattern!r} matches no module. Module names look like "

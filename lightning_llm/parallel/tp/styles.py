@@ -3,8 +3,8 @@
 Every style is torch's own ``ColwiseParallel``/``RowwiseParallel``/``SequenceParallel`` with the
 input/output layouts the position in the model needs, except :class:`ReplicateGradSum`, a small
 ``ParallelStyle`` (built with torch's ``distribute_module``) for a module kept whole on every rank
-but applied to each rank's own heads, the fused-projection and ``Conv1D`` styles of :mod:`.tp_fused`,
-and the expert split of :mod:`.tp_experts`. A torchao ``Float8Linear`` gets the fp8 styles of :mod:`.float8`.
+but applied to each rank's own heads, the fused-projection and ``Conv1D`` styles of :mod:`.fused`,
+and the expert split of :mod:`.experts`. A torchao ``Float8Linear`` gets the fp8 styles of :mod:`.float8`.
 """
 
 from __future__ import annotations
@@ -153,27 +153,32 @@ class GatherSequence(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shapes: list[torch.Size] = []  # (batch, sequence) per call in flight (activation checkpointing re-enters)
         module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._gather(m, args, kwargs, device_mesh), with_kwargs=True
+            lambda m, args, kwargs: self._gather(args, kwargs, device_mesh, shapes), with_kwargs=True
         )
-        module.register_forward_hook(lambda m, args, output: self._split(m, output, device_mesh))
+        module.register_forward_hook(lambda m, args, output: self._split(output, device_mesh, shapes), always_call=True)
         return module
 
     @staticmethod
-    def _gather(module: nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    def _gather(args: tuple, kwargs: dict, mesh: DeviceMesh, shapes: list) -> tuple[tuple, dict]:
         """The hidden state (the first positional argument, else ``hidden_states=``) as the whole sequence."""
         key = 0 if args else "hidden_states"
         x = args[0] if args else kwargs[key]
         if _plain_tensor(x):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         x = x.redistribute(mesh, [Replicate()]).to_local()
-        module._sequence_shape = x.shape[:2]  # (batch, sequence): to re-split a token-flattened output
+        shapes.append(x.shape[:2])  # to re-split a token-flattened output
         return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, key: x})
 
     @staticmethod
-    def _split(module: nn.Module, output, mesh: DeviceMesh):
+    def _split(output, mesh: DeviceMesh, shapes: list):
+        """The output (or a tuple's first element) as this rank's sequence shard of a ``Shard(1)`` DTensor."""
+        shape = shapes.pop() if shapes else None
+        if shape is None or output is None:  # the pre-hook or the forward raised
+            return output
+        batch, length = shape
         first = output[0] if isinstance(output, tuple) else output
-        batch, length = module._sequence_shape
         if first.dim() == 2 and first.shape[0] == batch * length:  # tokens flattened (Llama 4's MoE): (b, s, d) back
             first = first.unflatten(0, (batch, length))
         first = DTensor.from_local(first, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])

@@ -1,0 +1,111 @@
+"""The plan entries sequence parallelism adds: residual-stream norms, embeddings and head, whole-sequence parts.
+
+Under sequence parallelism the activations between blocks are sequence-sharded, so a plan that is complete for
+plain tensor parallelism still misses modules that see those shards: the norms of the residual stream (split by
+sequence), the embeddings and output head a plan may leave out (they open and close the sharded stream), and block
+parts that need the whole sequence (an MoE block routes whole tokens; a part whose split layers all hand back whole
+outputs computes on the whole sequence), which get ``gather_sequence``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from lightning_llm.modeling.blocks import block_names
+from lightning_llm.parallel.tp.infer import output_head
+from lightning_llm.parallel.tp.patterns import coverer, matches
+from lightning_llm.parallel.tp.style_kinds import back_to_shards, owns_subtree
+from lightning_llm.parallel.tp.style_kinds import whole as is_whole
+
+
+def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
+    """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
+
+    A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
+    next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
+    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
+    """
+    plan = dict(plan)
+    planned = [n for n, _ in model.named_modules() if n and any(matches(n, p) for p in plan)]
+    whole = coverer({p: s for p, s in plan.items() if owns_subtree(s)})  # parts kept whole: theirs
+    # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
+    in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
+    beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
+    for name, module in model.named_modules():
+        if getattr(module, "is_pipeline_placeholder", False):
+            continue
+        is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
+        beside = name.rpartition(".")[0] in beside_projection and not _leads(model, name, planned)
+        if is_norm and name not in planned and not beside and not whole(name):
+            plan[name] = "sequence_parallel"
+    return plan
+
+
+def _leads(model: nn.Module, name: str, planned: list[str]) -> bool:
+    """Whether ``name`` comes before every planned sibling in an ``nn.Sequential`` (a pre-norm: it sees the stream)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if not isinstance(parent, nn.Sequential):
+        return False
+    order = [c for c, _ in parent.named_children()]
+    siblings = [n[len(parent_name) + 1 :].split(".")[0] for n in planned if n.startswith(parent_name + ".")]
+    return all(order.index(leaf) < order.index(s) for s in siblings)
+
+
+def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
+    """Under sequence parallelism, the embeddings and output head the plan leaves out, split as :func:`.infer.infer_plan` would.
+
+    SP needs the first block's input to be a sequence-sharded DTensor and the output head to gather
+    it back; a plan without the embedding (HF GPT-NeoX) would hand the blocks a full-sequence plain
+    tensor that SP reads as a local shard.
+    """
+    plan = dict(plan)
+    prefix = blocks_name + "."
+
+    def covered(name: str) -> bool:
+        return any(matches(name, p) for p in plan)
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and not name.startswith(prefix) and not covered(name):
+            plan[name] = "embedding"
+    head = output_head(model, prefix)
+    if head is not None and not covered(head):
+        plan[head] = "colwise_gather"
+    # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
+    # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
+    experts = [p for p, s in plan.items() if s in ("experts", "expert_parallel")]
+    for name, _ in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if parent and any(matches(name, p) for p in experts) and not covered(parent):
+            plan[parent] = "gather_sequence"
+    return _gather_parts_without_row_split(model, plan, blocks_name)
+
+
+def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:
+    """A block part whose split layers all hand back whole outputs (HF's gathered plans: Qwen3-Next's linear
+    attention is ``colwise_gather`` only) computes on the whole sequence: it gets ``gather_sequence``."""
+    blocks = model.get_submodule(blocks_name)
+    for block_name in block_names(blocks_name, blocks):
+        for part, _ in model.get_submodule(block_name).named_children():
+            name = f"{block_name}.{part}"
+            # Styles of the layers inside the part; a part that is itself one planned layer (a q_proj beside the
+            # block's o_proj, the attention computed in the block's own forward) is not a part of its own.
+            inside = [
+                s
+                for n, _ in model.get_submodule(name).named_modules()
+                if n
+                for p, s in plan.items()
+                if matches(f"{name}.{n}", p)
+            ]
+            split = [s for s in inside if s == "gather_sequence" or not is_whole(s)]
+            planned_itself = any(matches(name, p) for p in plan)  # never replace an entry the plan already has
+            if (
+                split
+                and not planned_itself
+                and "gather_sequence" not in split
+                and not any(back_to_shards(s) for s in split)
+            ):
+                plan[name] = "gather_sequence"
+    return plan
