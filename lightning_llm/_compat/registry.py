@@ -54,3 +54,14 @@ def resolve(dotted: str) -> object:
     for attr in filter(None, attrs.split(".")):
         obj = getattr(obj, attr)
     return obj
+
+
+def has_instance_attr(cls_path: str, attr: str) -> None:
+    """Raise unless ``cls_path``'s ``__init__`` assigns ``self.<attr>``: the check of an instance attribute, which
+    no class attribute would show."""
+    import inspect
+    import re
+
+    cls = resolve(cls_path)
+    if not re.search(rf"self\.{attr}\b\s*(:[^=\n]*)?=", inspect.getsource(cls.__init__)):
+        raise AttributeError(f"{cls_path} no longer sets {attr} in __init__")

@@ -1,5 +1,7 @@
-"""Private torch APIs outside ``torch.distributed``: fake tensors, dispatch modes, pytrees, foreach kernels and
-``nn.Module``'s parameter/buffer dictionaries."""
+"""Private torch APIs outside ``torch.distributed``: fake tensors, dispatch modes, pytrees, foreach kernels,
+``nn.Module``'s parameter, buffer and hook dictionaries, and the optimizers' AMP flag.
+
+The private aten kernels (attention with its log-sum-exp, grouped matmul) are in :mod:`.torch_kernels`."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ register(
         name="torch.utils._python_dispatch.TorchDispatchMode",
         upstream="torch",
         accessor="torch.TorchDispatchMode",
-        used_by=("modeling/activations.py", "parallel/init/materialize.py", "parallel/init/zero3_init.py"),
+        used_by=("modeling/activation_tally.py", "parallel/init/materialize.py", "parallel/init/zero3_init.py"),
         why="see each aten op a forward or an init runs (which outputs the selective policy saves; record and replay "
         "an init; gather a ZeRO-3 parameter on touch); torch has no public dispatch-mode base class",
         caught_by="`tests/parallel/test_activation_checkpointing.py`, `tests/strategies/test_deepspeed_init.py`",
@@ -53,7 +55,7 @@ register(
         name="torch.utils._pytree.tree_leaves",
         upstream="torch",
         accessor="torch.tree_leaves",
-        used_by=("modeling/activations.py", "parallel/init/zero3_init.py", "strategies/zero_auto.py"),
+        used_by=("modeling/activation_tally.py", "parallel/init/zero3_init.py", "strategies/zero_auto.py"),
         why="the tensors of nested args/outputs/batches; torch 2.13 ships no public `torch.utils.pytree`",
         caught_by="`tests/parallel/test_activation_checkpointing.py`, `tests/strategies/test_deepspeed_init.py`",
         checked=CHECKED,
@@ -230,117 +232,5 @@ register(
         caught_by="`tests/strategies/test_fp16_parity.py`",
         checked=CHECKED,
         check=lambda: torch.optim.AdamW([nn.Parameter(torch.ones(1))], fused=True)._step_supports_amp_scaling,
-    )
-)
-
-
-def attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float | None
-) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """SDPA's own kernel for the device, returning (output, logsumexp, what the same kernel's backward needs).
-
-    The log-sum-exp of every query row is what merges partial attentions over key blocks exactly (ring attention);
-    public ``scaled_dot_product_attention`` does not return it. CPU: the flash kernel
-    (``aten._scaled_dot_product_flash_attention_for_cpu``); CUDA: the flash kernel for fp16/bf16 with head dim up
-    to 256, memory-efficient attention otherwise (fp32), as torch's own ``context_parallel`` dispatches.
-    (batch, heads, seq, head_dim) in; logsumexp is (batch, heads, seq) in fp32. Checked on torch 2.13.0 (CPU) and
-    torch 2.11 (CUDA, ``tests/gpu/test_ring_kernels.py``).
-    """
-    aten = torch.ops.aten
-    if query.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=None, scale=scale
-        )
-        return out, lse, ()
-    if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            query, key, value, 0.0, is_causal, False, scale=scale
-        )
-        return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, True, 0.0, is_causal, scale=scale
-    )  # the log-sum-exp comes padded to a multiple of 32 rows: cut here, padded again for the backward
-    return out, lse[..., : query.shape[-2]], ("efficient", lse.shape[-1], seed, offset)
-
-
-def attention_with_lse_backward(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    logsumexp: torch.Tensor,
-    state: tuple,
-    *,
-    is_causal: bool,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one key block given the merged output and log-sum-exp of the whole row (so each block's
-    share of the gradient is exact), by the backward of the kernel :func:`attention_with_lse` chose; ``state`` is
-    its third return value for a block of the same shapes."""
-    aten = torch.ops.aten
-    grad_out, query, key, value, out = (t.contiguous() for t in (grad_out, query, key, value, out))
-    logsumexp = logsumexp.contiguous()
-    if not state:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=None, scale=scale
-        )
-    if state[0] == "flash":
-        _, cum_q, cum_k, max_q, max_k, seed, offset = state
-        return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, logsumexp, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset,
-            scale=scale,
-        )[:3]  # fmt: skip
-    _, width, seed, offset = state
-    logsumexp = torch.nn.functional.pad(logsumexp, (0, width - logsumexp.shape[-1]))
-    return aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, query, key, value, None, out, logsumexp, seed, offset, 0.0, (True, True, True, False), is_causal,
-        scale=scale,
-    )[:3]  # fmt: skip
-
-
-register(
-    Private(
-        name="aten._scaled_dot_product_{flash_attention_for_cpu,flash_attention,efficient_attention} (+ _backward)",
-        upstream="torch",
-        accessor="torch.attention_with_lse, torch.attention_with_lse_backward",
-        used_by=("parallel/cp/ring.py",),
-        why="ring attention merges partial attentions over key blocks with each row's log-sum-exp and recomputes "
-        "each block's gradient from the merged output; SDPA's kernels return the log-sum-exp, the public SDPA does "
-        "not",
-        caught_by="`tests/parallel/test_context_parallel.py`, `tests/gpu/test_ring_kernels.py`",
-        checked=CHECKED,
-        check=lambda: (
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
-        ),
-    )
-)
-
-
-def has_grouped_mm() -> bool:
-    """Whether this torch has ``torch._grouped_mm`` (2.8 and later). Checked on torch 2.13.0 and 2.11 (CPU)."""
-    return hasattr(torch, "_grouped_mm")
-
-
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)``: rows ``offs[i-1]:offs[i]`` of the 2-D ``a`` times the 3-D ``b[i]``,
-    every group in one kernel, differentiable. Checked on torch 2.13.0 and 2.11 (CPU, fp32)."""
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-register(
-    Private(
-        name="torch._grouped_mm",
-        upstream="torch",
-        accessor="torch.grouped_mm, torch.has_grouped_mm",
-        used_by=("models/grouped_experts.py",),
-        why="every expert's matmul in one kernel on its own rows (the grouped GEMM torchtitan and Hugging Face's "
-        "`grouped_mm` experts use); no public grouped matmul exists",
-        caught_by="`tests/models/test_grouped_experts.py`, `tests/gpu/test_cuda_paths.py`",
-        checked=CHECKED,
-        check=lambda: torch._grouped_mm,
     )
 )

@@ -221,7 +221,7 @@ register(
         name="DTensor._local_tensor",
         upstream="torch",
         accessor="torch_distributed.local_tensor",
-        used_by=("modeling/activations.py",),
+        used_by=("modeling/activation_tally.py",),
         why="count each saved storage once inside autograd's pack hook, where `to_local()` would add a graph node",
         caught_by="`tests/parallel/test_activation_checkpointing.py` (fake vs real measurement equality)",
         checked=CHECKED,

@@ -1,54 +1,45 @@
-"""CheckpointRotation: periodic, crash-safe, optionally asynchronous checkpoints with keep-last-k and best-k."""
+"""CheckpointRotation: periodic, crash-safe, optionally asynchronous checkpoints with keep-last-k and best-k.
+
+The callback decides when to save and keeps what it needs between saves; how one save is written, committed and
+its failure shared is :mod:`.checkpoint_saving`, what a resumed run gets back :mod:`.checkpoint_resume`, its options
+and questions to the Trainer :mod:`.checkpoint_options`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import time
-import warnings
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_llm.callbacks import checkpoint_saving as saving
 from lightning_llm.callbacks.checkpoint_options import (
     can_save_async,
+    check_monitor_logged,
     check_remote,
+    checkpoint_location,
     default_dirpath,
-    metadata,
-    staging_location,
     validate_options,
 )
-from lightning_llm.callbacks.preemption import PreemptionFlag, stop_for_preemption
-from lightning_llm.checkpointing import errors, files
-from lightning_llm.checkpointing import fs as cfs
-from lightning_llm.checkpointing.commit import (
-    Pending,
-    check_writable,
-    commit,
-    committed_after,
-    last_candidate,
-    newest_verified,
-    rotate,
+from lightning_llm.callbacks.checkpoint_resume import (
+    RNG_KEY,
+    check_loads,
+    newest_complete,
+    rng_state_of_rank,
+    stop_checking_loads,
 )
-from lightning_llm.checkpointing.errors import GuardedWrite
+from lightning_llm.callbacks.preemption import PreemptionFlag, stop_for_preemption
+from lightning_llm.checkpointing import fs as cfs
+from lightning_llm.checkpointing.commit import Pending, commit, rotate
 from lightning_llm.checkpointing.rng_state import gather_rng_states, set_rng_state
-from lightning_llm.checkpointing.verified_load import VerifiedLoad
 from lightning_llm.checkpointing.write_gate import resume_background_writes
 from lightning_llm.contract import contract_of
 from lightning_llm.data.batch import batch_tokens
 from lightning_llm.validation import check_bool
-
-log = logging.getLogger(__name__)
-
-RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state per global rank
-
-
-_NO_LAST_CHECKPOINT = r'.*ckpt_path="last"\) is set, but there is no last checkpoint available.*'
 
 
 class CheckpointRotation(ModelCheckpoint):
@@ -128,12 +119,7 @@ class CheckpointRotation(ModelCheckpoint):
         check_bool("async_save", async_save)
         check_bool("require_monitor", require_monitor)
         check_bool("save_on_preemption", save_on_preemption)
-        if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):
-            raise ValueError(
-                f"dirpath={dirpath!r} names no directory; give a path or URL, or leave it None for "
-                "<default_root_dir>/checkpoints."
-            )
-        location = cfs.normalize(dirpath) if dirpath is not None else None  # ValueError naming an unknown protocol
+        location = checkpoint_location(dirpath)  # ValueError naming an unknown protocol
         super().__init__(
             dirpath=dirpath,
             monitor=monitor,
@@ -181,36 +167,26 @@ class CheckpointRotation(ModelCheckpoint):
         strategy = trainer.strategy
         check_remote(strategy, self.dirpath)
         self._async = can_save_async(trainer, self.async_save)
-        single_file = contract_of(trainer).loads_through_checkpoint_io
-        if single_file and not isinstance(strategy.checkpoint_io, VerifiedLoad):
-            strategy.checkpoint_io = VerifiedLoad(strategy.checkpoint_io, strategy, lambda: self._resolved_last)
+        check_loads(trainer, lambda: self._resolved_last)
         if trainer.is_global_zero:
-            check_writable(self.directory)
-            for leftover in files.clean_incomplete(self.directory):
-                log.warning("CheckpointRotation: removed incomplete checkpoint leftover %s", leftover)
+            saving.start_clean(self.directory)
         trainer.strategy.barrier("CheckpointRotation.setup")
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._preemption.uninstall()  # also after an exception, before Lightning restores the original handlers
-        # The strategy's checkpoint_io is the user's again once the fit that needed checked loads is over.
-        if isinstance(trainer.strategy.checkpoint_io, VerifiedLoad):
-            trainer.strategy.checkpoint_io = trainer.strategy.checkpoint_io.inner
+        stop_checking_loads(trainer)
         super().teardown(trainer, pl_module, stage)
 
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        directory = self.dirpath or default_dirpath(trainer)
-        newest = newest_verified(directory)
-        if newest is None:
-            # Lightning's own notice would advise ModelCheckpoint(save_last=True), which this callback does not need.
-            warnings.filterwarnings("ignore", message=_NO_LAST_CHECKPOINT)
-            rank_zero_info(f"CheckpointRotation: no complete checkpoint in {directory}; ckpt_path='last' starts fresh.")
+        last = newest_complete(self.dirpath or default_dirpath(trainer))
+        if last is None:
             return set()
-        self._resolved_last = last_candidate(newest)
-        return {self._resolved_last}
+        self._resolved_last = last
+        return {last}
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -230,14 +206,9 @@ class CheckpointRotation(ModelCheckpoint):
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        states = checkpoint.get(RNG_KEY) or []
-        if trainer.global_rank < len(states):
-            self._rng_to_restore = states[trainer.global_rank]
-        elif states:
-            rank_zero_warn(
-                f"The checkpoint holds random generator states of {len(states)} ranks, this run has "
-                f"{trainer.world_size}: ranks beyond them keep their seeded generators."
-            )
+        state = rng_state_of_rank(trainer, checkpoint)
+        if state is not None:
+            self._rng_to_restore = state
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -293,56 +264,18 @@ class CheckpointRotation(ModelCheckpoint):
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule, sync: bool = False) -> None:
         self._finish_pending(trainer)
-        self._check_monitor(trainer)
-        final = cfs.join(self.directory, f"step={trainer.global_step:08d}.ckpt")
-        tmp = staging_location(final, trainer)
-        resumed_from = files.checkpoint_of(trainer.ckpt_path) if trainer.ckpt_path else None  # not its marker
-        pending = Pending(tmp, final, metadata(trainer, pl_module, self.tokens_seen, self.monitor), resumed_from)
-        strategy = trainer.strategy
-        # Strategies that write collectively (DCP, DeepSpeed) fail on every rank alike; a single file is
-        # written by rank 0 alone, so its failure is caught inside the write (GuardedWrite), not here.
-        try:
-            # Asynchronous: returns once the state is staged in host memory; the files are written meanwhile.
-            if self._async and not sync:
-                pending.future = contract_of(trainer).save_checkpoint_async(str(tmp))
-                if trainer.is_global_zero and self.verify_mode != "load":
-                    pending.future = committed_after(
-                        pending.future, pending, lambda: self._rotate(pending.resumed_from)
-                    )
-            elif contract_of(trainer).saves_through_checkpoint_io:
-                strategy.checkpoint_io = guard = GuardedWrite(strategy.checkpoint_io)
-                try:
-                    trainer.save_checkpoint(tmp)
-                finally:
-                    strategy.checkpoint_io = guard.inner
-                if guard.error is not None:
-                    pending.error = errors.describe(guard.error, self.directory)
-            else:
-                trainer.save_checkpoint(tmp)
-        except errors.SAVE_ERRORS as err:
-            pending.error = errors.describe(err, self.directory)
+        if self.require_monitor:
+            check_monitor_logged(trainer, self.monitor, validated=self._validated)
+        pending = saving.pending_save(trainer, pl_module, self.directory, self.tokens_seen, self.monitor)
+        background = self._async and not sync
+        # Rank 0 commits an asynchronous save as soon as it is written, unless the commit loads it (verify="load").
+        commit_behind = background and trainer.is_global_zero and self.verify_mode != "load"
+        rotation = (lambda: self._rotate(pending.resumed_from)) if commit_behind else None
+        saving.write(trainer, pending, self.directory, background=background, then=rotation)
         self._pending = pending
         self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
-        if not self._async or sync or pending.error is not None:
+        if not background or pending.error is not None:
             self._finish_pending(trainer)
-
-    def _check_monitor(self, trainer: L.Trainer) -> None:
-        """Refuse to save without the ranking metric: best-k would silently keep nothing."""
-        if self.monitor is None or not self.require_monitor:
-            return
-        logged = sorted(trainer.callback_metrics)
-        if not trainer.strategy.broadcast(self.monitor not in logged):  # rank 0 decides for all
-            return
-        message = (
-            f"CheckpointRotation(monitor={self.monitor!r}): no metric {self.monitor!r} was logged by step "
-            f"{trainer.global_step}; the logged metrics are {logged}. Log it with "
-            f"self.log({self.monitor!r}, value) in the LightningModule, or correct the name (or pass "
-            "require_monitor=False to save checkpoints without a score)."
-        )
-        if trainer.enable_validation and not self._validated:
-            rank_zero_warn(message + " Validation has not run yet: this checkpoint is saved without a score.")
-            return
-        raise ValueError(message)
 
     def _finish_pending(self, trainer: L.Trainer) -> None:
         """Wait for the pending save on every rank; rank 0 commits it and rotates.
@@ -353,43 +286,18 @@ class CheckpointRotation(ModelCheckpoint):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        resume_background_writes()
-        error = pending.error
-        try:
-            if pending.future is not None:
-                pending.future.result()
-        except errors.SAVE_ERRORS as err:
-            error = error or errors.describe(err, self.directory)
-        error = errors.summary(errors.gather(error))
-        if trainer.is_global_zero:
-            try:
-                if error is None and pending.committed:
-                    self.last_model_path = str(pending.final)
-                elif error is None:
-                    self._commit(pending)
-                    self._rotate(pending.resumed_from)
-                else:
-                    files.remove(pending.tmp)  # a partial write only takes space
-            except errors.SAVE_ERRORS as err:
-                error = error or errors.describe(err, self.directory)
-        # A broadcast, not a bare raise on rank 0: every rank stops, none waits forever in a collective.
-        error = trainer.strategy.broadcast(error)
+        error = saving.settle(trainer, pending, self.directory, self._commit)
         if error is not None:
-            complete = files.complete_checkpoints(self.directory)
-            kept = (
-                f"the newest complete checkpoint, {complete[-1]}, is kept"
-                if complete
-                else "no earlier checkpoint exists"
-            )
-            raise RuntimeError(
-                f"CheckpointRotation could not save checkpoint {cfs.name(pending.final)} in {self.dirpath}: {error}. "
-                f"Nothing was committed and {kept}. Free space or fix the permissions under {self.dirpath}, then "
-                "resume with ckpt_path='last'."
-            )
+            raise saving.save_failure(pending, self.directory, error)
 
     def _commit(self, pending: Pending) -> None:
+        """Rank 0: commit a written save and rotate (both done already for a save committed in the background)."""
+        if pending.committed:
+            self.last_model_path = str(pending.final)
+            return
         commit(pending, trial_load=self.verify_mode == "load")
         self.last_model_path = str(pending.final)
+        self._rotate(pending.resumed_from)
 
     def _rotate(self, resumed_from: str | None) -> None:
         best = rotate(

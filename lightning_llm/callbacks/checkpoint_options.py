@@ -1,4 +1,5 @@
-"""CheckpointRotation's dealings with the Trainer: its options, where a save is staged, what a marker records.
+"""CheckpointRotation's dealings with the Trainer: its options, where a save is staged, what a marker records, and
+whether the metric that ranks checkpoints was logged.
 
 The on-disk protocol itself (commit, rotation, verification) is :mod:`lightning_llm.checkpointing`; this module
 asks the trainer and its strategy (through :func:`~lightning_llm.contract.contract_of`) what that protocol needs.
@@ -6,6 +7,7 @@ asks the trainer and its strategy (through :func:`~lightning_llm.contract.contra
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -129,3 +131,37 @@ def metadata(trainer: L.Trainer, pl_module: L.LightningModule, tokens_seen: int,
         "loss": float(loss) if loss is not None else None,
         **({"monitor": monitor, "score": float(score)} if score is not None else {}),
     }
+
+
+def checkpoint_location(dirpath: Any) -> str | None:
+    """``dirpath`` as CheckpointRotation keeps it (an fsspec URL normalized), or ``None`` for the default; refused
+    when it names no directory or an unknown protocol."""
+    if dirpath is not None and (not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath).strip()):
+        raise ValueError(
+            f"dirpath={dirpath!r} names no directory; give a path or URL, or leave it None for "
+            "<default_root_dir>/checkpoints."
+        )
+    return cfs.normalize(dirpath) if dirpath is not None else None
+
+
+def check_monitor_logged(trainer: L.Trainer, monitor: str | None, *, validated: bool) -> None:
+    """Refuse to save without the ranking metric ``monitor``: best-k would silently keep nothing.
+
+    Rank 0 decides for all. Before the first validation of a run that validates (``validated`` false), only warn:
+    that checkpoint is saved without a score.
+    """
+    if monitor is None:
+        return
+    logged = sorted(trainer.callback_metrics)
+    if not trainer.strategy.broadcast(monitor not in logged):
+        return
+    message = (
+        f"CheckpointRotation(monitor={monitor!r}): no metric {monitor!r} was logged by step "
+        f"{trainer.global_step}; the logged metrics are {logged}. Log it with "
+        f"self.log({monitor!r}, value) in the LightningModule, or correct the name (or pass "
+        "require_monitor=False to save checkpoints without a score)."
+    )
+    if trainer.enable_validation and not validated:
+        rank_zero_warn(message + " Validation has not run yet: this checkpoint is saved without a score.")
+        return
+    raise ValueError(message)

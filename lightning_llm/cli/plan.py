@@ -11,6 +11,7 @@ import contextlib
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -25,13 +26,38 @@ def plan(args: list[str]) -> str:
     strategy's tensor/pipeline sizes and checkpointing mode are read from the config; ``--devices``,
     ``--num_nodes`` and ``--device_memory`` override the machine.
     """
-    import argparse
-
-    import torch
-
-    from lightning_llm.planning.device_memory import device_memory_bytes
     from lightning_llm.planning.zero import MemoryPlanError
     from lightning_llm.strategies.zero_auto import choose_zero_stage
+
+    parser = _parser()
+    options = parser.parse_args(args)
+    try:
+        _check_plan_options(options)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    config = _read_config(parser, options.config)
+    cli, module = _build_on_meta(config)
+    settings = _settings(options, config.get("trainer") or {}, cli)
+    try:
+        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"], settings["cp"])
+        if _is_native(cli.trainer.strategy):  # the layout checks fit runs at setup, on the same options
+            _check_strategy_layout(cli.trainer.strategy, module, settings["world_size"])
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    header = _header(module, settings, options.device_memory, cli.trainer.accumulate_grad_batches)
+    try:
+        decision = choose_zero_stage(module, **settings)
+        report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
+    except MemoryPlanError as err:
+        print(f"{header}\n{err}")
+        raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
+    print(report)
+    return report
+
+
+def _parser():
+    """The flags of ``lightning-llm plan``."""
+    import argparse
 
     parser = argparse.ArgumentParser(prog="lightning-llm plan", description=plan.__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a lightning-llm / LightningCLI YAML config")
@@ -44,28 +70,39 @@ def plan(args: list[str]) -> str:
     )
     parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
-    options = parser.parse_args(args)
-    try:
-        _check_plan_options(options)
-    except (TypeError, ValueError) as err:
-        parser.error(str(err))
-    config = _read_config(parser, options.config)
-    trainer_config = config.get("trainer") or {}
+    return parser
+
+
+def _build_on_meta(config: dict):
+    """(the LightningCLI, the model) of ``config``, the model built on the meta device (nothing allocated)."""
+    import torch
+
     with torch.device("meta"), _quiet():
         cli = LLMCLI(args=_planning_config(config), run=False, save_config_callback=None)
         module = cli.model
         if hasattr(module, "configure_model"):
             module.configure_model()
+    return cli, module
+
+
+def _is_native(strategy) -> bool:
     from lightning_llm.strategies import LLMParallelStrategy
 
+    return isinstance(strategy, LLMParallelStrategy)
+
+
+def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
+    """The keyword arguments of ``choose_zero_stage``: the machine from the flags (else the config), the layout and
+    precision from the config's strategy and Trainer, the micro-batch from its data module."""
+    from lightning_llm.planning.device_memory import device_memory_bytes
+
     strategy = cli.trainer.strategy
-    native = isinstance(strategy, LLMParallelStrategy)
+    native = _is_native(strategy)
     devices = options.devices or trainer_config.get("devices")
     devices = devices if isinstance(devices, int) else 1
     nodes = options.num_nodes or trainer_config.get("num_nodes") or 1
-    backend = options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native")
     hparams = cli.datamodule.hparams
-    settings = dict(
+    return dict(
         device_memory=device_memory_bytes(options.device_memory),
         world_size=devices * nodes,
         tp=strategy.tensor_parallel_size if native else 1,
@@ -78,38 +115,29 @@ def plan(args: list[str]) -> str:
         precision=str(cli.trainer.precision),
         activation_checkpointing=strategy.activation_checkpointing if native else "none",
         ac_options=strategy.ac_options if native else None,
-        backend=backend,
+        backend=options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native"),
         margin=options.margin,
         whole_grads=native
         and cli.trainer.accumulate_grad_batches > 1
         and strategy.accumulation_sync == "last_micro_batch",
     )
-    try:
-        _check_layout(module, settings["world_size"], settings["tp"], settings["pp"], settings["cp"])
-        if native:  # the layout checks fit runs at setup, on the same options
-            _check_strategy_layout(strategy, module, settings["world_size"])
-    except (TypeError, ValueError) as err:
-        parser.error(str(err))
+
+
+def _header(module, settings: dict[str, Any], device_memory: str, accumulate_grad_batches: int) -> str:
+    """The lines above the table: the model, the machine, the layout, and the global batch they make."""
     params = sum(p.numel() for p in module.parameters())
     dp = settings["world_size"] // (settings["tp"] * settings["pp"] * settings["cp"])
-    sequences = settings["micro_batch_size"] * dp * cli.trainer.accumulate_grad_batches
-    header = (
+    sequences = settings["micro_batch_size"] * dp * accumulate_grad_batches
+    return (
         f"{type(module).__name__}: {params / 1e9:.2f}B parameters; {settings['world_size']} devices x "
-        f"{options.device_memory} ({settings['device_memory'] / 2**30:.1f} GiB); "
+        f"{device_memory} ({settings['device_memory'] / 2**30:.1f} GiB); "
         f"tp={settings['tp']} pp={settings['pp']} cp={settings['cp']}; micro-batch "
-        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; {backend}\n"
+        f"{settings['micro_batch_size']} x {settings['seq_len']} tokens; {settings['precision']}; "
+        f"{settings['backend']}\n"
         f"global batch: {sequences} sequences, {sequences * settings['seq_len']:,} tokens per optimizer step "
         f"(micro-batch {settings['micro_batch_size']} x dp {dp} x accumulate_grad_batches "
-        f"{cli.trainer.accumulate_grad_batches})"
+        f"{accumulate_grad_batches})"
     )
-    try:
-        decision = choose_zero_stage(module, **settings)
-        report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
-    except MemoryPlanError as err:
-        print(f"{header}\n{err}")
-        raise SystemExit(1) from None  # nothing fits: a script or CI job must see the failure
-    print(report)
-    return report
 
 
 def _read_config(parser, path: str) -> dict:

@@ -88,21 +88,10 @@ class LLMDataModule(L.LightningDataModule):
         return_document_ids: bool = False,
     ) -> None:
         super().__init__()
-        _validate(
-            source,
-            path,
-            seq_len,
-            batch_size,
-            token_dtype,
-            val_fraction,
-            num_tokens,
-            vocab_size,
-            markov_order,
-            branching,
-            seed,
-            shuffle,
-            num_workers,
-        )
+        _check_source(source, path)
+        _check_samples(seq_len, batch_size, token_dtype, val_fraction)
+        _check_synthetic_corpus(num_tokens, vocab_size, markov_order, branching)
+        _check_loading(seed, shuffle, num_workers)
         _validate_files(source, val_path, return_document_ids)
         self.save_hyperparameters()
         self.train_set: TokenWindows | None = None
@@ -258,21 +247,8 @@ def _validate_files(source: str, val_path, return_document_ids: bool) -> None:
             raise ValueError(f"val_path={val_path!r} must be a file or a list of files.")
 
 
-def _validate(
-    source,
-    path,
-    seq_len,
-    batch_size,
-    token_dtype,
-    val_fraction,
-    num_tokens,
-    vocab_size,
-    markov_order,
-    branching,
-    seed,
-    shuffle,
-    num_workers,
-) -> None:
+def _check_source(source, path) -> None:
+    """Refuse an unknown ``source``, or a ``path`` that does not go with it."""
     check_choice(
         "source",
         source,
@@ -288,15 +264,27 @@ def _validate(
         paths = [path] if isinstance(path, str) else path
         if not paths or not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
             raise ValueError(f"source={source!r} needs `path` (a file or a list of files), got path={path!r}.")
+
+
+def _check_samples(seq_len, batch_size, token_dtype, val_fraction) -> None:
+    """Refuse sample and batch shapes, token widths and validation shares that cannot work."""
     check_int("seq_len", seq_len, minimum=1, hint="tokens per sample, e.g. 2048")
     check_int("batch_size", batch_size, minimum=1)
     if token_dtype is not None:
         check_choice("token_dtype", token_dtype, ("uint16", "uint32"), hint="or None to read it from the sidecar")
     check_float("val_fraction", val_fraction, minimum=0, maximum=1, inclusive=False)
+
+
+def _check_synthetic_corpus(num_tokens, vocab_size, markov_order, branching) -> None:
+    """Refuse a synthetic Markov corpus that cannot be generated."""
     check_int("num_tokens", num_tokens, minimum=2)
     check_int("vocab_size", vocab_size, minimum=1, maximum=2**32)
     check_int("markov_order", markov_order, minimum=1)
     check_int("branching", branching, minimum=1, maximum=vocab_size, hint="at most vocab_size successors per context")
+
+
+def _check_loading(seed, shuffle, num_workers) -> None:
+    """Refuse a seed, shuffle flag or worker count the DataLoader cannot take."""
     check_int("seed", seed, minimum=0)
     check_bool("shuffle", shuffle)
     check_int("num_workers", num_workers, minimum=0)

@@ -17,11 +17,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import multiprocessing
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Literal
@@ -30,17 +29,12 @@ import numpy as np
 
 from lightning_llm.data.documents import expand_inputs, iter_documents
 from lightning_llm.data.output_set import staged, swap_in
-from lightning_llm.data.token_files import (
-    TokenFileInfo,
-    offsets_path,
-    token_dtype_for,
-    write_token_info,
-)
+from lightning_llm.data.prepare_tokenizer import EOS_CANDIDATES, eos_id_of, load_or_train, recorded_name
+from lightning_llm.data.prepare_tokenizer import train_bpe as train_bpe
+from lightning_llm.data.token_files import TokenFileInfo, token_dtype_for, write_token_info
+from lightning_llm.data.token_writer import TokenWriter, write_runs
 from lightning_llm.validation import check_float, check_int
 
-TRAINED_EOS = "<|endoftext|>"
-# Looked up in a given tokenizer when no --eos_token is named (GPT-2/Llama-3, Llama-2/Mistral, Gemma, Llama-3 base).
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 CHUNK_DOCUMENTS = 256
 
 _worker_tokenizer = None
@@ -66,7 +60,8 @@ def prepare(
         output_dir: where the token files, sidecars, offsets (and a trained ``tokenizer.json``) go.
         tokenizer: a ``tokenizer.json``; ``None`` trains a byte-level BPE of ``vocab_size`` on the inputs.
         vocab_size: size of the trained tokenizer (at least 257: 256 bytes and EOS).
-        eos_token: the separator token of a given tokenizer (default: the first of :data:`EOS_CANDIDATES` it has).
+        eos_token: the separator token of a given tokenizer (default: the first of
+            :data:`~lightning_llm.data.prepare_tokenizer.EOS_CANDIDATES` it has).
         text_key: the key of a JSON Lines record that holds the text.
         txt_split: ``"file"`` (a ``.txt`` file is one document) or ``"blank_line"``.
         val_fraction: share of documents (every ``1 / val_fraction``-th) written to ``val.bin``.
@@ -80,11 +75,50 @@ def prepare(
         infos = prepare(["notes.txt"], "data", vocab_size=512)
         print(infos["train"].num_tokens)
     """
+    out = _output_folder(inputs, output_dir, val_fraction, workers)
+
+    def documents() -> Iterator[str]:
+        return iter_documents(inputs, text_key=text_key, txt_split=txt_split)
+
+    _refuse_no_documents(inputs, documents)
+    with staged(out) as stage:  # the previous run's files stay as they were until this one has succeeded
+        tok, tokenizer_path = load_or_train(tokenizer, vocab_size, documents, stage)
+        eos_id = eos_id_of(tok, tokenizer_path, eos_token)
+        names = ("train", "val") if val_fraction > 0 else ("train",)
+        dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
+        writers = {name: TokenWriter(stage / f"{name}.bin", dtype) for name in names}
+        write_runs(_encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers), writers, progress)
+        _refuse_empty_validation(writers, val_fraction)
+        infos = _write_sidecars(writers, tok, eos_id, recorded_name(tokenizer_path, stage, out))
+        swap_in(stage, out, names)
+    return infos
+
+
+def _write_sidecars(writers: dict[str, TokenWriter], tok, eos_id: int, tokenizer: str) -> dict[str, TokenFileInfo]:
+    """Describe each written split in its sidecar (:func:`~lightning_llm.data.token_files.write_token_info`)."""
+    infos = {
+        name: TokenFileInfo(
+            dtype=str(w.dtype),
+            vocab_size=tok.get_vocab_size(with_added_tokens=True),
+            eos_id=eos_id,
+            tokenizer=tokenizer,
+            num_documents=w.documents,
+            num_tokens=w.tokens,
+        )
+        for name, w in writers.items()
+    }
+    for name, info in infos.items():
+        write_token_info(writers[name].path, info)
+    return infos
+
+
+def _output_folder(inputs: list[str | Path], output_dir: str | Path, val_fraction: float, workers: int) -> Path:
+    """``output_dir``, created; arguments that cannot work are refused first, before a tokenizer is trained."""
     check_int("workers", workers, minimum=1, hint="encoding processes, e.g. the number of CPU cores")
     check_float("val_fraction", val_fraction, minimum=0, maximum=1, hint="the share of documents held out, below 1")
     if val_fraction >= 1:
         raise ValueError(f"val_fraction={val_fraction!r} must be below 1 (the share of documents held out).")
-    expand_inputs(inputs)  # missing files and bad suffixes fail before a tokenizer is trained
+    expand_inputs(inputs)  # missing files and bad suffixes
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output_dir={str(out)!r} is a file, not a folder; choose a folder for the token files.")
@@ -92,113 +126,24 @@ def prepare(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file in the way, no permission, a read-only disk
         raise ValueError(f"output_dir={str(out)!r} cannot be used as a folder: {err.strerror or err}.") from None
+    return out
 
-    def documents() -> Iterator[str]:
-        return iter_documents(inputs, text_key=text_key, txt_split=txt_split)
 
+def _refuse_no_documents(inputs: list[str | Path], documents: Callable[[], Iterator[str]]) -> None:
     if next(documents(), None) is None:
         raise ValueError(
             f"No documents in {[str(p) for p in inputs]}: every file is empty or whitespace only "
             "(or, for .jsonl, every record's text is). Give inputs with some text."
         )
-    with staged(out) as stage:  # the previous run's files stay as they were until this one has succeeded
-        tok, tokenizer_path = _tokenizer(tokenizer, vocab_size, documents, stage)
-        eos_id = _eos_id(tok, tokenizer_path, eos_token)
-        names = ("train", "val") if val_fraction > 0 else ("train",)
-        dtype = token_dtype_for(tok.get_vocab_size(with_added_tokens=True))
-        writers = {name: _TokenWriter(stage / f"{name}.bin", dtype) for name in names}
-        _write(_encode(tok, eos_id, _assign_splits(documents(), val_fraction), workers), writers, progress)
-        if "val" in writers and writers["val"].documents == 0:
-            total = writers["train"].documents
-            raise ValueError(
-                f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
-                f"(no validation split) or at least {1 / total:.3g}."
-            )
-        infos = {
-            name: TokenFileInfo(
-                dtype=dtype,
-                vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                eos_id=eos_id,
-                tokenizer=_recorded(tokenizer_path, stage, out),
-                num_documents=w.documents,
-                num_tokens=w.tokens,
-            )
-            for name, w in writers.items()
-        }
-        for name, info in infos.items():
-            write_token_info(writers[name].path, info)
-        swap_in(stage, out, names)
-    return infos
 
 
-def _recorded(tokenizer_path: Path, stage: Path, out: Path) -> str:
-    """The tokenizer as the sidecar names it: beside the token files when trained (or given from ``out``)."""
-    if tokenizer_path.parent == stage.resolve():
-        return tokenizer_path.name
-    if tokenizer_path.is_relative_to(out.resolve()):
-        return os.path.relpath(tokenizer_path, out.resolve())
-    return str(tokenizer_path)
-
-
-def _tokenizer(given: str | Path | None, vocab_size: int, documents, out: Path):
-    from tokenizers import Tokenizer
-
-    if given is not None:
-        path = Path(given)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Tokenizer not found: tokenizer={str(path)!r}. Pass a Hugging Face tokenizer.json "
-                "file, or leave --tokenizer out to train a byte-level BPE on the inputs."
-            )
-        try:
-            return Tokenizer.from_file(str(path)), path.resolve()
-        except Exception as err:  # the Rust side raises a bare Exception for a malformed file
-            raise ValueError(f"tokenizer={str(path)!r} is not a Hugging Face tokenizer.json ({err}).") from None
-    check_int("vocab_size", vocab_size, minimum=257, maximum=2**32, hint="256 byte tokens plus EOS at least")
-    tok = train_bpe(documents(), vocab_size)
-    path = (out / "tokenizer.json").resolve()
-    tok.save(str(path))
-    return tok, path
-
-
-def train_bpe(documents: Iterable[str], vocab_size: int):
-    """A byte-level BPE (GPT-2 style, no prefix space, so decoding gives the text back exactly) with EOS id 0.
-
-    Example::
-
-        tok = train_bpe(["hello world", "hello there"], vocab_size=300)
-        assert tok.decode(tok.encode("hello").ids) == "hello"
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[TRAINED_EOS],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(documents, trainer=trainer)
-    return tok
-
-
-def _eos_id(tok, path: Path, eos_token: str | None) -> int:
-    names = [eos_token] if eos_token is not None else list(EOS_CANDIDATES)
-    for name in names:
-        if (found := tok.token_to_id(name)) is not None:
-            return found
-    added = [t.content for t in tok.get_added_tokens_decoder().values()]
-    if eos_token is not None:
+def _refuse_empty_validation(writers: dict[str, TokenWriter], val_fraction: float) -> None:
+    if "val" in writers and writers["val"].documents == 0:
+        total = writers["train"].documents
         raise ValueError(
-            f"eos_token={eos_token!r} is not in the tokenizer {str(path)!r}; its special tokens are "
-            f"{added}. Pass one of them with --eos_token."
+            f"val_fraction={val_fraction} of {total} documents is 0 documents; use --val_fraction 0 "
+            f"(no validation split) or at least {1 / total:.3g}."
         )
-    raise ValueError(
-        f"The tokenizer {str(path)!r} has none of {list(EOS_CANDIDATES)}; its special tokens are {added}. "
-        "Name the document separator with --eos_token."
-    )
 
 
 def _assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tuple[str, str]]:
@@ -251,48 +196,6 @@ def _encode_chunk(chunk: list[tuple[str, str]]) -> list[tuple[str, list[int], np
         runs[-1][2].extend(encoding.ids)
         runs[-1][2].append(eos_id)
     return [(split, lengths, np.asarray(ids, dtype=np.int64)) for split, lengths, ids in runs]
-
-
-class _TokenWriter:
-    """Appends documents to ``path`` and their start offsets to the ``.idx`` beside it."""
-
-    def __init__(self, path: Path, dtype: str) -> None:
-        self.path, self.dtype = path, np.dtype(dtype)
-        self.documents = self.tokens = 0
-
-    def __enter__(self) -> _TokenWriter:
-        self._tokens, self._offsets = self.path.open("wb"), offsets_path(self.path).open("wb")
-        return self
-
-    def write(self, tokens: np.ndarray, lengths: list[int]) -> None:
-        starts = self.tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        self._tokens.write(tokens.astype(self.dtype).tobytes())
-        self._offsets.write(starts.astype(np.uint64).tobytes())
-        self.documents += len(lengths)
-        self.tokens += len(tokens)
-
-    def __exit__(self, *exc) -> None:
-        self._offsets.write(np.asarray([self.tokens], dtype=np.uint64).tobytes())  # the end, as a last entry
-        self._tokens.close()
-        self._offsets.close()
-
-
-def _write(runs, writers: dict[str, _TokenWriter], progress: bool | None) -> None:
-    """Append every (split, lengths, tokens) run to its split's files (in the staging folder)."""
-    with contextlib.ExitStack() as stack:
-        for writer in writers.values():
-            stack.enter_context(writer)
-        bar = stack.enter_context(_progress_bar(progress))
-        for split, lengths, tokens in runs:
-            writers[split].write(tokens, lengths)
-            bar.update(len(lengths))
-
-
-def _progress_bar(enabled: bool | None):
-    from tqdm import tqdm
-
-    # disable=None: tqdm shows the bar only when stderr is a terminal (quiet in logs and CI).
-    return tqdm(desc="Tokenizing", unit=" docs", disable=None if enabled is None else not enabled, leave=False)
 
 
 def command(args: list[str]) -> dict[str, TokenFileInfo]:

@@ -20,7 +20,7 @@ from lightning_llm.checkpointing.consolidate import cast_floats, parse_dtype, re
 from lightning_llm.checkpointing.errors import write_named
 from lightning_llm.hf import llama_map
 from lightning_llm.hf.export_info import ModelSource, resolve_source
-from lightning_llm.hf.load import _match
+from lightning_llm.hf.load import match_names
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.models.llama import Llama
 
@@ -28,7 +28,7 @@ from lightning_llm.models.llama import Llama
 def _own_tensors(state: dict[str, torch.Tensor], prefix: str | None, names: list[str]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors of the model at ``prefix`` (found by matching ``names`` if ``None``), prefix removed."""
     if prefix is None:
-        prefix, mapping = _match(list(state), set(names))
+        prefix, mapping = match_names(list(state), set(names))
         return {mapping[k]: v for k, v in state.items() if k in mapping}
     own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not own:

@@ -76,7 +76,7 @@ def open_safetensors(file: Path):
         yield f
 
 
-def _match(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, dict[str, str]]:
+def match_names(module_names: list[str], checkpoint_names: set[str]) -> tuple[str, dict[str, str]]:
     """The prefix that, stripped from the module's names, gives the checkpoint's names; and the mapping."""
     for candidate in sorted(
         {n[: len(n) - len(c)] for n in module_names for c in checkpoint_names if n.endswith(c)}, key=len
@@ -221,19 +221,47 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
     params = dict(module.named_parameters())
     all_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
     llama = _llama_mapping(module, all_names, files, hf_dir)
-    prefix, mapping, transforms = llama if llama is not None else (*_match(all_names, set(files)), {})
-    missing = sorted(n for n in params if mapping.get(n) not in files)
-    expected = {mapping[n] for n in all_names if n in mapping}
-    if torch.distributed.is_initialized():  # pipeline stages each hold part of the names
-        every = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, expected)
-        expected = set().union(*every)
-    unexpected = sorted(set(files) - expected)
-    shapes, dtypes = [], []
+    prefix, mapping, transforms = llama if llama is not None else (*match_names(all_names, set(files)), {})
     by_file: dict[Path, list[str]] = {}
     for name in params:
         if name in mapping and mapping[name] in files:
             by_file.setdefault(files[mapping[name]], []).append(name)
+    _refuse_misfits(hf_dir, prefix, params, mapping, files, by_file, _expected_on_any_rank(mapping, all_names))
+    for file, names in by_file.items():
+        with open_safetensors(file) as f:
+            for name in names:
+                _copy_into(params[name], f, mapping[name], transforms.get(name), file)
+    rank_zero_info(
+        f"load_pretrained: {len(params)} tensors ({sum(_numel(params[n]) for n in params) / 1e6:.1f}M parameters) "
+        f"from {hf_dir} ({len(set(files.values()))} file(s)" + (f", names under {prefix!r}" if prefix else "") + ")"
+    )
+    return sorted(params)
+
+
+def _expected_on_any_rank(mapping: dict[str, str], all_names: list[str]) -> set[str]:
+    """The checkpoint names some rank's parameters map to: pipeline stages each hold part of the names."""
+    expected = {mapping[n] for n in all_names if n in mapping}
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, expected)
+        expected = set().union(*every)
+    return expected
+
+
+def _refuse_misfits(
+    hf_dir: str | Path,
+    prefix: str,
+    params: dict[str, torch.Tensor],
+    mapping: dict[str, str],
+    files: dict[str, Path],
+    by_file: dict[Path, list[str]],
+    expected: set[str],
+) -> None:
+    """Refuse, before anything is copied, a checkpoint missing a parameter of this rank, holding a tensor no rank
+    has, or whose shapes or (integer, boolean) dtypes differ from the parameters'."""
+    missing = sorted(n for n in params if mapping.get(n) not in files)
+    unexpected = sorted(set(files) - expected)
+    shapes, dtypes = [], []
     for file, names in by_file.items():
         with open_safetensors(file) as f:
             for name in names:
@@ -254,15 +282,6 @@ def load_pretrained(module: nn.Module, hf_dir: str | Path) -> list[str]:
             f"{hf_dir} holds integer or boolean tensors where the model has floating-point weights: {dtypes[:10]}. "
             "They would be cast, not loaded; the checkpoint is not a set of weights for this model."
         )
-    for file, names in by_file.items():
-        with open_safetensors(file) as f:
-            for name in names:
-                _copy_into(params[name], f, mapping[name], transforms.get(name), file)
-    rank_zero_info(
-        f"load_pretrained: {len(params)} tensors ({sum(_numel(params[n]) for n in params) / 1e6:.1f}M parameters) "
-        f"from {hf_dir} ({len(set(files.values()))} file(s)" + (f", names under {prefix!r}" if prefix else "") + ")"
-    )
-    return sorted(params)
 
 
 def _numel(param: torch.Tensor) -> int:

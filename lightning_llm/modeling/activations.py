@@ -9,163 +9,31 @@ Two ways to measure the same three numbers per block (:class:`BlockActivations`)
 * :func:`measure_block_activations` runs the forward under ``FakeTensorMode`` with the
   parameters swapped for fake copies: nothing is allocated, and a model on the meta device works.
 
-Counting: a ``saved_tensors_hooks`` pack hook sees every tensor autograd keeps; storages are
-counted once per block and parameters not at all. The "op" number (selective checkpointing by
-operator) adds the block's input to the outputs of the ops the selective policy saves, seen by a
-``TorchDispatchMode``; that is what torch's selective checkpoint caches. ``StorageWeakRef`` (private)
-tells storages apart; fake tensors come from :mod:`lightning_llm.modeling.fake`.
+How the bytes are counted is :mod:`lightning_llm.modeling.activation_tally`; fake tensors come from
+:mod:`lightning_llm.modeling.fake`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_llm._compat.torch import FAKE_TENSOR_LOGGER, TorchDispatchMode, tree_leaves
-from lightning_llm._compat.torch_distributed import local_tensor
+from lightning_llm._compat.torch import FAKE_TENSOR_LOGGER
+from lightning_llm.modeling.activation_tally import (
+    BlockActivations,
+    BlockTally,
+    MeasuredBlocks,
+    counting,
+    storage_of,
+)
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.repeated_blocks import measure_repeated
-
-
-@dataclass
-class BlockActivations:
-    """Bytes one block keeps for backward under each policy.
-
-    Attributes:
-        saved: without checkpointing (everything autograd saves).
-        input: with full checkpointing (only the block's input, its first tensor argument).
-            Other tensor arguments (rotary tables, masks) are shared by all blocks and counted in none.
-        op: with selective per-operator checkpointing (input + outputs the policy saves);
-            ``None`` when not measured.
-    """
-
-    saved: int
-    input: int
-    op: int | None = None
-
-
-class MeasuredBlocks(list):
-    """One :class:`BlockActivations` per block, and ``outside``: bytes saved outside the blocks (the embedding's
-    output, the final norm, the head's input and the logits the loss keeps), counted once per storage."""
-
-    outside: int = 0
-
-
-class _Dropped:
-    """Stands in for a saved tensor in a measuring pass that never runs backward."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # The shard itself, without to_local()'s autograd node (this runs inside autograd's pack hook).
-    return local_tensor(t) if isinstance(t, DTensor) else t
-
-
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(_local(t).untyped_storage())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return _local(t).untyped_storage().nbytes()
-
-
-class _BlockTally:
-    """Per-block byte counts, filled by hooks while a forward runs."""
-
-    def __init__(self, num_blocks: int, params: Sequence[torch.Tensor], keep: bool) -> None:
-        self.current: int | None = None
-        self.keep = keep  # False: hand autograd a stand-in, so the pass holds one block's activations at most
-        self.params = {_storage(p) for p in params}
-        self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
-        self.ran = [False] * num_blocks
-        self.outside = 0
-        self._outside: dict[StorageWeakRef, torch.Tensor] = {}
-        self._shared: set[StorageWeakRef] = set()
-        # Tensors counted in the running block, held so that their storages' weak refs stay unique.
-        self._saved: dict[StorageWeakRef, torch.Tensor] = {}
-        self._op: dict[StorageWeakRef, torch.Tensor] = {}
-
-    def enter(self, index: int, args: tuple, kwargs: dict) -> None:
-        self.current, self._saved, self._op = index, {}, {}
-        self.ran[index] = True
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        hidden = tensors[0] if tensors else None
-        # Other inputs (rotary tables, masks) are the model's, shared by every block: counted in none.
-        self._shared = {_storage(t) for t in tensors[1:]} - ({_storage(hidden)} if tensors else set())
-        if hidden is not None:
-            self.input[index] = _local(hidden).numel() * _local(hidden).element_size()
-            self.op[index] = self.input[index]
-            self._op[_storage(hidden)] = hidden
-
-    def leave(self) -> None:
-        self.current, self._saved, self._op = None, {}, {}
-
-    def pack(self, t: torch.Tensor):
-        ref = _storage(t)
-        if self.current is None:
-            if ref not in self.params and ref not in self._outside:
-                self._outside[ref] = t  # held (also when dropping) so that its weak ref stays unique
-                self.outside += _nbytes(t)
-        elif ref not in self.params and ref not in self._shared and ref not in self._saved:
-            self._saved[ref] = t
-            self.saved[self.current] += _nbytes(t)
-        return t if self.keep else _Dropped()
-
-    def op_output(self, out) -> None:
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _storage(t) not in self._op:
-                self._op[_storage(t)] = t
-                self.op[self.current] += _nbytes(t)
-
-    def result(self, with_op: bool) -> MeasuredBlocks:
-        blocks = MeasuredBlocks(
-            BlockActivations(s, i, o if with_op else None) for s, i, o in zip(self.saved, self.input, self.op)
-        )
-        blocks.outside = self.outside
-        return blocks
-
-
-class _SavedOutputs(TorchDispatchMode):
-    """Counts the outputs of the ops a selective checkpointing policy would save."""
-
-    def __init__(self, tally: _BlockTally, saves_output: Callable) -> None:
-        super().__init__()
-        self.tally, self.saves_output = tally, saves_output
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.tally.current is not None and self.saves_output(func):
-            self.tally.op_output(out)
-        return out
-
-
-def _unpack(_packed):
-    raise RuntimeError("A forward run to measure activation memory cannot be differentiated.")
-
-
-@contextmanager
-def _counting(blocks: Sequence[nn.Module], tally: _BlockTally, saves_output: Callable | None):
-    with ExitStack() as stack:
-        for index, block in enumerate(blocks):
-            pre = block.register_forward_pre_hook(lambda m, a, k, i=index: tally.enter(i, a, k), with_kwargs=True)
-            post = block.register_forward_hook(lambda m, a, o: tally.leave())
-            stack.callback(pre.remove)
-            stack.callback(post.remove)
-        stack.enter_context(
-            torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
-        )
-        stack.enter_context(torch.enable_grad())
-        if saves_output is not None:
-            stack.enter_context(_SavedOutputs(tally, saves_output))
-        yield
 
 
 def measure_blocks(
@@ -182,8 +50,8 @@ def measure_blocks(
         sizes = measure_blocks(model.layers, lambda: model(tokens).sum())
     """
     params = [p for block in blocks for p in block.parameters()]
-    tally = _BlockTally(len(blocks), params, keep=False)
-    with _counting(blocks, tally, saves_output):
+    tally = BlockTally(len(blocks), params, keep=False)
+    with counting(blocks, tally, saves_output):
         measure_fn()
     missed = [i for i, ran in enumerate(tally.ran) if not ran]
     if missed:
@@ -205,11 +73,11 @@ def measure_block_activations(
         sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     """
     # Parameters are told apart by storage: the fakes, recognised inside the call (where they are the module's).
-    tally = _BlockTally(len(blocks), [], keep=True)
+    tally = BlockTally(len(blocks), [], keep=True)
 
     def run() -> None:
-        tally.params = {_storage(p) for p in module.parameters()}
-        with _counting(blocks, tally, saves_output):
+        tally.params = {storage_of(p) for p in module.parameters()}
+        with counting(blocks, tally, saves_output):
             step()
 
     fake_parameters(module, run, device=device)

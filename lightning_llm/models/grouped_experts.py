@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_llm._compat.torch import grouped_mm, has_grouped_mm
+from lightning_llm._compat.torch_kernels import grouped_mm, has_grouped_mm
 
 ALIGN = 16  # rows per expert group: a multiple of 8 for bf16 kernels, 16 for fp8
 

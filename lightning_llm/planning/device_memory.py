@@ -10,7 +10,7 @@ which the planner's margin (10% by default) covers.
 
 from __future__ import annotations
 
-from lightning_llm.planning.zero import parse_size
+from lightning_llm.planning.sizes import parse_size
 
 MiB = 2**20
 

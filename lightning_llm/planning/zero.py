@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from lightning_llm.planning.memory import MemoryEstimate, ModelFootprint, fsdp2_copies, model_state_bytes
+from lightning_llm.planning.sizes import GiB, format_size
+from lightning_llm.planning.sizes import parse_size as parse_size
 
-GiB = 2**30
 # Options from least to most communication (and host traffic).
 # FSDP2's only offload (CPUOffloadPolicy) moves parameters, gradients and optimizer state together.
 NATIVE_OPTIONS = [(0, "none"), (2, "none"), (3, "none"), (3, "optimizer+params")]
@@ -61,46 +65,113 @@ def estimate_options(
     ZeRO 1-3 shard those over the ``dp / ep`` ranks outside its expert group (so at ZeRO 3 the bytes equal the dense
     ones'; ZeRO 0 and 2 gain from ``ep``); a block's experts share of ``largest_block`` is taken as the model's.
     """
-    expert_fraction = expert_params / num_params if num_params else 0.0
     dp = world_size // (tp * pp * cp)
-    shard = max(dp // dp_replicate, 1) * cp
-    # Expert parallelism: each rank holds 1/ep of the experts, sharded further over the dp/ep ranks outside its group.
-    experts = expert_params / (tp * pp)
-    dense, dense_block = (num_params - expert_params) / (tp * pp), largest_block * (1 - expert_fraction) / tp
-    expert_block = largest_block * expert_fraction / tp / ep
-    # Natively the root unit (embeddings, head) stays gathered through the step.
-    root = outside_blocks / tp if backend == "native" else 0.0
+    share = _RankParameters.of(
+        num_params,
+        largest_block,
+        outside_blocks,
+        expert_params,
+        shard=max(dp // dp_replicate, 1) * cp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        backend=backend,
+    )
     rows = []
     for stage, offload in NATIVE_OPTIONS if backend == "native" else DEEPSPEED_OPTIONS:
         if offload != "none" and not allow_offload:
             continue
-        common = dict(
-            zero_stage=stage,
+        states = _state_bytes(
+            share,
+            stage,
+            offload,
+            fsdp2=backend == "native" and offload == "none" and dp * cp > 1,
             precision=precision,
             backend=backend,
-            offload=offload,
             whole_grads=whole_grads,
             optimizer_states=optimizer_states,
         )
-        params, grads, optimizer = model_state_bytes(
-            dense, dp=1 if stage == 0 else shard, largest_block_params=dense_block, root_params=root, **common
-        )
-        if experts:
-            expert_states = model_state_bytes(
-                experts / ep, dp=1 if stage == 0 else max(shard // ep, 1), largest_block_params=expert_block, **common
-            )
-            params, grads, optimizer = (a + b for a, b in zip((params, grads, optimizer), expert_states))
-        if backend == "native" and offload == "none" and dp * cp > 1:  # FSDP2 applies (see fsdp2_copies)
-            for count, group, block in ((dense, shard, dense_block), (experts / ep, max(shard // ep, 1), expert_block)):
-                extra = fsdp2_copies(
-                    count, zero_stage=stage, shard=group, precision=precision, largest_block_params=block
-                )
-                params, grads = params + extra[0], grads + extra[1]
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
-        row = MemoryEstimate(stage, offload, params, grads, optimizer, activations / (tp * cp))
+        row = MemoryEstimate(stage, offload, *states, activations / (tp * cp))
         row.fits = usable is not None and row.total <= usable
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class _RankParameters:
+    """The parameters one rank's model state is counted from: its dense and expert parameters, each part's share of
+    the largest block, the root unit (embeddings, head), and the ranks each part is sharded over at ZeRO 1-3."""
+
+    dense: float
+    dense_block: float
+    dense_shard: int
+    experts: float
+    expert_block: float
+    expert_shard: int
+    root: float
+
+    @classmethod
+    def of(
+        cls,
+        num_params: float,
+        largest_block: float,
+        outside_blocks: float,
+        expert_params: float,
+        *,
+        shard: int,
+        tp: int,
+        pp: int,
+        ep: int,
+        backend: str,
+    ) -> _RankParameters:
+        """This rank's share under ``tp`` x ``pp`` (and ``ep`` for the experts), sharded over ``shard`` ranks."""
+        expert_fraction = expert_params / num_params if num_params else 0.0
+        return cls(
+            dense=(num_params - expert_params) / (tp * pp),
+            dense_block=largest_block * (1 - expert_fraction) / tp,
+            dense_shard=shard,
+            # Expert parallelism: each rank holds 1/ep of the experts, sharded further over the dp/ep ranks outside
+            # its group.
+            experts=expert_params / (tp * pp) / ep,
+            expert_block=largest_block * expert_fraction / tp / ep,
+            expert_shard=max(shard // ep, 1),
+            # Natively the root unit (embeddings, head) stays gathered through the step.
+            root=outside_blocks / tp if backend == "native" else 0.0,
+        )
+
+
+def _state_bytes(
+    share: _RankParameters, stage: int, offload: str, *, fsdp2: bool, precision: str, **settings
+) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per rank at ZeRO ``stage``: the dense part, the experts, and with
+    ``fsdp2`` the copies FSDP2 holds besides (see :func:`~lightning_llm.planning.memory.fsdp2_copies`).
+
+    ``settings``: ``backend``, ``whole_grads`` and ``optimizer_states`` of
+    :func:`~lightning_llm.planning.memory.model_state_bytes`.
+    """
+    common = dict(zero_stage=stage, precision=precision, offload=offload, **settings)
+    params, grads, optimizer = model_state_bytes(
+        share.dense,
+        dp=share.dense_shard if stage else 1,
+        largest_block_params=share.dense_block,
+        root_params=share.root,
+        **common,
+    )
+    if share.experts:
+        expert_states = model_state_bytes(
+            share.experts, dp=share.expert_shard if stage else 1, largest_block_params=share.expert_block, **common
+        )
+        params, grads, optimizer = (a + b for a, b in zip((params, grads, optimizer), expert_states))
+    if fsdp2:
+        parts = (
+            (share.dense, share.dense_shard, share.dense_block),
+            (share.experts, share.expert_shard, share.expert_block),
+        )
+        for count, group, block in parts:
+            extra = fsdp2_copies(count, zero_stage=stage, shard=group, precision=precision, largest_block_params=block)
+            params, grads = params + extra[0], grads + extra[1]
+    return params, grads, optimizer
 
 
 def render_table(rows: list[MemoryEstimate], usable: float | None, chosen: MemoryEstimate | None = None) -> str:
@@ -154,7 +225,7 @@ def plan_zero_stage(
     """
     activations = footprint.activations_for(activation_checkpointing)
     usable = device_memory * (1 - margin)
-    common = dict(
+    settings = dict(
         world_size=world_size,
         tp=tp,
         pp=pp,
@@ -167,118 +238,61 @@ def plan_zero_stage(
         optimizer_states=footprint.optimizer_states,
         ep=ep,
         expert_params=footprint.expert_params,
+        allow_offload=allow_offload,
+        usable=usable,
     )
-    rows = estimate_options(
-        footprint.num_params, footprint.largest_block, activations, allow_offload=allow_offload, usable=usable, **common
-    )
+    rows = estimate_options(footprint.num_params, footprint.largest_block, activations, **settings)
     chosen = next((row for row in rows if row.fits), None)
     table = render_table(rows, usable, chosen)
     if chosen is None:
-        hints = _what_would_fit(footprint, activations, usable, allow_offload, activation_checkpointing, **common)
+        hints = _what_would_fit(footprint, activations, activation_checkpointing, settings)
         raise MemoryPlanError(
-            f"No ZeRO stage{' or offload' if allow_offload else ''} fits {_size(device_memory)} per device "
+            f"No ZeRO stage{' or offload' if allow_offload else ''} fits {format_size(device_memory)} per device "
             f"(margin {margin:.0%}):\n{table}\nOptions that would fit: " + ("; ".join(hints) or "none found") + "."
         )
     return ZeroDecision(chosen.zero_stage, chosen.offload, rows, table)
 
 
 def _what_would_fit(
-    footprint: ModelFootprint,
-    activations,
-    usable,
-    allow_offload,
-    activation_checkpointing,
-    *,
-    world_size,
-    tp,
-    pp,
-    dp_replicate,
-    cp,
-    precision,
-    backend,
-    outside_blocks,
-    whole_grads,
-    optimizer_states,
-    ep,
-    expert_params,
+    footprint: ModelFootprint, activations: float, activation_checkpointing: str, settings: dict[str, Any]
 ) -> list[str]:
-    def fits(**changes) -> bool:
-        settings = dict(
-            world_size=world_size,
-            tp=tp,
-            pp=pp,
-            dp_replicate=dp_replicate,
-            cp=cp,
-            precision=precision,
-            backend=backend,
-            allow_offload=allow_offload,
-            usable=usable,
-            outside_blocks=outside_blocks,
-            whole_grads=whole_grads,
-            optimizer_states=optimizer_states,
-            ep=ep,
-            expert_params=expert_params,
-        )
-        acts = changes.pop("activations", activations)
-        settings.update(changes)
-        return any(r.fits for r in estimate_options(footprint.num_params, footprint.largest_block, acts, **settings))
+    """The changes, each alone, under which some option fits: what the refusal suggests.
 
-    hints = []
-    if whole_grads and fits(whole_grads=False):
+    ``settings``: the keyword arguments of :func:`estimate_options` that found nothing fitting.
+    """
+
+    def fits(**changes) -> bool:
+        acts = changes.pop("activations", activations)
+        rows = estimate_options(footprint.num_params, footprint.largest_block, acts, **{**settings, **changes})
+        return any(r.fits for r in rows)
+
+    world_size, hints = settings["world_size"], []
+    if settings["whole_grads"] and fits(whole_grads=False):
         hints.append("accumulation_sync='every_micro_batch' (gradients stay sharded through accumulation)")
-    for factor in (2, 4, 8, 16, 32):
-        if fits(world_size=world_size * factor):
-            hints.append(f"{world_size * factor} devices ({factor}x) with ZeRO 3")
-            break
-    for new_tp in (2, 4, 8):
-        if new_tp > tp and (world_size % (new_tp * pp * cp) == 0) and fits(tp=new_tp):
-            hints.append(f"tensor_parallel_size={new_tp}")
-            break
-    for new_pp in (2, 4, 8):
-        if new_pp > pp and (world_size % (tp * new_pp * cp) == 0) and fits(pp=new_pp):
-            hints.append(f"pipeline_parallel_size={new_pp}")
-            break
-    for new_cp in (2, 4, 8):
-        if new_cp > cp and (world_size % (tp * pp * new_cp) == 0) and fits(cp=new_cp):
-            hints.append(f"context_parallel_size={new_cp}")
-            break
-    if not allow_offload and fits(allow_offload=True):
-        hints.append(
-            "CPU offload (cpu_offload=True)" if backend == "native" else "CPU offload (offload='auto' or 'optimizer')"
-        )
+    factor = next((f for f in (2, 4, 8, 16, 32) if fits(world_size=world_size * f)), None)
+    if factor is not None:
+        hints.append(f"{world_size * factor} devices ({factor}x) with ZeRO 3")
+    hints += _larger_degrees_that_fit(settings, fits)
+    if not settings["allow_offload"] and fits(allow_offload=True):
+        native = settings["backend"] == "native"
+        hints.append("CPU offload (cpu_offload=True)" if native else "CPU offload (offload='auto' or 'optimizer')")
     if activation_checkpointing != "full" and fits(activations=footprint.full_activations):
         hints.append("activation_checkpointing='full'")
     return hints
 
 
-def _size(num_bytes: float) -> str:
-    return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / 2**20:.1f} MiB"
-
-
-def parse_size(text: str | int | float) -> int:
-    """Bytes from "80GB", "80GiB", "24G", "512MB" or a number of bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    units = {
-        "": 1,
-        "B": 1,
-        "K": 2**10,
-        "KB": 10**3,
-        "KIB": 2**10,
-        "M": 2**20,
-        "MB": 10**6,
-        "MIB": 2**20,
-        "G": 2**30,
-        "GB": 10**9,
-        "GIB": 2**30,
-        "T": 2**40,
-        "TB": 10**12,
-        "TIB": 2**40,
-    }
-    stripped = text.strip().upper()
-    number = stripped.rstrip("KMGTIB")
-    unit = stripped[len(number) :]
-    try:
-        return int(float(number) * units[unit])
-    except (KeyError, ValueError):
-        raise ValueError(f"Cannot read the size {text!r}; write it like '80GB', '80GiB' or '24G'.") from None
+def _larger_degrees_that_fit(settings: dict[str, Any], fits: Callable[..., bool]) -> list[str]:
+    """For each of tensor, pipeline and context parallelism alone: the smallest larger degree (2, 4 or 8) that
+    divides the devices and makes some option fit."""
+    hints = []
+    for key, name in (
+        ("tp", "tensor_parallel_size"),
+        ("pp", "pipeline_parallel_size"),
+        ("cp", "context_parallel_size"),
+    ):
+        for degree in (2, 4, 8):
+            group = math.prod({"tp": settings["tp"], "pp": settings["pp"], "cp": settings["cp"], key: degree}.values())
+            if degree > settings[key] and settings["world_size"] % group == 0 and fits(**{key: degree}):
+                hints.append(f"{name}={degree}")
+                break
+    return hints

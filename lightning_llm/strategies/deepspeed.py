@@ -1,11 +1,14 @@
-"""LLMDeepSpeedStrategy: Lightning's DeepSpeedStrategy with LLM defaults, planned ZeRO stages and a CPU path."""
+"""LLMDeepSpeedStrategy: Lightning's DeepSpeedStrategy with LLM defaults, planned ZeRO stages and a CPU path.
+
+This module holds the strategy's lifecycle (config, environment, model building under ZeRO 3, "auto" planning, the
+CPU path); its checkpoint hooks are :mod:`.deepspeed_checkpoint_hooks`, its contract members
+:mod:`.deepspeed_contract`, its config :mod:`.deepspeed_config` and its refusals :mod:`.deepspeed_checks`.
+"""
 
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import Future
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -15,7 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from typing_extensions import override
 
-from lightning_llm._compat.lightning import (
+from lightning_llm._compat.lightning_strategies import (
     deepspeed_initialize_inference,
     deepspeed_setup_model_and_optimizer,
     init_deepspeed_config,
@@ -23,19 +26,12 @@ from lightning_llm._compat.lightning import (
     reset_deepspeed_config,
 )
 from lightning_llm.checkpointing import resumed_settings
-from lightning_llm.checkpointing.dcp import refuse_unverified
-from lightning_llm.checkpointing.deepspeed import KeepWriteErrors, saved_param_shapes, unsafe_pickle_refusal
-from lightning_llm.checkpointing.errors import save_on_every_rank
-from lightning_llm.checkpointing.keys import matching_keys
-from lightning_llm.contract import ParallelLayout, completed
-from lightning_llm.contract.lightning import WholeModelContract
-from lightning_llm.contract.protocol import reduce_across_ranks
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.shape import ModelShape
-from lightning_llm.modeling.tied import refuse_untied_names, tied_parameter_names
 from lightning_llm.parallel.init.zero3_build import partition_meta_model, partitions_directly, zero_init
 from lightning_llm.parallel.init.zero3_init import initialize_partitioned
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
+from lightning_llm.strategies.deepspeed_checkpoint_hooks import DeepSpeedCheckpointHooksMixin
 from lightning_llm.strategies.deepspeed_checks import (
     refuse_matrix_optimizers,
     require_deepspeed,
@@ -48,13 +44,14 @@ from lightning_llm.strategies.deepspeed_config import (
     read_config,
     validate_args,
 )
+from lightning_llm.strategies.deepspeed_contract import DeepSpeedContractMixin
 from lightning_llm.strategies.option_checks import check_optional_str
 from lightning_llm.strategies.presets import DEEPSPEED_PRESETS, register_presets
 from lightning_llm.strategies.zero_auto import decide_and_report, planning_inputs
 from lightning_llm.validation import check_int, check_memory_size
 
 
-class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
+class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO 1/2/3 with CPU/NVMe offload and LLM defaults; runs on CUDA, and on CPU with gloo for tests.
 
     The DeepSpeed config is :func:`default_config` for the chosen stage and offload, with the user's
@@ -238,113 +235,6 @@ class LLMDeepSpeedStrategy(WholeModelContract, DeepSpeedStrategy):
         # offload is "none" whenever it was not "auto"
         self.config = self._build_config(self.decision.stage, self.decision.offload)
         reset_deepspeed_config(self)  # Lightning formats the new config (batch size, precision) again
-
-    # The StrategyContract (lightning_llm.contract): what callbacks and the CLI read.
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """Data parallel over every rank, sharded by ZeRO."""
-        return ParallelLayout(
-            strategy=type(self).__name__,
-            world_size=self.world_size,
-            num_nodes=self.num_nodes,
-            dp_shard=self.world_size,
-            dp_rank=self.global_rank,
-            zero_stage=self.zero_stage,
-        )
-
-    @property
-    def model_shape(self) -> ModelShape | None:
-        """The model's shape, read in ``setup`` before DeepSpeed partitions the parameters."""
-        return self._model_shape
-
-    @property
-    def supports_async_save(self) -> bool:
-        return False
-
-    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
-        """The engine's global gradient norm of the last step (DeepSpeed owns the partitions: all parameters only)."""
-        if parameters is not None or norm_type != 2.0:
-            raise ValueError(
-                "Under DeepSpeed only the engine's global 2-norm of all gradients is available "
-                "(parameters=None, norm_type=2.0); the engine owns the gradient partitions."
-            )
-        norm = self.step_grad_norm()
-        return torch.as_tensor(float("nan")) if norm is None else norm
-
-    @property
-    def saves_through_checkpoint_io(self) -> bool:
-        """False: DeepSpeed's engine writes its checkpoint directory on every rank."""
-        return False
-
-    @property
-    def loads_through_checkpoint_io(self) -> bool:
-        """False: DeepSpeed's engine loads its checkpoint directory (verified first by ``load_checkpoint``)."""
-        return False
-
-    @property
-    def saves_to_urls(self) -> bool:
-        """False: DeepSpeed writes with local file APIs."""
-        return False
-
-    @property
-    def grad_norm_ready(self) -> Literal["before_optimizer_step", "after_optimizer_step"]:
-        """After the step: the engine computes the global norm inside its step (it owns the gradient partitions)."""
-        return "after_optimizer_step"
-
-    def step_grad_norm(self) -> torch.Tensor | None:
-        """The engine's global gradient norm of its last step, before clipping (``None`` if it computed none)."""
-        norm = self.deepspeed_engine.get_global_grad_norm()
-        return None if norm is None else torch.as_tensor(float(norm))
-
-    @property
-    def can_skip_optimizer_step(self) -> bool:
-        """False: the engine steps the gradient partitions it holds, whatever the module's ``.grad`` say."""
-        return False
-
-    def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
-        """Reduce in place over every rank of the run and return it."""
-        return reduce_across_ranks(tensor, op, self.world_size)
-
-    def save_checkpoint_async(self, filepath, weights_only: bool = False) -> Future:
-        """DeepSpeed writes its checkpoints synchronously: saves, then returns a completed future."""
-        self.lightning_module.trainer.save_checkpoint(filepath, weights_only=weights_only)
-        return completed()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """DeepSpeed's save; a write that fails on any rank raises the same ``SaveFailed`` on every rank
-        (see :class:`lightning_llm.checkpointing.deepspeed.KeepWriteErrors`)."""
-        engine = self.deepspeed_engine
-        guard = engine.checkpoint_engine = KeepWriteErrors(engine.checkpoint_engine)
-
-        def save() -> None:
-            super(LLMDeepSpeedStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
-            if guard.error is not None:
-                raise guard.error
-
-        try:
-            save_on_every_rank(save, filepath)
-        finally:
-            engine.checkpoint_engine = guard.inner
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """DeepSpeed's load, after the content check of a committed checkpoint, a scan for anything DeepSpeed's full
-        unpickler would import beyond its own classes (unless ``weights_only=False``: the user trusts the files),
-        and a strict two-way comparison of parameter names and shapes (DeepSpeed compares only the model's names)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        refuse_unverified(self, path)
-        trusted = weights_only is False  # trainer.fit(..., weights_only=False): the user vouches for the files
-        error = None if trusted else self.broadcast(unsafe_pickle_refusal(path) if self.global_rank == 0 else None)
-        if error is not None:
-            raise ValueError(error)
-        saved = saved_param_shapes(path, weights_only=not trusted)
-        if saved is not None:
-            refuse_untied_names(tied_parameter_names(self.model.module), saved, str(path))  # names tell: one each
-            model = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.module.named_parameters()}
-            matching_keys(model, saved, self.lightning_module.strict_loading, str(path))
-        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
 from lightning_llm._compat import lightning as compat
+from lightning_llm._compat import lightning_strategies
 from lightning_llm.checkpointing import resumed_settings
 from lightning_llm.data.resume import RESUMED_MID_EPOCH, resume_mid_epoch
 from lightning_llm.parallel.activation_checkpointing import ACOptions
@@ -130,13 +131,13 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     @override
     def setup_environment(self) -> None:
         self.run_state.warning_filters.ignore_known()  # until teardown (lightning_llm._compat.known_warnings)
-        compat.setup_distributed(self)
+        lightning_strategies.setup_distributed(self)
         destroy_process_group_at_exit()
         if self.options.parallel.tensor_parallel_size == "auto":  # Lightning's meaning: every device of a node
             parallel = dataclasses.replace(self.options.parallel, tensor_parallel_size=self.num_processes)
             self.options = dataclasses.replace(self.options, parallel=parallel)
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
-        compat.set_device_mesh(self, dims.build_mesh(self.root_device.type))
+        lightning_strategies.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
     @contextmanager
     @override
@@ -237,7 +238,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning's connector hands over the plugin chosen from precision=; take its global-norm twin.
-        compat.set_precision_plugin(self, global_norm_precision(plugin, self.clip_by_global_norm))
+        lightning_strategies.set_precision_plugin(self, global_norm_precision(plugin, self.clip_by_global_norm))
 
     @override
     def model_to_device(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_llm._compat.torch import attention_with_lse, attention_with_lse_backward
+from lightning_llm._compat.torch_kernels import attention_with_lse, attention_with_lse_backward
 from lightning_llm.parallel.cp.attention import observe_queries
 from lightning_llm.parallel.cp.layout import CPGroup, chunk_indices
 

@@ -1,0 +1,157 @@
+"""Counting what autograd keeps, block by block: the tally and the hooks that fill it during one forward.
+
+A ``saved_tensors_hooks`` pack hook sees every tensor autograd keeps; storages are counted once per block and
+parameters not at all. The "op" number (selective checkpointing by operator) adds the block's input to the outputs
+of the ops the selective policy saves, seen by a ``TorchDispatchMode``; that is what torch's selective checkpoint
+caches. ``StorageWeakRef`` (private) tells storages apart. :mod:`lightning_llm.modeling.activations` runs the
+forwards (real or on fake tensors) under :func:`counting`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
+from lightning_llm._compat.torch_distributed import local_tensor
+
+
+@dataclass
+class BlockActivations:
+    """Bytes one block keeps for backward under each policy.
+
+    Attributes:
+        saved: without checkpointing (everything autograd saves).
+        input: with full checkpointing (only the block's input, its first tensor argument).
+            Other tensor arguments (rotary tables, masks) are shared by all blocks and counted in none.
+        op: with selective per-operator checkpointing (input + outputs the policy saves);
+            ``None`` when not measured.
+    """
+
+    saved: int
+    input: int
+    op: int | None = None
+
+
+class MeasuredBlocks(list):
+    """One :class:`BlockActivations` per block, and ``outside``: bytes saved outside the blocks (the embedding's
+    output, the final norm, the head's input and the logits the loss keeps), counted once per storage."""
+
+    outside: int = 0
+
+
+class _Dropped:
+    """Stands in for a saved tensor in a measuring pass that never runs backward."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # The shard itself, without to_local()'s autograd node (this runs inside autograd's pack hook).
+    return local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def storage_of(t: torch.Tensor) -> StorageWeakRef:
+    """A weak reference that tells ``t``'s storage (a DTensor's local shard's) apart from every other."""
+    return StorageWeakRef(_local(t).untyped_storage())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _local(t).untyped_storage().nbytes()
+
+
+class BlockTally:
+    """Per-block byte counts, filled by the hooks of :func:`counting` while a forward runs."""
+
+    def __init__(self, num_blocks: int, params: Sequence[torch.Tensor], keep: bool) -> None:
+        self.current: int | None = None
+        self.keep = keep  # False: hand autograd a stand-in, so the pass holds one block's activations at most
+        self.params = {storage_of(p) for p in params}
+        self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
+        self.ran = [False] * num_blocks
+        self.outside = 0
+        self._outside: dict[StorageWeakRef, torch.Tensor] = {}
+        self._shared: set[StorageWeakRef] = set()
+        # Tensors counted in the running block, held so that their storages' weak refs stay unique.
+        self._saved: dict[StorageWeakRef, torch.Tensor] = {}
+        self._op: dict[StorageWeakRef, torch.Tensor] = {}
+
+    def enter(self, index: int, args: tuple, kwargs: dict) -> None:
+        self.current, self._saved, self._op = index, {}, {}
+        self.ran[index] = True
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        hidden = tensors[0] if tensors else None
+        # Other inputs (rotary tables, masks) are the model's, shared by every block: counted in none.
+        self._shared = {storage_of(t) for t in tensors[1:]} - ({storage_of(hidden)} if tensors else set())
+        if hidden is not None:
+            self.input[index] = _local(hidden).numel() * _local(hidden).element_size()
+            self.op[index] = self.input[index]
+            self._op[storage_of(hidden)] = hidden
+
+    def leave(self) -> None:
+        self.current, self._saved, self._op = None, {}, {}
+
+    def pack(self, t: torch.Tensor):
+        ref = storage_of(t)
+        if self.current is None:
+            if ref not in self.params and ref not in self._outside:
+                self._outside[ref] = t  # held (also when dropping) so that its weak ref stays unique
+                self.outside += _nbytes(t)
+        elif ref not in self.params and ref not in self._shared and ref not in self._saved:
+            self._saved[ref] = t
+            self.saved[self.current] += _nbytes(t)
+        return t if self.keep else _Dropped()
+
+    def op_output(self, out) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storage_of(t) not in self._op:
+                self._op[storage_of(t)] = t
+                self.op[self.current] += _nbytes(t)
+
+    def result(self, with_op: bool) -> MeasuredBlocks:
+        blocks = MeasuredBlocks(
+            BlockActivations(s, i, o if with_op else None) for s, i, o in zip(self.saved, self.input, self.op)
+        )
+        blocks.outside = self.outside
+        return blocks
+
+
+class _SavedOutputs(TorchDispatchMode):
+    """Counts the outputs of the ops a selective checkpointing policy would save."""
+
+    def __init__(self, tally: BlockTally, saves_output: Callable) -> None:
+        super().__init__()
+        self.tally, self.saves_output = tally, saves_output
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.tally.current is not None and self.saves_output(func):
+            self.tally.op_output(out)
+        return out
+
+
+def _unpack(_packed):
+    raise RuntimeError("A forward run to measure activation memory cannot be differentiated.")
+
+
+@contextmanager
+def counting(blocks: Sequence[nn.Module], tally: BlockTally, saves_output: Callable | None):
+    """While open, every forward through ``blocks`` is counted into ``tally``: the tensors autograd saves and, with
+    ``saves_output``, the outputs of the ops the selective policy would save."""
+    with ExitStack() as stack:
+        for index, block in enumerate(blocks):
+            pre = block.register_forward_pre_hook(lambda m, a, k, i=index: tally.enter(i, a, k), with_kwargs=True)
+            post = block.register_forward_hook(lambda m, a, o: tally.leave())
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+        stack.enter_context(
+            torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
+        )
+        stack.enter_context(torch.enable_grad())
+        if saves_output is not None:
+            stack.enter_context(_SavedOutputs(tally, saves_output))
+        yield
