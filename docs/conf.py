@@ -44,7 +44,7 @@ autodoc_inherit_docstrings = False
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|lightning|numpy|np|pathlib|collections|concurrent|datetime|typing|transformers|deepspeed)\b.*"),
-    (r"py:.*", r"(timedelta|Path|Callable|Any|False|True|None|Strategy|L\..*)"),
+    (r"py:.*", r"(timedelta|Path|Callable|Any|False|True|None|Strategy|L\..*|pl\..*)"),
 ]
 
 html_theme = "furo"

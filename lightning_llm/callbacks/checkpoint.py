@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm.callbacks import checkpoint_saving as saving
 from lightning_llm.callbacks.checkpoint_options import (
     can_save_async,
@@ -142,6 +143,7 @@ class CheckpointRotation(ModelCheckpoint):
         self._rng_to_restore: dict[str, Any] | None = None
         self.require_monitor, self._validated = require_monitor, False
         self.save_on_preemption, self._preemption = save_on_preemption, PreemptionFlag()
+        self._filters = ScopedFilters()  # warnings this callback answers instead, until teardown
         self.preempted = False  # True once a SIGTERM stopped this fit: the job is not finished, relaunch it
         self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
 
@@ -176,13 +178,14 @@ class CheckpointRotation(ModelCheckpoint):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._preemption.uninstall()  # also after an exception, before Lightning restores the original handlers
         stop_checking_loads(trainer)
+        self._filters.remove()
         super().teardown(trainer, pl_module, stage)
 
     @override
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this hook (before setup), newest file among the candidates.
         # Every rank checks the same files (no process group exists yet to share the work), so all pick the same.
-        last = newest_complete(self.dirpath or default_dirpath(trainer))
+        last = newest_complete(self.dirpath or default_dirpath(trainer), self._filters)
         if last is None:
             return set()
         self._resolved_last = last

@@ -8,13 +8,13 @@ Lightning does not checkpoint.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm.checkpointing.commit import last_candidate, newest_verified
 from lightning_llm.checkpointing.verified_load import VerifiedLoad
 from lightning_llm.contract import contract_of
@@ -24,13 +24,13 @@ RNG_KEY = "rng_states_per_rank"  # top-level checkpoint key: one generator state
 _NO_LAST_CHECKPOINT = r'.*ckpt_path="last"\) is set, but there is no last checkpoint available.*'
 
 
-def newest_complete(directory: str) -> str | None:
+def newest_complete(directory: str, filters: ScopedFilters) -> str | None:
     """What ``ckpt_path="last"`` resolves to in ``directory``: the newest complete checkpoint that verifies, or
-    ``None`` (said once: the run starts fresh)."""
+    ``None`` (said once: the run starts fresh; Lightning's own notice is filtered by ``filters`` for the fit)."""
     newest = newest_verified(directory)
     if newest is None:
         # Lightning's own notice would advise ModelCheckpoint(save_last=True), which this callback does not need.
-        warnings.filterwarnings("ignore", message=_NO_LAST_CHECKPOINT)
+        filters.ignore(_NO_LAST_CHECKPOINT)
         rank_zero_info(f"CheckpointRotation: no complete checkpoint in {directory}; ckpt_path='last' starts fresh.")
         return None
     return last_candidate(newest)

@@ -31,7 +31,7 @@ class LLMDataModule(L.LightningDataModule):
     * ``"text"``: UTF-8 text files, byte-level tokenized (vocabulary 256).
     * ``"tokens"``: flat binary files of ``uint16``/``uint32`` token ids, memory-mapped, as written by
       ``lightning-llm prepare`` (documents separated by EOS, packed into windows without padding). Its
-      JSON sidecar sets ``token_dtype``, and its vocabulary, EOS id and tokenizer are :attr:`token_info`.
+      JSON sidecar sets ``token_dtype``, and its vocabulary, EOS id and tokenizer are its ``token_info``.
 
     The last ``val_fraction`` of a file source is the validation split, unless ``val_path`` names
     validation files (``val.bin`` of ``lightning-llm prepare --val_fraction``). With

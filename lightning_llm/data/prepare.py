@@ -61,7 +61,7 @@ def prepare(
         tokenizer: a ``tokenizer.json``; ``None`` trains a byte-level BPE of ``vocab_size`` on the inputs.
         vocab_size: size of the trained tokenizer (at least 257: 256 bytes and EOS).
         eos_token: the separator token of a given tokenizer (default: the first of
-            :data:`~lightning_llm.data.prepare_tokenizer.EOS_CANDIDATES` it has).
+            ``EOS_CANDIDATES`` it has, :mod:`lightning_llm.data.prepare_tokenizer`).
         text_key: the key of a JSON Lines record that holds the text.
         txt_split: ``"file"`` (a ``.txt`` file is one document) or ``"blank_line"``.
         val_fraction: share of documents (every ``1 / val_fraction``-th) written to ``val.bin``.

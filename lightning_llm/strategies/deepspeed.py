@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from typing_extensions import override
 
+from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm._compat.lightning_strategies import (
     deepspeed_initialize_inference,
     deepspeed_setup_model_and_optimizer,
@@ -54,10 +55,10 @@ from lightning_llm.validation import check_int, check_memory_size
 class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO 1/2/3 with CPU/NVMe offload and LLM defaults; runs on CUDA, and on CPU with gloo for tests.
 
-    The DeepSpeed config is :func:`default_config` for the chosen stage and offload, with the user's
+    The DeepSpeed config is :func:`~lightning_llm.strategies.deepspeed_config.default_config` for the chosen stage and offload, with the user's
     ``config`` (a dict or a JSON file) merged over it key by key; bf16/fp16 sections follow the Trainer's
     ``precision``. ``zero_stage="auto"`` asks the memory planner
-    (:func:`lightning_llm.planning.zero.choose_zero_stage`) for the least-communication stage that fits
+    (``lightning_llm.planning.zero.plan_zero_stage``) for the least-communication stage that fits
     in device memory, just before DeepSpeed builds its engine, and logs its table.
 
     Arguments:
@@ -75,7 +76,7 @@ class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin
         load_pretrained: a local Hugging Face checkpoint directory (safetensors, single or sharded with its
             index) loaded into the model once it is built and initialized, before DeepSpeed builds its engine;
             under ZeRO 3 each rank reads only the rows covering its partitions
-            (:func:`lightning_llm.hf.load.load_pretrained`). Missing, unexpected and mis-shaped tensors are refused.
+            (:func:`lightning_llm.hf.load_pretrained`). Missing, unexpected and mis-shaped tensors are refused.
 
     Example::
 
@@ -115,6 +116,7 @@ class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin
         self._model_shape: ModelShape | None = None
         self._rng_before_model: torch.Tensor | None = None  # the CPU generator when configure_model began building
         self._zero_init: Any = None  # the deepspeed.zero.Init whose settings partition a model built on meta
+        self._warning_filters = ScopedFilters()  # from setup_environment to teardown
         # Until "auto" is resolved in setup() the config holds stage 2: it shards no parameters, so the
         # model is built whole by configure_model, which runs before setup().
         stage = 2 if zero_stage == "auto" else zero_stage
@@ -136,6 +138,7 @@ class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin
 
     @override
     def setup_environment(self) -> None:
+        self._warning_filters.ignore_known()  # until teardown (lightning_llm._compat.known_warnings)
         check_precision(self.user_config, self.precision_plugin.precision)
         if not isinstance(self.accelerator, CPUAccelerator):
             super().setup_environment()
@@ -144,6 +147,13 @@ class LLMDeepSpeedStrategy(DeepSpeedContractMixin, DeepSpeedCheckpointHooksMixin
         # Bypass: DeepSpeedStrategy.setup_environment refuses every accelerator but CUDA. DeepSpeed itself
         # runs on its CPU accelerator with gloo, so skip that one check and run the DDP/Strategy setup.
         super(DeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            self._warning_filters.remove()
 
     @override
     def setup_distributed(self) -> None:
