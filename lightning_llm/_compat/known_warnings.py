@@ -3,8 +3,8 @@
 :data:`KNOWN` holds the deprecations one upstream package raises about another's code, that a user can do nothing
 about and that change nothing in the run, filtered by their exact text. Nothing else is filtered: warnings about the
 user's code or setup stay visible. No filter is added at import: a strategy adds them in ``setup_environment`` and
-removes them at ``teardown`` (:class:`ScopedFilters`), so a process that trains and then does something else sees
-every warning again.
+removes them at ``teardown``, the ``lightning-llm`` command for its run (:class:`ScopedFilters`), so a process that
+trains and then does something else sees every warning again.
 """
 
 from __future__ import annotations

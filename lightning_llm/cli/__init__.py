@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 
+from lightning_llm._compat.known_warnings import ScopedFilters
 from lightning_llm.cli import errors
 from lightning_llm.cli.app import LLMCLI, WANDB_INSTALL_HINT, ConfigToLoggers, run_name, wandb_installed
 from lightning_llm.cli.plan import plan
@@ -64,12 +65,16 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(0)  # as argparse's --help does
     command = next((arg for arg in argv if arg in SUBCOMMANDS), "")
     errors.FirstBatch.started = False  # this call's run (main may be called again in one process)
+    filters = ScopedFilters()  # for this command, whatever strategy it runs (lightning_llm._compat.known_warnings)
+    filters.ignore_known()
     try:
         _run(argv)
     except Exception as err:
         if traceback or errors.run_started():
             raise
         sys.exit(errors.report_before_first_step(err, command))
+    finally:
+        filters.remove()
 
 
 def _run(argv: list[str]) -> None:
