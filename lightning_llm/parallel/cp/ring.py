@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_llm._compat.torch_kernels import attention_with_lse, attention_with_lse_backward
 from lightning_llm.parallel.cp.attention import observe_queries
@@ -117,14 +118,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cp: CPGroup,
-    *,
-    is_causal: bool = True,
-    scale: float | None = None,
-) -> torch.Tensor:
+    query: Tensor, key: Tensor, value: Tensor, cp: CPGroup, *, is_causal: bool = True, scale: float | None = None
+) -> Tensor:
     """Like :func:`~.attention.context_parallel_attention`, with key/value shards passed around the ring.
 
     Example::

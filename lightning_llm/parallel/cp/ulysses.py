@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
 
 from lightning_llm.parallel.cp.attention import observe_queries
 from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global
@@ -65,14 +66,8 @@ def check_ulysses_heads(heads: int, kv_heads: int | None, cp: int, tp: int = 1) 
 
 
 def ulysses_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cp: CPGroup,
-    *,
-    is_causal: bool = True,
-    scale: float | None = None,
-) -> torch.Tensor:
+    query: Tensor, key: Tensor, value: Tensor, cp: CPGroup, *, is_causal: bool = True, scale: float | None = None
+) -> Tensor:
     """Attention of zig-zag sequence shards through head-sharded full-sequence attention (see the module doc).
 
     Example::
