@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 from lightning_llm import LLMParallelStrategy
-from lightning_llm._compat.known_warnings import KNOWN
+from lightning_llm._compat.known_warnings import KNOWN, ScopedFilters
 from lightning_llm.parallel.output_views import VIEW_WARNING, OutputViewGuard
 from lightning_llm.testing import cpu_trainer
 from lightning_llm.testing.models import UserLM
@@ -55,3 +55,13 @@ def test_the_output_view_guard_filters_until_closed():
     assert sum(f[1] is not None and f[1].pattern == VIEW_WARNING for f in warnings.filters) == 1
     guard.close()
     assert warnings.filters == before
+
+
+def test_a_filter_already_in_place_stays_with_its_owner():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=VIEW_WARNING)  # the user's (or an enclosing scope's)
+        outer = list(warnings.filters)
+        inner = ScopedFilters()
+        inner.ignore(VIEW_WARNING)
+        inner.remove()
+        assert warnings.filters == outer

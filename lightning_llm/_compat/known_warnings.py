@@ -37,9 +37,15 @@ class ScopedFilters:
         self._added: list[tuple] = []
 
     def ignore(self, message: str, category: type[Warning] = Warning) -> None:
-        """Ignore warnings of ``category`` whose text matches ``message`` (a regex) until :meth:`remove`."""
+        """Ignore warnings of ``category`` whose text matches ``message`` (a regex) until :meth:`remove`.
+
+        A filter that is already in place (the user's, or an enclosing scope's: the ``lightning-llm`` command around
+        a strategy) is left to its owner: :meth:`remove` does not take it out.
+        """
+        before = list(warnings.filters)
         warnings.filterwarnings("ignore", message=message, category=category)
-        self._added.append(warnings.filters[0])
+        if warnings.filters[0] not in before:
+            self._added.append(warnings.filters[0])
 
     def ignore_known(self) -> None:
         """Ignore the :data:`KNOWN` upstream deprecations."""
@@ -47,7 +53,7 @@ class ScopedFilters:
             self.ignore(message)
 
     def remove(self) -> None:
-        """Take out every filter this object added (a filter the user also added stays, once per time they did)."""
+        """Take out every filter this object added, and only those."""
         for entry in reversed(self._added):
             if entry in warnings.filters:
                 warnings.filters.remove(entry)

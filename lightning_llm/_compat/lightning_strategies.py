@@ -4,8 +4,6 @@ engine setup, which the CPU path of ``LLMDeepSpeedStrategy`` calls piece by piec
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_llm._compat.registry import Private, has_instance_attr, register, resolve
 
 CHECKED = "lightning 2.6.6"
@@ -32,18 +30,6 @@ register(
 )
 
 
-def tensor_parallel_size(strategy) -> Any:
-    """``ModelParallelStrategy._tensor_parallel_size``: the ``tensor_parallel_size`` argument as the parent stores
-    it (``"auto"`` or an int); Lightning exposes no public getter. Checked on lightning 2.6.6."""
-    return strategy._tensor_parallel_size
-
-
-def data_parallel_size(strategy) -> Any:
-    """``ModelParallelStrategy._data_parallel_size``: the ``data_parallel_size`` argument as the parent stores it.
-    Checked on lightning 2.6.6."""
-    return strategy._data_parallel_size
-
-
 def setup_distributed(strategy) -> None:
     """``ModelParallelStrategy._setup_distributed()``: the parent's process-group setup (world ranks, environment,
     ``init_process_group``), reused by a ``setup_environment`` that builds its own mesh. Checked on lightning 2.6.6."""
@@ -60,22 +46,15 @@ def set_device_mesh(strategy, mesh) -> None:
 
 register(
     Private(
-        name="ModelParallelStrategy._tensor_parallel_size, _data_parallel_size, "
-        "_setup_distributed, _device_mesh; LightningModule._device_mesh",
+        name="ModelParallelStrategy._setup_distributed, _device_mesh; LightningModule._device_mesh",
         upstream="lightning",
-        accessor="lightning_strategies.tensor_parallel_size, data_parallel_size, setup_distributed, set_device_mesh",
+        accessor="lightning_strategies.setup_distributed, set_device_mesh",
         used_by=("strategies/parallel.py",),
-        why="the parent stores its arguments and mesh there and sets up the process group in `_setup_distributed`; "
-        "our subclass builds its own 4-D mesh (exposed publicly as `tensor_parallel_size`)",
+        why="the parent stores its mesh there and sets up the process group in `_setup_distributed`; our subclass "
+        "builds its own 4-D mesh",
         caught_by="`tests/strategies/test_parallel_strategy.py`",
         checked=CHECKED,
         check=lambda: (
-            has_instance_attr(
-                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_tensor_parallel_size"
-            ),
-            has_instance_attr(
-                "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_data_parallel_size"
-            ),
             has_instance_attr("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy", "_device_mesh"),
             resolve("lightning.pytorch.strategies.model_parallel:ModelParallelStrategy._setup_distributed"),
             has_instance_attr("lightning.pytorch.core.module:LightningModule", "_device_mesh"),

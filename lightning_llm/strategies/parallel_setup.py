@@ -7,6 +7,7 @@ LightningModule; :func:`build_pipeline` builds this rank's pipeline runtime once
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_back
 from lightning_llm.parallel.mesh import ParallelDims
-from lightning_llm.parallel.parallelize import parallelize
+from lightning_llm.parallel.parallelize import ParallelizeReport, parallelize
 from lightning_llm.parallel.pipeline.microbatches import bubble_warning, default_microbatches
 from lightning_llm.parallel.pipeline.split import check_stages_fit
 from lightning_llm.parallel.seeding import agree_on_seed
@@ -98,7 +99,9 @@ def parallelize_module(trainer, module, options: StrategyOptions, state: RunStat
         load_pretrained(module, options.checkpointing.load_pretrained)  # each rank reads only the slices it holds
 
 
-def plan_layout(trainer, module, found: FoundBlocks, options: StrategyOptions, state: RunState, device: torch.device):
+def plan_layout(
+    trainer, module, found: FoundBlocks, options: StrategyOptions, state: RunState, device: torch.device
+) -> Callable[..., None] | None:
     """The model's shape, the pipeline micro-batches, the ZeRO stage ("auto") and activation checkpointing, planned on
     the whole model before anything is cut; returns the function that checkpoints a rank's blocks (or ``None``)."""
     parallel, planning = options.parallel, options.planning
@@ -131,7 +134,16 @@ def plan_layout(trainer, module, found: FoundBlocks, options: StrategyOptions, s
     return checkpointing
 
 
-def apply_layout(module, found: FoundBlocks, traced, checkpointing, options, state: RunState, precision, device):
+def apply_layout(
+    module: torch.nn.Module,
+    found: FoundBlocks,
+    traced: TracedBlocks | None,
+    checkpointing: Callable[..., None] | None,
+    options: StrategyOptions,
+    state: RunState,
+    precision: str,
+    device: torch.device,
+) -> ParallelizeReport:
     """:func:`~lightning_llm.parallel.parallelize.parallelize` with the strategy's options and the run's plan."""
     parallel = options.parallel
     return parallelize(

@@ -39,5 +39,8 @@ def test_setup_reads_the_blocks_once():
     counted = _CountCalls()
     strategy = LLMParallelStrategy(zero_stage=0, activation_checkpointing="full")  # AC planning reads blocks too
     trainer = cpu_trainer(devices=1, strategy=strategy, max_steps=1, callbacks=[counted])
-    trainer.fit(UserLM(layers=2), torch.utils.data.DataLoader(torch.randint(0, 64, (4, 9)), batch_size=2))
+    try:
+        trainer.fit(UserLM(layers=2), torch.utils.data.DataLoader(torch.randint(0, 64, (4, 9)), batch_size=2))
+    finally:
+        sys.setprofile(None)  # a fit that fails before on_fit_start would leave the hook on for the session
     assert counted.calls == {"find_blocks": 1, "traced_blocks": 1}, counted.calls
