@@ -1,6 +1,7 @@
 import ctypes
 import os
 import time
+import warnings
 
 import lightning as L
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_llm.testing import DistributedTestError, cpu_trainer, run_distributed
+from lightning_llm.testing import DistributedTestError, NativeCrashRetried, cpu_trainer, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -76,9 +77,43 @@ def _segfault_on_rank_one():
 
 def test_a_rank_killed_by_a_signal_reports_its_python_stack():
     with pytest.raises(DistributedTestError) as raised:
-        run_distributed(_segfault_on_rank_one, 2, timeout=60)
+        run_distributed(_segfault_on_rank_one, 2, timeout=60, native_crash_retries=0)
     crash = str(raised.value).partition("Rank 1 was killed by signal 11; its stack:")[2]
     assert "Segmentation fault" in crash and "in _segfault_on_rank_one" in crash
+
+
+def _segfault_on_the_first_attempt(marker: str):
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        ctypes.string_at(0)
+    dist.barrier()  # rank 0 loses its peer here on the first attempt
+    return dist.get_rank()
+
+
+def test_a_native_crash_runs_the_group_again_once_with_a_warning(tmp_path):
+    with pytest.warns(NativeCrashRetried, match="(?s)killed by signal 11.*_segfault_on_the_first_attempt"):
+        assert run_distributed(_segfault_on_the_first_attempt, 2, str(tmp_path / "crashed"), timeout=60) == [0, 1]
+
+
+def test_a_crash_that_comes_back_fails_after_one_retry(tmp_path):
+    with pytest.warns(NativeCrashRetried), pytest.raises(DistributedTestError, match="killed by signal 11"):
+        run_distributed(_segfault_on_rank_one, 2, timeout=60)
+
+
+def _error_on_rank_zero_segfault_on_rank_one():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        ctypes.string_at(0)
+    raise ValueError("a Python error of its own")
+
+
+def test_a_python_error_next_to_a_crash_is_not_retried():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NativeCrashRetried)
+        with pytest.raises(DistributedTestError, match="a Python error of its own"):
+            run_distributed(_error_on_rank_zero_segfault_on_rank_one, 2, timeout=60)
 
 
 def _hang_in_collective():
