@@ -207,3 +207,32 @@ register(
         check=lambda: has_instance_attr("lightning.pytorch.loggers.wandb:WandbLogger", "_wandb_init"),
     )
 )
+
+
+def set_optimizer_steps(trainer, steps: int) -> None:
+    """From inside an optimizer step: ``steps`` optimizer steps came before this one. Sets what
+    ``trainer.global_step`` reads (the fit loop's optimizer-step progress, this step ready, not yet completed) and the
+    loggers' step (``_batches_that_stepped``), as Lightning's own checkpoint restore does; no public setter. A replica
+    group that recovered a live peer's state continues at the peer's step; a step the quorum did not commit is not
+    counted. Checked on lightning 2.6.6."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    progress.completed, progress.ready = steps, steps + 1
+    epoch_loop._batches_that_stepped = steps
+
+
+register(
+    Private(
+        name="_TrainingEpochLoop._batches_that_stepped",
+        upstream="lightning",
+        accessor="lightning.set_optimizer_steps",
+        used_by=("strategies/replica_groups.py",),
+        why="a replica group that recovered a live peer's state continues at the peer's step (global_step and the "
+        "loggers' step), as a restore from a checkpoint would",
+        caught_by="`tests/strategies/test_fault_tolerance.py`",
+        checked=CHECKED,
+        check=lambda: has_instance_attr(
+            "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", "_batches_that_stepped"
+        ),
+    )
+)

@@ -26,7 +26,30 @@ def check_combinations(options: StrategyOptions, given_ac_options) -> None:
     ACOptions.from_dict(options.planning.activation_checkpointing, options.planning.ac_options)  # "auto": a budget
     if options.parallel.pipeline_parallel_size > 1:
         check_pipeline(options)
+    if options.fault_tolerance:
+        check_fault_tolerance(options)
     warn_unused(options, given_ac_options)
+
+
+def check_fault_tolerance(options: StrategyOptions) -> None:
+    """torchft installed, and a layout inside the replica group that the cross-group average is built for."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError("fault_tolerance=True needs torchft: `pip install torchft==0.2.0` (the `ft` extra).")
+    parallel = options.parallel
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"fault_tolerance=True with pipeline_parallel_size={parallel.pipeline_parallel_size} is not built yet "
+            "(the pipeline's step does not run through the cross-group average); use tp/cp/ep and ZeRO inside each "
+            "replica group, or fault_tolerance=False."
+        )
+    if parallel.data_parallel_replicate_size > 1:
+        raise ValueError(
+            f"fault_tolerance=True with data_parallel_replicate_size={parallel.data_parallel_replicate_size}: the "
+            "replica groups are the replicate axis (one launch each, NUM_REPLICA_GROUPS of them); keep "
+            "data_parallel_replicate_size=1 inside a group."
+        )
 
 
 def check_layout(options: StrategyOptions) -> None:

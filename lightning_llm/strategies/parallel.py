@@ -42,6 +42,7 @@ from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, Strategy
 from lightning_llm.strategies.pipeline_routing import PipelineStepHooksMixin
 from lightning_llm.strategies.precision import check_clipping, global_norm_precision
 from lightning_llm.strategies.presets import PARALLEL_PRESETS, register_presets
+from lightning_llm.strategies.replica_groups import ReplicaGroupEnvironment, ReplicaGroups
 from lightning_llm.strategies.run_state import RunState
 from lightning_llm.strategies.sharded_checkpoints import ShardedCheckpoints
 
@@ -105,6 +106,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         context_parallel_size: int = 1,
         context_parallel_method: Literal["ring", "ulysses"] = "ring",
         accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto",
+        fault_tolerance: bool = False,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -136,6 +138,8 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         if self.options.parallel.tensor_parallel_size == "auto":  # Lightning's meaning: every device of a node
             parallel = dataclasses.replace(self.options.parallel, tensor_parallel_size=self.num_processes)
             self.options = dataclasses.replace(self.options, parallel=parallel)
+        if self.options.fault_tolerance:  # before the first step: a launch without torchft's environment stops here
+            self.run_state.replica_env = ReplicaGroupEnvironment.from_environ()
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
         lightning_strategies.set_device_mesh(self, dims.build_mesh(self.root_device.type))
 
@@ -166,7 +170,10 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.parallel_dims.dp, "rank": self.parallel_dims.dp_rank()}
+        dims, groups = self.parallel_dims, self.run_state.replica_env
+        if groups is not None:  # this group's shard of the data, split over its data-parallel ranks
+            return groups.sampler_kwargs(dims.dp, dims.dp_rank())
+        return {"num_replicas": dims.dp, "rank": dims.dp_rank()}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -198,6 +205,11 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if state.replica_env is not None:
+                timeout = self.options.timeout
+                state.replica_groups = ReplicaGroups(
+                    state.replica_env, trainer, rank=self.global_rank, world_size=self.world_size, timeout=timeout
+                )
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         self.checkpoints.check_checkpoint_io(self.checkpoint_io)
@@ -216,11 +228,22 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
 
     @override
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        trainer = self.lightning_module.trainer
         if self.run_state.batch_line_pending:  # a plain DataLoader: the global batch read off the first batch
-            parallel_setup.log_global_batch(self.lightning_module.trainer, self.options, self.run_state, batch)
+            parallel_setup.log_global_batch(trainer, self.options, self.run_state, batch)
+        groups = self.run_state.replica_groups
+        if groups is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            groups.start_step()  # the step's quorum forms during its forward
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        groups = self.run_state.replica_groups
+        if groups is not None:  # forward and backward, the average over the groups, then the update if it commits
+            loss = closure()
+            groups.average_gradients()
+            if not groups.should_commit():
+                return loss
+            closure = lambda: loss  # noqa: E731 (Lightning's hooks after the closure still run: clipping, logging)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._precompute_fp8_scales()
         return output
@@ -257,6 +280,9 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
             if report is not None and report.output_guard is not None:
                 report.output_guard.close()
             self.run_state.warning_filters.remove()
+            if self.run_state.replica_groups is not None:
+                self.run_state.replica_groups.shutdown()
+                self.run_state.replica_groups = None
 
     @contextmanager
     @override

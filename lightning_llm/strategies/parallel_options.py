@@ -266,6 +266,15 @@ class StrategyOptions:
         ":class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.",
         check=check_timeout,
     )
+    fault_tolerance: bool = option(
+        False,
+        "train as one of several torchft replica groups (its own launch, with ``TORCHFT_LIGHTHOUSE``, "
+        "``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set): gradients are averaged over the groups present at each "
+        "step, a group lost mid-step is dropped and the others go on, a group that starts late or restarts recovers "
+        "the weights, optimizer state and step from a live peer (:mod:`~lightning_llm.strategies.replica_groups`, "
+        "``docs/fault-tolerance.md``). Needs ``pip install torchft``.",
+        check=check_bool,
+    )
 
 
 def build_options(**arguments) -> StrategyOptions:

@@ -36,6 +36,8 @@ class RunState:
     meta_writes: Any = None  # values configure_model copied into meta tensors (parallel.init.meta_writes)
     batch_line_pending: bool = False  # the global batch is logged from the first batch (a plain DataLoader)
     warning_filters: ScopedFilters = field(default_factory=ScopedFilters)  # from setup_environment to teardown
+    replica_env: Any = None  # with fault_tolerance: the ReplicaGroupEnvironment, from setup_environment on
+    replica_groups: Any = None  # with fault_tolerance: the ReplicaGroups (torchft's manager), from setup to teardown
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:

@@ -1,0 +1,241 @@
+"""Fault-tolerant replica groups (``LLMParallelStrategy(fault_tolerance=True)``, torchft) on CPU with gloo.
+
+Each replica group is its own ``run_distributed`` launch, run from a thread of the test, with a torchft lighthouse in
+the test process. The oracle of the parity test is a plain data-parallel run over as many ranks as the groups hold
+in all; the drill's oracle is the live group: the relaunched group must end with its exact parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_llm.data import LLMDataModule
+from lightning_llm.models import CausalLM
+from lightning_llm.strategies import LLMParallelStrategy
+from lightning_llm.strategies.replica_groups import ENVIRONMENT, ReplicaGroupEnvironment
+from lightning_llm.testing import DistributedTestError, cpu_trainer, run_distributed
+
+pytest.importorskip("torchft", reason="fault tolerance needs the ft extra (torchft)")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
+
+STEPS = 12
+DRILL_STEPS, KILL_AT = 30, 5
+
+
+def _lighthouse(min_replicas: int):
+    from torchft.coordination import LighthouseServer
+
+    # A quorum forms once every heartbeating group joined, or join_timeout after the first; a group silent for
+    # heartbeat_timeout is dead.
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+
+
+class _Record(L.Callback):
+    """Each step's loss and global step; rank 0 of a group writes its progress to ``progress`` (the test polls it);
+    optionally the process kills itself (SIGKILL, as a lost machine) when ``kill_at`` is reached, or slows down."""
+
+    def __init__(self, progress: str | None, kill_at: int | None, step_delay: float):
+        self.losses, self.steps, self.participants = [], [], []
+        self.progress, self.kill_at, self.step_delay = progress, kill_at, step_delay
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.steps.append(trainer.global_step)
+        groups = trainer.strategy.run_state.replica_groups
+        self.participants.append(groups.participants if groups is not None else None)
+        if self.progress and trainer.global_rank == 0:
+            Path(self.progress).write_text(str(trainer.global_step))
+        if self.kill_at is not None and trainer.global_step >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.step_delay)
+
+
+def _fit(
+    zero_stage: int,
+    fault_tolerance: bool,
+    progress=None,
+    kill_at=None,
+    step_delay=0.0,
+    steps=STEPS,
+    replicate=1,
+    seed=0,
+) -> dict:
+    L.seed_everything(seed)
+    record = _Record(progress, kill_at, step_delay)
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = cpu_trainer(
+        devices=world,
+        strategy=LLMParallelStrategy(
+            zero_stage=zero_stage,
+            data_parallel_replicate_size=replicate if zero_stage else 1,
+            fault_tolerance=fault_tolerance,
+            timeout=20,
+        ),
+        max_steps=steps,
+        callbacks=[record],
+    )
+    module = CausalLM("tiny", warmup_steps=2, max_steps=steps)
+    trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2, shuffle=False))
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()
+    }
+    return {"losses": record.losses, "steps": record.steps, "participants": record.participants, "params": params}
+
+
+def _group(group_id: int, num_groups: int, lighthouse: str, zero_stage: int, seed: int = 0, **record) -> dict:
+    os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups))
+    return _fit(zero_stage, True, seed=seed, **record)
+
+
+def _hsdp(zero_stage: int, groups: int) -> dict:
+    """The oracle: one launch over every rank, the groups as the replicate axis (HSDP; plain DDP at ZeRO 0)."""
+    return _fit(zero_stage, False, replicate=groups)
+
+
+def _wait_for_step(progress: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= step):
+        assert time.monotonic() < deadline, f"{progress} never reached step {step}"
+        time.sleep(0.1)
+
+
+def _run_groups(launches: list[tuple], results: dict) -> list[threading.Thread]:
+    """Start each ``(key, group_size, args...)`` launch in a thread; its ranks' results (or error) land in ``results``."""
+
+    def launch(key, size, *args, **kwargs):
+        try:
+            results[key] = run_distributed(_group, size, *args, timeout=360, native_crash_retries=0, **kwargs)
+        except DistributedTestError as err:
+            results[key] = err
+
+    threads = [threading.Thread(target=launch, args=spec[:-1], kwargs=spec[-1]) for spec in launches]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _assert_same_params(got: dict, want: dict, atol: float, what: str) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize(("group_size", "zero_stage"), [(1, 0), (2, 3)], ids=["2x1-zero0", "2x2-zero3"])
+def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage):
+    lighthouse = _lighthouse(min_replicas=2)  # both groups in every quorum
+    try:
+        results = {}
+        threads = _run_groups([(g, group_size, g, 2, lighthouse.address(), zero_stage, {}) for g in range(2)], results)
+        for thread in threads:
+            thread.join()
+    finally:
+        lighthouse.shutdown()
+    for key in (0, 1):
+        assert not isinstance(results[key], Exception), results[key]
+    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, timeout=240)
+    # Group g's rank r reads the shard of data-parallel rank g * group_size + r of the plain run.
+    for g in (0, 1):
+        for r in range(group_size):
+            got, ref = results[g][r], want[g * group_size + r]
+            assert got["steps"] == ref["steps"] == list(range(1, STEPS + 1))
+            torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5)
+            _assert_same_params(got["params"], ref["params"], 1e-5, f"group {g} rank {r}")
+
+
+@pytest.mark.parametrize(("group_size", "zero_stage"), [(1, 0), (2, 3)], ids=["2x1-zero0", "2x2-zero3"])
+def test_a_killed_group_is_dropped_the_other_keeps_stepping_and_the_relaunch_recovers_from_it(
+    tmp_path, group_size, zero_stage
+):
+    """SIGKILL group 1 after step 5 of 30; group 0 goes on alone; group 1 relaunched recovers from group 0."""
+    lighthouse = _lighthouse(min_replicas=1)  # a quorum of one group is enough: the survivor goes on
+    progress = {g: tmp_path / f"group{g}.step" for g in (0, 1)}
+    common = (2, lighthouse.address(), zero_stage)
+    try:
+        results = {}
+        live = {"progress": str(progress[0]), "step_delay": 0.5, "steps": DRILL_STEPS}
+        killed = {"progress": str(progress[1]), "kill_at": KILL_AT, "steps": DRILL_STEPS}
+        threads = _run_groups([(0, group_size, 0, *common, live), ("killed", group_size, 1, *common, killed)], results)
+        threads[1].join()  # group 1 died at step KILL_AT
+        _wait_for_step(progress[0], KILL_AT + 4)  # group 0 stepped on without it
+        relaunch = {"progress": str(progress[1]), "steps": DRILL_STEPS}
+        threads += _run_groups([("relaunched", group_size, 1, *common, relaunch)], results)
+        for thread in threads:
+            thread.join()
+    finally:
+        lighthouse.shutdown()
+    assert isinstance(results["killed"], DistributedTestError) and "-9" in str(results["killed"])
+    assert not isinstance(results[0], Exception), results[0]
+    assert not isinstance(results["relaunched"], Exception), str(results["relaunched"])
+    survivor, relaunched = results[0][0], results["relaunched"][0]
+    for rank in range(group_size):  # every rank of a group saw the same steps and ended with the same weights
+        assert results[0][rank]["steps"] == survivor["steps"]
+        _assert_same_params(results["relaunched"][rank]["params"], survivor["params"], 0.0, f"relaunched rank {rank}")
+    # The survivor never restarted: its steps rise to the end; at most the step in flight when group 1 died was lost.
+    steps = survivor["steps"]
+    assert steps == sorted(steps) and steps[-1] == DRILL_STEPS and len(steps) - DRILL_STEPS <= 1, steps
+    alone = [p for p in survivor["participants"][KILL_AT:] if p == 1]
+    assert alone and survivor["participants"][-1] == 2, survivor["participants"]
+    # The relaunched group started at the survivor's step (recovered, not from step 0) and ended with it, identical.
+    assert relaunched["steps"][0] > KILL_AT + 4 and relaunched["steps"][-1] == DRILL_STEPS, relaunched["steps"]
+    _assert_same_params(relaunched["params"], survivor["params"], 0.0, "relaunched group vs survivor")
+    print(
+        f"survivor steps {steps}, groups per step {survivor['participants']}; relaunched steps {relaunched['steps']}, groups per step {relaunched['participants']}"
+    )
+
+
+def test_groups_that_start_from_different_weights_are_refused_at_the_first_step():
+    lighthouse = _lighthouse(min_replicas=2)
+    try:
+        results = {}
+        launches = [(g, 1, g, 2, lighthouse.address(), 0, {"seed": g}) for g in range(2)]  # seeds 0 and 1
+        for thread in _run_groups(launches, results):
+            thread.join()
+    finally:
+        lighthouse.shutdown()
+    for g in (0, 1):
+        assert isinstance(results[g], DistributedTestError)
+        assert f"Replica group {g} starts from other weights" in str(results[g]), str(results[g])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"pipeline_parallel_size": 2}, "fault_tolerance=True with pipeline_parallel_size=2 is not built yet"),
+        ({"data_parallel_replicate_size": 2}, "keep data_parallel_replicate_size=1 inside a group"),
+    ],
+)
+def test_layouts_the_cross_group_average_is_not_built_for_are_refused_at_construction(arguments, match):
+    with pytest.raises(ValueError, match=match):
+        LLMParallelStrategy(fault_tolerance=True, **arguments)
+
+
+def test_a_launch_without_torchfts_environment_is_refused_naming_the_variables(monkeypatch):
+    for name in ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    with pytest.raises(RuntimeError, match=r"\['TORCHFT_LIGHTHOUSE', 'NUM_REPLICA_GROUPS'\] unset"):
+        ReplicaGroupEnvironment.from_environ()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    with pytest.raises(RuntimeError, match=r"REPLICA_GROUP_ID=2 is not in \[0, NUM_REPLICA_GROUPS=2\)"):
+        ReplicaGroupEnvironment.from_environ()
+
+
+def test_each_group_reads_its_own_shard_split_over_its_ranks():
+    env = ReplicaGroupEnvironment("http://localhost:29510", group_id=1, num_groups=3)
+    # 3 groups x 2 data-parallel ranks: 6 shards, group 1 holds shards 2 and 3.
+    assert [env.sampler_kwargs(dp=2, dp_rank=r) for r in (0, 1)] == [
+        {"num_replicas": 6, "rank": 2},
+        {"num_replicas": 6, "rank": 3},
+    ]
