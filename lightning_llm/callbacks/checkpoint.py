@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning as L
@@ -91,6 +92,8 @@ class CheckpointRotation(ModelCheckpoint):
         save_on_preemption: on SIGTERM (a preempted or cancelled job), every rank saves the step in progress once it
             ends, verified, and ``fit`` stops (:mod:`lightning_llm.callbacks.preemption`). ``False`` leaves SIGTERM
             to Lightning, which stops without saving.
+        preemption_signals: the signals that mean preempted: SIGTERM, and on SLURM ``"SIGUSR1"`` too with
+            ``#SBATCH --signal=B:USR1@120`` (:class:`~lightning_llm.callbacks.preemption.PreemptionFlag`).
 
     Example::
 
@@ -113,6 +116,7 @@ class CheckpointRotation(ModelCheckpoint):
         verify: Literal["files", "load"] = "files",
         require_monitor: bool = True,
         save_on_preemption: bool = True,
+        preemption_signals: Sequence[str] = ("SIGTERM",),
     ) -> None:
         validate_options(
             every_n_train_steps, every_n_minutes, keep_last, monitor, mode, keep_best, save_on_train_end, verify
@@ -142,7 +146,7 @@ class CheckpointRotation(ModelCheckpoint):
         self._pending: Pending | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self.require_monitor, self._validated = require_monitor, False
-        self.save_on_preemption, self._preemption = save_on_preemption, PreemptionFlag()
+        self.save_on_preemption, self._preemption = save_on_preemption, PreemptionFlag(preemption_signals)
         self._filters = ScopedFilters()  # warnings this callback answers instead, until teardown
         self.preempted = False  # True once a SIGTERM stopped this fit: the job is not finished, relaunch it
         self._resolved_last: str | None = None  # what ckpt_path="last" resolved to, verified then
@@ -244,7 +248,7 @@ class CheckpointRotation(ModelCheckpoint):
         if saved_now:
             self._save(trainer, pl_module, sync=True)
         self._finish_pending(trainer)  # an asynchronous save still in flight is committed before the exit
-        stop_for_preemption(trainer, saved_now, time.monotonic() - start)
+        stop_for_preemption(trainer, saved_now, time.monotonic() - start, self._preemption.name)
 
     def _minutes_since_save(self, trainer: L.Trainer) -> float:
         # Rank 0's clock decides, so every rank takes part in the same saves.

@@ -80,6 +80,15 @@ class ReplicaGroups:
 
     Built by the strategy at setup, once the model is parallelized and the optimizers exist. ``rank`` and
     ``world_size`` are the launch's own (the ranks inside this group).
+
+    Example (what :class:`~lightning_llm.strategies.LLMParallelStrategy` does with ``fault_tolerance=True``)::
+
+        groups = ReplicaGroups(ReplicaGroupEnvironment.from_environ(), trainer, rank=0, world_size=1, timeout=timeout)
+        groups.start_step()  # first micro-batch of a step
+        loss = closure()  # forward and backward
+        groups.average_gradients()
+        if groups.should_commit():
+            optimizer.step()
     """
 
     def __init__(self, env: ReplicaGroupEnvironment, trainer, *, rank: int, world_size: int, timeout: timedelta):

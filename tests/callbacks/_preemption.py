@@ -1,8 +1,8 @@
 """Driver for tests/callbacks/test_preemption.py: a straight run, a run that takes SIGTERM, and its relaunch.
 
-    python _preemption.py WORKDIR MAX_STEPS RANK:STEP[,RANK:STEP] [--ranks 2] [--async_save]
+    python _preemption.py WORKDIR MAX_STEPS RANK:STEP[,RANK:STEP] [--ranks 2] [--async_save] [--signal SIGUSR1]
 
-``RANK:STEP`` sends SIGTERM to that rank's own process at the end of that optimizer step (a real signal, delivered
+``RANK:STEP`` sends SIGTERM (or ``--signal``, which CheckpointRotation then also takes) to that rank's own process at the end of that optimizer step (a real signal, delivered
 by the OS; several ranks may take it at different steps). Each fit writes its final weights (rank 0, whole tensors)
 to WORKDIR and prints a JSON line: the step reached, the seconds from the first signal to the end of ``fit``, and
 whether it was preempted.
@@ -29,16 +29,16 @@ from lightning_llm.strategies import LLMParallelStrategy
 
 
 class SigtermAt(L.Callback):
-    """Sends SIGTERM to this rank's process at its step; notes the wall time in ``{stamp}.{rank}`` for rank 0."""
+    """Sends ``signum`` to this rank's process at its step; notes the wall time in ``{stamp}.{rank}`` for rank 0."""
 
-    def __init__(self, steps: dict[int, int], stamp: str) -> None:
-        self.steps, self.stamp = steps, stamp
+    def __init__(self, steps: dict[int, int], stamp: str, signum: int) -> None:
+        self.steps, self.stamp, self.signum = steps, stamp, signum
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if self.steps.get(trainer.global_rank) == trainer.global_step:
             with open(f"{self.stamp}.{trainer.global_rank}", "w") as f:
                 f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
     def first_signal(self) -> float | None:
         stamps = [Path(f"{self.stamp}.{rank}") for rank in self.steps]
@@ -46,11 +46,19 @@ class SigtermAt(L.Callback):
         return min(times, default=None)
 
 
-def train(directory: Path, max_steps: int, out: Path, steps: dict[int, int], ranks: int, async_save: bool) -> None:
+def train(
+    directory: Path, max_steps: int, out: Path, steps: dict[int, int], ranks: int, async_save: bool, name: str
+) -> None:
     """One ``fit`` to ``max_steps`` (from the newest checkpoint in ``directory``, if any); prints its JSON report."""
     L.seed_everything(0)
-    sigterm = SigtermAt(steps, f"{out}.signal")
-    rotation = CheckpointRotation(dirpath=str(directory), every_n_train_steps=4, keep_last=2, async_save=async_save)
+    sigterm = SigtermAt(steps, f"{out}.signal", getattr(signal, name))
+    rotation = CheckpointRotation(
+        dirpath=str(directory),
+        every_n_train_steps=4,
+        keep_last=2,
+        async_save=async_save,
+        preemption_signals=sorted({"SIGTERM", name}),
+    )
     layout = dict(devices=2, strategy=LLMParallelStrategy(zero_stage=3)) if ranks == 2 else {}
     trainer = L.Trainer(
         accelerator="cpu",
@@ -87,10 +95,11 @@ def main() -> None:
     parser.add_argument("signals")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--async_save", action="store_true")
+    parser.add_argument("--signal", default="SIGTERM")
     args = parser.parse_args()
     steps = {int(r): int(s) for r, s in (item.split(":") for item in args.signals.split(","))}
     torch.set_num_threads(1)
-    common = dict(ranks=args.ranks, async_save=args.async_save)
+    common = dict(ranks=args.ranks, async_save=args.async_save, name=args.signal)
     train(args.workdir / "straight", args.max_steps, args.workdir / "straight.pt", {}, **common)
     train(args.workdir / "run", args.max_steps, args.workdir / "stopped.pt", steps, **common)
     train(args.workdir / "run", args.max_steps, args.workdir / "resumed.pt", {}, **common)

@@ -47,6 +47,8 @@ def _max_difference(a: Path, b: Path) -> float:
     [
         pytest.param([], "0:5", id="single-process"),
         pytest.param(["--async_save"], "0:5", id="single-process-async-saves"),
+        # SLURM's warning ahead of the time limit (#SBATCH --signal=B:USR1@120); its default action would kill
+        pytest.param(["--signal", "SIGUSR1"], "0:5", id="single-process-slurm-usr1"),
         # rank 1 takes the signal first, rank 0 a step later (torchrun forwards it to every worker)
         pytest.param(["--ranks", "2"], "1:5,0:6", id="2-ranks-zero3"),
     ],
@@ -87,3 +89,11 @@ def test_the_flag_records_sigterm_and_gives_back_the_handler_it_replaced_even_wh
     finally:
         flag.uninstall()
     assert signal.getsignal(signal.SIGTERM) == original
+
+
+@pytest.mark.parametrize("signals", ["SIGTERM", [], ["SIGKILL"], ["SIGNOPE"]])
+def test_preemption_signals_that_cannot_be_caught_or_are_not_a_list_are_refused(signals):
+    from lightning_llm.callbacks import CheckpointRotation
+
+    with pytest.raises(ValueError, match="preemption_signals"):
+        CheckpointRotation(preemption_signals=signals)
