@@ -144,3 +144,9 @@ def warn_unused(options: StrategyOptions, given_ac_options) -> None:
             f"activation_checkpointing_options={given!r} ignored: activation_checkpointing={mode!r} takes none of "
             "them (they apply to 'selective' and 'auto')."
         )
+    sync_every = options.fault_tolerance_sync_every
+    if options.fault_tolerance not in ("local_sgd", "diloco") and sync_every != 100:
+        rank_zero_warn(
+            f"fault_tolerance_sync_every={sync_every} ignored: fault_tolerance={options.fault_tolerance!r} "
+            'synchronizes every step (or not at all); it applies to "local_sgd" and "diloco".'
+        )

@@ -106,7 +106,8 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         context_parallel_size: int = 1,
         context_parallel_method: Literal["ring", "ulysses"] = "ring",
         accumulation_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto",
-        fault_tolerance: bool = False,
+        fault_tolerance: bool | Literal["ddp", "local_sgd", "diloco"] = False,
+        fault_tolerance_sync_every: int = 100,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.options = options = build_options(**arguments)  # every check, in one place
@@ -206,9 +207,14 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if state.replica_env is not None:
-                timeout = self.options.timeout
                 state.replica_groups = ReplicaGroups(
-                    state.replica_env, trainer, rank=self.global_rank, world_size=self.world_size, timeout=timeout
+                    state.replica_env,
+                    trainer,
+                    rank=self.global_rank,
+                    world_size=self.world_size,
+                    timeout=self.options.timeout,
+                    sync=self.options.fault_tolerance,
+                    sync_every=self.options.fault_tolerance_sync_every,
                 )
         self.setup_precision_plugin()
         check_clipping(self.precision_plugin, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
@@ -232,13 +238,15 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         if self.run_state.batch_line_pending:  # a plain DataLoader: the global batch read off the first batch
             parallel_setup.log_global_batch(trainer, self.options, self.run_state, batch)
         groups = self.run_state.replica_groups
-        if groups is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+        if groups is not None and groups.every_step and batch_idx % trainer.accumulate_grad_batches == 0:
             groups.start_step()  # the step's quorum forms during its forward
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         groups = self.run_state.replica_groups
-        if groups is not None:  # forward and backward, the average over the groups, then the update if it commits
+        if (
+            groups is not None and groups.every_step
+        ):  # the closure, the average over the groups, the update if it commits
             loss = closure()
             groups.average_gradients()
             if not groups.should_commit():

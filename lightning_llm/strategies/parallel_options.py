@@ -266,14 +266,22 @@ class StrategyOptions:
         ":class:`~lightning_llm.callbacks.RankWatchdog` to learn which rank it was.",
         check=check_timeout,
     )
-    fault_tolerance: bool = option(
+    fault_tolerance: bool | Literal["ddp", "local_sgd", "diloco"] = option(
         False,
         "train as one of several torchft replica groups (its own launch, with ``TORCHFT_LIGHTHOUSE``, "
-        "``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set): gradients are averaged over the groups present at each "
+        "``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set; :mod:`~lightning_llm.strategies.replica_groups`, "
+        '``docs/fault-tolerance.md``). ``True`` or ``"ddp"``: gradients are averaged over the groups present at every '
         "step, a group lost mid-step is dropped and the others go on, a group that starts late or restarts recovers "
-        "the weights, optimizer state and step from a live peer (:mod:`~lightning_llm.strategies.replica_groups`, "
-        "``docs/fault-tolerance.md``). Needs ``pip install torchft``.",
-        check=check_bool,
+        'the weights, optimizer state and step from a live peer. ``"local_sgd"`` (parameters averaged) and '
+        '``"diloco"`` (an outer Nesterov SGD step on the averaged pseudo-gradients) synchronize the groups every '
+        "``fault_tolerance_sync_every`` steps only, for slow links between groups. Needs ``pip install torchft``.",
+        check=checks.one_of(False, True, "ddp", "local_sgd", "diloco"),
+    )
+    fault_tolerance_sync_every: int = option(
+        100,
+        'with ``fault_tolerance="local_sgd"`` or ``"diloco"``: the optimizer steps between two synchronizations of '
+        "the replica groups.",
+        check=checks.positive_int(),
     )
 
 

@@ -91,12 +91,23 @@ class ReplicaGroups:
             optimizer.step()
     """
 
-    def __init__(self, env: ReplicaGroupEnvironment, trainer, *, rank: int, world_size: int, timeout: timedelta):
+    def __init__(
+        self,
+        env: ReplicaGroupEnvironment,
+        trainer,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        sync: bool | str = "ddp",
+        sync_every: int = 100,
+    ):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.env, self.trainer = env, trainer
         self.module = trainer.lightning_module
+        self.every_step = sync in (True, "ddp")  # else every sync_every steps, by torchft's optimizer hooks
         cuda = self.module.device.type == "cuda"
         self.manager = Manager(
             pg=ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout),
@@ -112,12 +123,14 @@ class ReplicaGroups:
             # Groups that start together must start from the same weights (checked at their first step, below);
             # torchft's init_sync would instead have all but one group heal at step 1 and leave their gradients out.
             init_sync=False,
+            use_async_quorum=self.every_step,  # DiLoCo needs the quorum (and a joiner's recovery) before its sync
         )
         self.skipped_steps = 0  # steps whose quorum did not commit (a group lost mid-step)
         # The model's tensors as the optimizer updates them (FSDP2's sharded parameters), taken here on the main
         # thread: torchft reads the state for a recovering peer from its quorum thread while this rank runs a
         # forward, and a state_dict() call there would re-register FSDP2's sharded parameters mid-forward.
         self.tensors = dict(self.module.state_dict(keep_vars=True))
+        self.periodic = None if self.every_step else _periodic_sync(self.manager, trainer, sync, sync_every)
 
     def start_step(self) -> None:
         """The first micro-batch of a step: ask the lighthouse for this step's quorum (it forms during the forward)."""
@@ -166,6 +179,8 @@ class ReplicaGroups:
         return self.manager.num_participants()
 
     def shutdown(self) -> None:
+        if self.periodic is not None:
+            self.periodic.__exit__(None, None, None)  # its optimizer hooks go
         self.manager.shutdown(wait=False)
 
     def _state_dict(self) -> dict[str, Any]:
@@ -189,6 +204,26 @@ class ReplicaGroups:
         for config, received in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(received)
         _set_global_step(trainer, state["global_step"])
+
+
+def _periodic_sync(manager, trainer, sync: str, sync_every: int):
+    """torchft's LocalSGD or DiLoCo on the run's optimizer, entered: they synchronize from its step hooks.
+
+    DiLoCo's outer optimizer is the paper's: Nesterov SGD, learning rate 0.7, momentum 0.9.
+    """
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if len(trainer.optimizers) != 1:
+        raise ValueError(
+            f'fault_tolerance="{sync}" synchronizes one optimizer; configure_optimizers returned '
+            f"{len(trainer.optimizers)}. Use one optimizer, or fault_tolerance=True."
+        )
+    module, (optimizer,) = trainer.lightning_module, trainer.optimizers
+    if sync == "local_sgd":
+        return LocalSGD(manager, module, optimizer, sync_every).__enter__()
+    outer = torch.optim.SGD(module.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    pin = torch.cuda.is_available()
+    return DiLoCo(manager, [module], optimizer, outer, sync_every, pin_memory=pin).__enter__()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

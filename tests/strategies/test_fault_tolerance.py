@@ -45,8 +45,11 @@ class _Record(L.Callback):
     optionally the process kills itself (SIGKILL, as a lost machine) when ``kill_at`` is reached, or slows down."""
 
     def __init__(self, progress: str | None, kill_at: int | None, step_delay: float):
-        self.losses, self.steps, self.participants = [], [], []
+        self.losses, self.steps, self.participants, self.initial = [], [], [], None
         self.progress, self.kill_at, self.step_delay = progress, kill_at, step_delay
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = {n: _full(p) for n, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
@@ -69,16 +72,19 @@ def _fit(
     steps=STEPS,
     replicate=1,
     seed=0,
+    sync_every=100,
+    strategy_class=LLMParallelStrategy,
 ) -> dict:
     L.seed_everything(seed)
     record = _Record(progress, kill_at, step_delay)
     world = int(os.environ["WORLD_SIZE"])
     trainer = cpu_trainer(
         devices=world,
-        strategy=LLMParallelStrategy(
+        strategy=strategy_class(
             zero_stage=zero_stage,
             data_parallel_replicate_size=replicate if zero_stage else 1,
             fault_tolerance=fault_tolerance,
+            fault_tolerance_sync_every=sync_every,
             timeout=20,
         ),
         max_steps=steps,
@@ -86,15 +92,23 @@ def _fit(
     )
     module = CausalLM("tiny", warmup_steps=2, max_steps=steps)
     trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2, shuffle=False))
-    params = {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()
+    params = {n: _full(p) for n, p in module.named_parameters()}
+    return {
+        "losses": record.losses,
+        "steps": record.steps,
+        "participants": record.participants,
+        "params": params,
+        "initial": record.initial,
     }
-    return {"losses": record.losses, "steps": record.steps, "participants": record.participants, "params": params}
 
 
-def _group(group_id: int, num_groups: int, lighthouse: str, zero_stage: int, seed: int = 0, **record) -> dict:
+def _group(group_id: int, num_groups: int, lighthouse: str, zero_stage: int, sync=True, **options) -> dict:
     os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group_id), NUM_REPLICA_GROUPS=str(num_groups))
-    return _fit(zero_stage, True, seed=seed, **record)
+    return _fit(zero_stage, sync, **options)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def _hsdp(zero_stage: int, groups: int) -> dict:
@@ -152,44 +166,55 @@ def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stag
             _assert_same_params(got["params"], ref["params"], 1e-5, f"group {g} rank {r}")
 
 
-@pytest.mark.parametrize(("group_size", "zero_stage"), [(1, 0), (2, 3)], ids=["2x1-zero0", "2x2-zero3"])
-def test_a_killed_group_is_dropped_the_other_keeps_stepping_and_the_relaunch_recovers_from_it(
-    tmp_path, group_size, zero_stage
-):
-    """SIGKILL group 1 after step 5 of 30; group 0 goes on alone; group 1 relaunched recovers from group 0."""
+DRILLS = {
+    # group killed, the steps at which each of its launches dies (the last launch trains to the end), step delay
+    "2x1-zero0": (1, 1, 0, [KILL_AT], 0.5),
+    "2x2-zero3": (2, 3, 1, [KILL_AT], 0.5),
+    "2x1-group0-twice": (1, 0, 0, [4, 11], 0.7),  # the first group, killed again after it recovered
+}
+
+
+@pytest.mark.parametrize("drill", DRILLS)
+def test_a_killed_group_is_dropped_the_other_keeps_stepping_and_the_relaunch_recovers_from_it(tmp_path, drill):
+    """SIGKILL a group at the given steps of 30; the other goes on alone; each relaunch recovers from it."""
+    group_size, zero_stage, victim, kills, delay = DRILLS[drill]
+    live = 1 - victim
     lighthouse = _lighthouse(min_replicas=1)  # a quorum of one group is enough: the survivor goes on
     progress = {g: tmp_path / f"group{g}.step" for g in (0, 1)}
     common = (2, lighthouse.address(), zero_stage)
+    results, threads = {}, []
     try:
-        results = {}
-        live = {"progress": str(progress[0]), "step_delay": 0.5, "steps": DRILL_STEPS}
-        killed = {"progress": str(progress[1]), "kill_at": KILL_AT, "steps": DRILL_STEPS}
-        threads = _run_groups([(0, group_size, 0, *common, live), ("killed", group_size, 1, *common, killed)], results)
-        threads[1].join()  # group 1 died at step KILL_AT
-        _wait_for_step(progress[0], KILL_AT + 4)  # group 0 stepped on without it
-        relaunch = {"progress": str(progress[1]), "steps": DRILL_STEPS}
-        threads += _run_groups([("relaunched", group_size, 1, *common, relaunch)], results)
+        options = {"progress": str(progress[live]), "step_delay": delay, "steps": DRILL_STEPS}
+        threads += _run_groups([("survivor", group_size, live, *common, options)], results)
+        for launch, kill_at in enumerate([*kills, None]):
+            options = {"progress": str(progress[victim]), "kill_at": kill_at, "steps": DRILL_STEPS}
+            threads += _run_groups([(launch, group_size, victim, *common, options)], results)
+            if kill_at is not None:
+                threads[-1].join()  # the victim died at step kill_at
+                _wait_for_step(progress[live], kill_at + 3)  # the survivor stepped on without it
         for thread in threads:
             thread.join()
     finally:
         lighthouse.shutdown()
-    assert isinstance(results["killed"], DistributedTestError) and "-9" in str(results["killed"])
-    assert not isinstance(results[0], Exception), results[0]
-    assert not isinstance(results["relaunched"], Exception), str(results["relaunched"])
-    survivor, relaunched = results[0][0], results["relaunched"][0]
+    for launch in range(len(kills)):
+        assert isinstance(results[launch], DistributedTestError) and "-9" in str(results[launch]), results[launch]
+    assert not isinstance(results["survivor"], Exception), str(results["survivor"])
+    assert not isinstance(results[len(kills)], Exception), str(results[len(kills)])
+    survivor, relaunched = results["survivor"][0], results[len(kills)][0]
     for rank in range(group_size):  # every rank of a group saw the same steps and ended with the same weights
-        assert results[0][rank]["steps"] == survivor["steps"]
-        _assert_same_params(results["relaunched"][rank]["params"], survivor["params"], 0.0, f"relaunched rank {rank}")
-    # The survivor never restarted: its steps rise to the end; at most the step in flight when group 1 died was lost.
+        assert results["survivor"][rank]["steps"] == survivor["steps"]
+        _assert_same_params(results[len(kills)][rank]["params"], survivor["params"], 0.0, f"relaunched rank {rank}")
+    # The survivor never restarted: its steps rise to the end; at most the step in flight at each death was lost.
     steps = survivor["steps"]
-    assert steps == sorted(steps) and steps[-1] == DRILL_STEPS and len(steps) - DRILL_STEPS <= 1, steps
-    alone = [p for p in survivor["participants"][KILL_AT:] if p == 1]
+    assert steps == sorted(steps) and steps[-1] == DRILL_STEPS and len(steps) - DRILL_STEPS <= len(kills), steps
+    alone = [p for p in survivor["participants"][kills[0] :] if p == 1]
     assert alone and survivor["participants"][-1] == 2, survivor["participants"]
-    # The relaunched group started at the survivor's step (recovered, not from step 0) and ended with it, identical.
-    assert relaunched["steps"][0] > KILL_AT + 4 and relaunched["steps"][-1] == DRILL_STEPS, relaunched["steps"]
+    # The last relaunch started at the survivor's step (recovered, not from step 0) and ended with it, identical.
+    assert relaunched["steps"][0] > kills[-1] + 3 and relaunched["steps"][-1] == DRILL_STEPS, relaunched["steps"]
     _assert_same_params(relaunched["params"], survivor["params"], 0.0, "relaunched group vs survivor")
     print(
-        f"survivor steps {steps}, groups per step {survivor['participants']}; relaunched steps {relaunched['steps']}, groups per step {relaunched['participants']}"
+        f"{drill}: survivor steps {steps}, groups per step {survivor['participants']}; "
+        f"last relaunch steps {relaunched['steps']}"
     )
 
 
@@ -239,3 +264,57 @@ def test_each_group_reads_its_own_shard_split_over_its_ranks():
         {"num_replicas": 6, "rank": 2},
         {"num_replicas": 6, "rank": 3},
     ]
+
+
+class _OneShard(LLMParallelStrategy):
+    """A plain single-process run that reads shard ``SHARD`` of 2, as replica group ``SHARD`` of 2 does."""
+
+    @property
+    def distributed_sampler_kwargs(self):
+        return {"num_replicas": 2, "rank": int(os.environ["SHARD"])}
+
+
+def _one_shard(shard: int, steps: int) -> dict:
+    os.environ["SHARD"] = str(shard)
+    return _fit(0, False, steps=steps, strategy_class=_OneShard)
+
+
+SYNC_EVERY = 4
+
+
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_periodic_sync_after_one_round_matches_the_groups_trained_alone_then_combined_by_hand(sync):
+    """Oracle: each group's 4 steps as a plain single-process run on its shard, combined with torch's own ops:
+    LocalSGD averages the parameters; DiLoCo steps torch's Nesterov SGD (lr 0.7, momentum 0.9) from the start on the
+    averaged pseudo-gradient (start - local)."""
+    lighthouse = _lighthouse(min_replicas=2)
+    try:
+        results = {}
+        options = {"sync": sync, "sync_every": SYNC_EVERY, "steps": SYNC_EVERY}
+        for thread in _run_groups([(g, 1, g, 2, lighthouse.address(), 0, options) for g in range(2)], results):
+            thread.join()
+    finally:
+        lighthouse.shutdown()
+    alone = [run_distributed(_one_shard, 1, g, SYNC_EVERY, timeout=120)[0] for g in range(2)]
+    start = alone[0]["initial"]
+    assert all(torch.equal(alone[1]["initial"][n], t) for n, t in start.items())
+    want = {}
+    for name, initial in start.items():
+        local = (alone[0]["params"][name] + alone[1]["params"][name]) / 2
+        if sync == "local_sgd":
+            want[name] = local
+        else:
+            param = torch.nn.Parameter(initial.clone())
+            param.grad = initial - local
+            torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True).step()
+            want[name] = param.detach()
+    for g in range(2):
+        (got,) = results[g]
+        assert got["steps"] == list(range(1, SYNC_EVERY + 1))
+        torch.testing.assert_close(got["losses"], alone[g]["losses"], rtol=0, atol=1e-6)  # local steps: its own
+        _assert_same_params(got["params"], want, 1e-5, f"{sync} group {g}")
+
+
+def test_a_sync_interval_the_mode_ignores_is_said():
+    with pytest.warns(UserWarning, match="fault_tolerance_sync_every=10 ignored: fault_tolerance=True"):
+        LLMParallelStrategy(fault_tolerance=True, fault_tolerance_sync_every=10)
