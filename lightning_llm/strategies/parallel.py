@@ -249,7 +249,9 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         ):  # the closure, the average over the groups, the update if it commits
             loss = closure()
             groups.average_gradients()
-            if not groups.should_commit():
+            committed = groups.should_commit()
+            self.lightning_module.log_dict(groups.metrics(), on_step=True, on_epoch=False, rank_zero_only=True)
+            if not committed:
                 return loss
             closure = lambda: loss  # noqa: E731 (Lightning's hooks after the closure still run: clipping, logging)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

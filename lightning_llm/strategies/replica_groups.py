@@ -173,6 +173,13 @@ class ReplicaGroups:
                 "checkpoint in each; with different weights the groups would never agree."
             )
 
+    def metrics(self) -> dict[str, float]:
+        """What the loggers get at every step (W&B: quorum changes show as steps in ``fault_tolerance/groups``)."""
+        return {
+            "fault_tolerance/groups": float(self.participants),
+            "fault_tolerance/skipped_steps": float(self.skipped_steps),
+        }
+
     @property
     def participants(self) -> int:
         """How many groups averaged the last step's gradients."""

@@ -74,6 +74,7 @@ def _fit(
     seed=0,
     sync_every=100,
     strategy_class=LLMParallelStrategy,
+    accumulate=1,
 ) -> dict:
     L.seed_everything(seed)
     record = _Record(progress, kill_at, step_delay)
@@ -89,6 +90,7 @@ def _fit(
         ),
         max_steps=steps,
         callbacks=[record],
+        accumulate_grad_batches=accumulate,
     )
     module = CausalLM("tiny", warmup_steps=2, max_steps=steps)
     trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2, shuffle=False))
@@ -99,6 +101,7 @@ def _fit(
         "participants": record.participants,
         "params": params,
         "initial": record.initial,
+        "logged": {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("fault_tolerance/")},
     }
 
 
@@ -111,9 +114,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _hsdp(zero_stage: int, groups: int) -> dict:
+def _hsdp(zero_stage: int, groups: int, accumulate: int) -> dict:
     """The oracle: one launch over every rank, the groups as the replicate axis (HSDP; plain DDP at ZeRO 0)."""
-    return _fit(zero_stage, False, replicate=groups)
+    return _fit(zero_stage, False, replicate=groups, accumulate=accumulate)
 
 
 def _wait_for_step(progress: Path, step: int, timeout: float = 240) -> None:
@@ -144,24 +147,30 @@ def _assert_same_params(got: dict, want: dict, atol: float, what: str) -> None:
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=lambda m: f"{what} {name}: {m}")
 
 
-@pytest.mark.parametrize(("group_size", "zero_stage"), [(1, 0), (2, 3)], ids=["2x1-zero0", "2x2-zero3"])
-def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage):
+@pytest.mark.parametrize(
+    ("group_size", "zero_stage", "accumulate"), [(1, 0, 2), (2, 3, 1)], ids=["2x1-zero0-accumulate2", "2x2-zero3"]
+)
+def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage, accumulate):
     lighthouse = _lighthouse(min_replicas=2)  # both groups in every quorum
     try:
         results = {}
-        threads = _run_groups([(g, group_size, g, 2, lighthouse.address(), zero_stage, {}) for g in range(2)], results)
+        options = {"accumulate": accumulate}
+        threads = _run_groups(
+            [(g, group_size, g, 2, lighthouse.address(), zero_stage, options) for g in range(2)], results
+        )
         for thread in threads:
             thread.join()
     finally:
         lighthouse.shutdown()
     for key in (0, 1):
         assert not isinstance(results[key], Exception), results[key]
-    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, timeout=240)
+    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, accumulate, timeout=240)
     # Group g's rank r reads the shard of data-parallel rank g * group_size + r of the plain run.
     for g in (0, 1):
         for r in range(group_size):
             got, ref = results[g][r], want[g * group_size + r]
-            assert got["steps"] == ref["steps"] == list(range(1, STEPS + 1))
+            assert got["steps"] == ref["steps"] and got["steps"][-1] == STEPS
+            assert got["logged"] == {"fault_tolerance/groups": 2.0, "fault_tolerance/skipped_steps": 0.0}
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5)
             _assert_same_params(got["params"], ref["params"], 1e-5, f"group {g} rank {r}")
 
@@ -209,6 +218,8 @@ def test_a_killed_group_is_dropped_the_other_keeps_stepping_and_the_relaunch_rec
     assert steps == sorted(steps) and steps[-1] == DRILL_STEPS and len(steps) - DRILL_STEPS <= len(kills), steps
     alone = [p for p in survivor["participants"][kills[0] :] if p == 1]
     assert alone and survivor["participants"][-1] == 2, survivor["participants"]
+    assert survivor["logged"]["fault_tolerance/groups"] == 2.0  # what W&B shows: both groups again at the end
+    assert survivor["logged"]["fault_tolerance/skipped_steps"] == len(steps) - DRILL_STEPS
     # The last relaunch started at the survivor's step (recovered, not from step 0) and ended with it, identical.
     assert relaunched["steps"][0] > kills[-1] + 3 and relaunched["steps"][-1] == DRILL_STEPS, relaunched["steps"]
     _assert_same_params(relaunched["params"], survivor["params"], 0.0, "relaunched group vs survivor")
