@@ -122,14 +122,15 @@ class MFUMonitor(L.Callback):
         now = self._now(trainer)
         elapsed = now - self._window_start
         dp, world = self._dp, trainer.world_size
-        tokens_per_sec = self._tokens * dp / elapsed
+        groups = contract_of(trainer).replica_groups  # the job's other launches (fault-tolerant replica groups)
+        tokens_per_sec = self._tokens * dp / elapsed  # this launch's
         metrics = {
-            "train/items_per_sec": tokens_per_sec,
-            "train/samples_per_sec": self._samples * dp / elapsed,
+            "train/items_per_sec": tokens_per_sec * groups,
+            "train/samples_per_sec": self._samples * dp / elapsed * groups,
         }
         flops_per_token = self.flops_per_token or self._shape.flops_per_token(self._seq_len)
         model_flops = tokens_per_sec * flops_per_token / world
-        metrics["train/flops_per_sec"] = model_flops * world
+        metrics["train/flops_per_sec"] = model_flops * world * groups
         metrics["train/device/flops_per_sec"] = model_flops
         if self.peak_flops:
             metrics["train/device/mfu"] = model_flops / self.peak_flops

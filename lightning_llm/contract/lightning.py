@@ -137,7 +137,11 @@ class LightningContract(WholeModelContract):
 
     @property
     def can_skip_optimizer_step(self) -> bool:
-        return not isinstance(self.strategy, DeepSpeedStrategy)  # DeepSpeed's engine steps its own partitions
+        return not isinstance(self.strategy, DeepSpeedStrategy)
+
+    @property
+    def replica_groups(self) -> int:
+        return 1  # Lightning's strategies train one job  # DeepSpeed's engine steps its own partitions
 
     def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
         return reduce_across_ranks(tensor, op, self.trainer.world_size)

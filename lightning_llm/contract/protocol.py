@@ -75,6 +75,8 @@ class StrategyContract(Protocol):
         saves_to_urls: whether checkpoints can be written to an fsspec URL, not only to a local path.
         grad_norm_ready: when the global gradient norm of a step can be read.
         can_skip_optimizer_step: whether dropping the gradients before the optimizer step skips it.
+        replica_groups: how many fault-tolerant replica groups trained the last step together (1 without them):
+            throughput counted over the whole job is this launch's times it.
     """
 
     @property
@@ -143,6 +145,9 @@ class StrategyContract(Protocol):
         (``grad_norm_ready == "before_optimizer_step"``: ask :meth:`grad_norm` then).
         """
         ...
+
+    @property
+    def replica_groups(self) -> int: ...
 
     @property
     def can_skip_optimizer_step(self) -> bool:

@@ -68,6 +68,11 @@ class DeepSpeedContractMixin(WholeModelContract):
         """False: the engine steps the gradient partitions it holds, whatever the module's ``.grad`` say."""
         return False
 
+    @property
+    def replica_groups(self) -> int:
+        """1: DeepSpeed runs have no fault-tolerant replica groups."""
+        return 1
+
     def reduce_across_ranks(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max"] = "sum") -> torch.Tensor:
         """Reduce in place over every rank of the run and return it."""
         return reduce_across_ranks(tensor, op, self.world_size)

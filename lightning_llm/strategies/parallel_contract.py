@@ -115,6 +115,12 @@ class ContractMembersMixin:
     grad_norm_ready = property(lambda self: "before_optimizer_step")
     can_skip_optimizer_step = property(lambda self: True)
 
+    @property
+    def replica_groups(self) -> int:
+        """The replica groups of the last step's quorum (``fault_tolerance``), else 1."""
+        groups = self.run_state.replica_groups
+        return max(groups.participants, 1) if groups is not None else 1
+
     def step_grad_norm(self) -> torch.Tensor | None:
         return None  # read before the step (grad_norm), not computed inside it
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.callbacks import MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -89,7 +90,8 @@ def _fit(
             timeout=20,
         ),
         max_steps=steps,
-        callbacks=[record],
+        callbacks=[record, MFUMonitor(peak_flops=1e12, log_every_n_steps=1)],
+        log_every_n_steps=1,
         accumulate_grad_batches=accumulate,
     )
     module = CausalLM("tiny", warmup_steps=2, max_steps=steps)
@@ -101,7 +103,7 @@ def _fit(
         "participants": record.participants,
         "params": params,
         "initial": record.initial,
-        "logged": {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("fault_tolerance/")},
+        "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
     }
 
 
@@ -170,7 +172,12 @@ def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stag
         for r in range(group_size):
             got, ref = results[g][r], want[g * group_size + r]
             assert got["steps"] == ref["steps"] and got["steps"][-1] == STEPS
-            assert got["logged"] == {"fault_tolerance/groups": 2.0, "fault_tolerance/skipped_steps": 0.0}
+            logged = got["logged"]
+            assert logged["fault_tolerance/groups"] == 2.0 and logged["fault_tolerance/skipped_steps"] == 0.0
+            # Throughput counted over the job: both groups' devices, as the plain run counts all of its ranks.
+            for run in (logged, ref["logged"]):
+                ratio = run["train/flops_per_sec"] / run["train/device/flops_per_sec"]
+                assert ratio == pytest.approx(2 * group_size), run
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5)
             _assert_same_params(got["params"], ref["params"], 1e-5, f"group {g} rank {r}")
 
