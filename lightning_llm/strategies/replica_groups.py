@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.tensor import DTensor
 
 ENVIRONMENT = ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS")
@@ -126,6 +127,9 @@ class ReplicaGroups:
             use_async_quorum=self.every_step,  # DiLoCo needs the quorum (and a joiner's recovery) before its sync
         )
         self.skipped_steps = 0  # steps whose quorum did not commit (a group lost mid-step)
+        self.events: list[str] = []  # groups leaving and joining, as said to the log
+        self._present: int | None = None  # groups of the last step
+        self._recovering = False  # this launch loaded a live group's state in the current step
         # The model's tensors as the optimizer updates them (FSDP2's sharded parameters), taken here on the main
         # thread: torchft reads the state for a recovering peer from its quorum thread while this rank runs a
         # forward, and a state_dict() call there would re-register FSDP2's sharded parameters mid-forward.
@@ -154,7 +158,28 @@ class ReplicaGroups:
         if not committed:
             self.skipped_steps += 1
             _set_global_step(self.trainer, self.trainer.global_step - 1)
+        self._report_membership()
         return committed
+
+    def _report_membership(self) -> None:
+        """Say when groups leave or join the job, and what their data shards miss meanwhile (``self.events`` too)."""
+        present, total, step = self.participants, self.env.num_groups, self.trainer.global_step + 1
+        if self._recovering:
+            event = (
+                f"Replica group {self.env.group_id} recovered step {step - 1} from a live group and trains from step "
+                f"{step}; its data (shard {self.env.group_id} of {total}) restarts from its first batch."
+            )
+        elif present != self._present and self._present is not None:
+            missing = total - present
+            event = f"Step {step}: {present} of {total} replica groups train" + (
+                f"; the data shards of the {missing} missing are not trained until they return." if missing else "."
+            )
+        else:
+            event = None
+        self._present, self._recovering = present, False
+        if event is not None:
+            self.events.append(event)
+            rank_zero_info(event)
 
     def _check_same_start(self) -> None:
         """Refuse groups that start together from different weights (a seed that differs between launches)."""
@@ -211,6 +236,7 @@ class ReplicaGroups:
         for config, received in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(received)
         _set_global_step(trainer, state["global_step"])
+        self._recovering = True
 
 
 def _periodic_sync(manager, trainer, sync: str, sync_every: int):

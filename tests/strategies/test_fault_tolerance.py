@@ -46,7 +46,7 @@ class _Record(L.Callback):
     optionally the process kills itself (SIGKILL, as a lost machine) when ``kill_at`` is reached, or slows down."""
 
     def __init__(self, progress: str | None, kill_at: int | None, step_delay: float):
-        self.losses, self.steps, self.participants, self.initial = [], [], [], None
+        self.losses, self.steps, self.participants, self.initial, self.events = [], [], [], None, []
         self.progress, self.kill_at, self.step_delay = progress, kill_at, step_delay
 
     def on_train_start(self, trainer, pl_module):
@@ -57,6 +57,7 @@ class _Record(L.Callback):
         self.steps.append(trainer.global_step)
         groups = trainer.strategy.run_state.replica_groups
         self.participants.append(groups.participants if groups is not None else None)
+        self.events = list(groups.events) if groups is not None else []
         if self.progress and trainer.global_rank == 0:
             Path(self.progress).write_text(str(trainer.global_step))
         if self.kill_at is not None and trainer.global_step >= self.kill_at:
@@ -103,6 +104,7 @@ def _fit(
         "participants": record.participants,
         "params": params,
         "initial": record.initial,
+        "events": record.events,
         "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
     }
 
@@ -230,6 +232,18 @@ def test_a_killed_group_is_dropped_the_other_keeps_stepping_and_the_relaunch_rec
     # The last relaunch started at the survivor's step (recovered, not from step 0) and ended with it, identical.
     assert relaunched["steps"][0] > kills[-1] + 3 and relaunched["steps"][-1] == DRILL_STEPS, relaunched["steps"]
     _assert_same_params(relaunched["params"], survivor["params"], 0.0, "relaunched group vs survivor")
+    # What the log says: each departure and return (with the shards not trained meanwhile), and each recovery.
+    left = [e for e in survivor["events"] if "1 of 2 replica groups train; the data shards of the 1 missing" in e]
+    back = [e for e in survivor["events"] if "2 of 2 replica groups train." in e]
+    # (>=: a group that starts a second late joins at the survivor's second step, a return too)
+    assert len(left) >= len(kills) and len(back) >= len(kills) and survivor["events"][-1] == back[-1], survivor[
+        "events"
+    ]
+    first = relaunched["steps"][0]
+    assert relaunched["events"][0] == (
+        f"Replica group {victim} recovered step {first - 1} from a live group and trains from step {first}; its data "
+        f"(shard {victim} of 2) restarts from its first batch."
+    ), relaunched["events"]
     print(
         f"{drill}: survivor steps {steps}, groups per step {survivor['participants']}; "
         f"last relaunch steps {relaunched['steps']}"
