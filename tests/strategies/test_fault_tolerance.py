@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.callbacks import MFUMonitor
+from lightning_llm.callbacks import CheckpointRotation, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from lightning_llm.strategies import LLMParallelStrategy
@@ -77,26 +77,33 @@ def _fit(
     sync_every=100,
     strategy_class=LLMParallelStrategy,
     accumulate=1,
+    schedule_steps=None,
+    rotation_dir=None,
+    tp=1,
 ) -> dict:
     L.seed_everything(seed)
     record = _Record(progress, kill_at, step_delay)
+    rotation = [CheckpointRotation(dirpath=rotation_dir, every_n_train_steps=4)] if rotation_dir else []
     world = int(os.environ["WORLD_SIZE"])
     trainer = cpu_trainer(
         devices=world,
         strategy=strategy_class(
             zero_stage=zero_stage,
+            tensor_parallel_size=tp,
             data_parallel_replicate_size=replicate if zero_stage else 1,
             fault_tolerance=fault_tolerance,
             fault_tolerance_sync_every=sync_every,
             timeout=20,
         ),
         max_steps=steps,
-        callbacks=[record, MFUMonitor(peak_flops=1e12, log_every_n_steps=1)],
+        callbacks=[record, MFUMonitor(peak_flops=1e12, log_every_n_steps=1), *rotation],
         log_every_n_steps=1,
         accumulate_grad_batches=accumulate,
+        enable_checkpointing=bool(rotation),
     )
-    module = CausalLM("tiny", warmup_steps=2, max_steps=steps)
-    trainer.fit(module, LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2, shuffle=False))
+    module = CausalLM("tiny", warmup_steps=2, max_steps=schedule_steps or steps)
+    data = LLMDataModule(num_tokens=20_000, seq_len=32, batch_size=2, shuffle=False)
+    trainer.fit(module, data, ckpt_path="last" if rotation_dir else None)
     params = {n: _full(p) for n, p in module.named_parameters()}
     return {
         "losses": record.losses,
@@ -118,9 +125,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _hsdp(zero_stage: int, groups: int, accumulate: int) -> dict:
+def _hsdp(zero_stage: int, groups: int, accumulate: int, tp: int) -> dict:
     """The oracle: one launch over every rank, the groups as the replicate axis (HSDP; plain DDP at ZeRO 0)."""
-    return _fit(zero_stage, False, replicate=groups, accumulate=accumulate)
+    return _fit(zero_stage, False, replicate=groups, accumulate=accumulate, tp=tp)
 
 
 def _wait_for_step(progress: Path, step: int, timeout: float = 240) -> None:
@@ -152,13 +159,15 @@ def _assert_same_params(got: dict, want: dict, atol: float, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("group_size", "zero_stage", "accumulate"), [(1, 0, 2), (2, 3, 1)], ids=["2x1-zero0-accumulate2", "2x2-zero3"]
+    ("group_size", "zero_stage", "accumulate", "tp"),
+    [(1, 0, 2, 1), (2, 3, 1, 1), (2, 0, 1, 2)],
+    ids=["2x1-zero0-accumulate2", "2x2-zero3", "2x2-tp2"],
 )
-def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage, accumulate):
+def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage, accumulate, tp):
     lighthouse = _lighthouse(min_replicas=2)  # both groups in every quorum
     try:
         results = {}
-        options = {"accumulate": accumulate}
+        options = {"accumulate": accumulate, "tp": tp}
         threads = _run_groups(
             [(g, group_size, g, 2, lighthouse.address(), zero_stage, options) for g in range(2)], results
         )
@@ -168,7 +177,7 @@ def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stag
         lighthouse.shutdown()
     for key in (0, 1):
         assert not isinstance(results[key], Exception), results[key]
-    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, accumulate, timeout=240)
+    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, accumulate, tp, timeout=240)
     # Group g's rank r reads the shard of data-parallel rank g * group_size + r of the plain run.
     for g in (0, 1):
         for r in range(group_size):
@@ -350,3 +359,33 @@ def test_periodic_sync_after_one_round_matches_the_groups_trained_alone_then_com
 def test_a_sync_interval_the_mode_ignores_is_said():
     with pytest.warns(UserWarning, match="fault_tolerance_sync_every=10 ignored: fault_tolerance=True"):
         LLMParallelStrategy(fault_tolerance=True, fault_tolerance_sync_every=10)
+
+
+def _two_groups(**options) -> dict:
+    """Both groups (one rank each) to the end, in a quorum of both; ``{group: its rank's result}``."""
+    lighthouse = _lighthouse(min_replicas=2)
+    results = {}
+    try:
+        launches = []
+        for g in range(2):
+            per_group = {k: (v.format(group=g) if isinstance(v, str) else v) for k, v in options.items()}
+            launches.append((g, 1, g, 2, lighthouse.address(), 0, per_group))
+        for thread in _run_groups(launches, results):
+            thread.join()
+    finally:
+        lighthouse.shutdown()
+    for g in range(2):
+        assert not isinstance(results[g], Exception), str(results[g])
+    return {g: results[g][0] for g in range(2)}
+
+
+def test_the_whole_job_restarted_from_its_checkpoints_continues_as_if_never_stopped(tmp_path):
+    """Both groups save with CheckpointRotation every 4 steps and stop at step 4; relaunched with ckpt_path="last",
+    they end at step 8 with the parameters of a straight 8-step run of both groups (1e-6, fp32)."""
+    straight = _two_groups(steps=8)
+    stopped = _two_groups(steps=4, schedule_steps=8, rotation_dir=str(tmp_path / "group{group}"))
+    resumed = _two_groups(steps=8, rotation_dir=str(tmp_path / "group{group}"))
+    for g in range(2):
+        assert stopped[g]["steps"] == [1, 2, 3, 4] and resumed[g]["steps"] == [5, 6, 7, 8]
+        torch.testing.assert_close(resumed[g]["losses"], straight[g]["losses"][4:], rtol=0, atol=1e-6)
+        _assert_same_params(resumed[g]["params"], straight[g]["params"], 1e-6, f"resumed group {g}")
