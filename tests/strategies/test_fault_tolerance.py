@@ -195,7 +195,6 @@ def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stag
 
 DRILLS = {
     # group killed, the steps at which each of its launches dies (the last launch trains to the end), step delay
-    "2x1-zero0": (1, 1, 0, [KILL_AT], 0.5),
     "2x2-zero3": (2, 3, 1, [KILL_AT], 0.5),
     "2x1-group0-twice": (1, 0, 0, [4, 11], 0.7),  # the first group, killed again after it recovered
 }
