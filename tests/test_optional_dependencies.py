@@ -1,4 +1,4 @@
-"""DeepSpeed, torchao and wandb are optional (extras): the package imports and works without them, and the
+"""DeepSpeed, torchao, wandb and torchft are optional (extras): the package imports and works without them, and the
 features that need them are refused naming the extra to install (issue 32).
 
 Each case runs in a fresh interpreter where those modules cannot be imported (a ``sys.meta_path`` finder
@@ -51,7 +51,7 @@ def _env() -> dict:
     return env
 
 
-def test_package_imports_and_refuses_each_feature_without_deepspeed_torchao_wandb(tmp_path):
+def test_package_imports_and_refuses_each_feature_without_deepspeed_torchao_wandb_torchft(tmp_path):
     code = f"""
     import pytest
 
@@ -69,6 +69,8 @@ def test_package_imports_and_refuses_each_feature_without_deepspeed_torchao_wand
         LLMParallelStrategy(fp8=True)
     with pytest.raises(RuntimeError, match=r"pip install 'lightning_llm\\[fp8\\]'"):
         LLMParallelStrategy(zero_stage=3, fp8="rowwise")
+    with pytest.raises(ImportError, match=r"fault_tolerance needs torchft: pip install 'lightning_llm\\[ft\\]'"):
+        LLMParallelStrategy(fault_tolerance=True)
     LLMParallelStrategy(zero_stage=3)  # what needs none of them still works
     LLMParallelStrategy(fp8=False)
 
@@ -89,7 +91,7 @@ def test_package_imports_and_refuses_each_feature_without_deepspeed_torchao_wand
     assert not [name for name in BLOCKED if name in sys.modules]
     print("OK")
     """
-    result = _run(code, ("deepspeed", "torchao", "wandb"), tmp_path)
+    result = _run(code, ("deepspeed", "torchao", "wandb", "torchft"), tmp_path)
     assert result.stdout.strip().splitlines()[-1] == "OK"
     assert "error: The config's logger is a WandbLogger, but wandb is not installed" in result.stderr
     assert "pip install 'lightning_llm[wandb]'" in result.stderr

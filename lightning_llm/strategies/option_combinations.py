@@ -33,10 +33,12 @@ def check_combinations(options: StrategyOptions, given_ac_options) -> None:
 
 def check_fault_tolerance(options: StrategyOptions) -> None:
     """torchft installed, and a layout inside the replica group that the cross-group average is built for."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
-        raise ImportError("fault_tolerance=True needs torchft: `pip install torchft==0.2.0` (the `ft` extra).")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "fault_tolerance needs torchft: pip install 'lightning_llm[ft]' (torchft==0.2.0, with its lighthouse)."
+        ) from None
     parallel = options.parallel
     if parallel.pipeline_parallel_size > 1:
         raise ValueError(
