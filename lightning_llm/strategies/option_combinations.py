@@ -32,7 +32,7 @@ def check_combinations(options: StrategyOptions, given_ac_options) -> None:
 
 
 def check_fault_tolerance(options: StrategyOptions) -> None:
-    """torchft installed, and a layout inside the replica group that the cross-group average is built for."""
+    """torchft installed, and no replicate axis inside a replica group (the groups are that axis)."""
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -40,12 +40,6 @@ def check_fault_tolerance(options: StrategyOptions) -> None:
             "fault_tolerance needs torchft: pip install 'lightning_llm[ft]' (torchft==0.2.0, with its lighthouse)."
         ) from None
     parallel = options.parallel
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"fault_tolerance=True with pipeline_parallel_size={parallel.pipeline_parallel_size} is not built yet "
-            "(the pipeline's step does not run through the cross-group average); use tp/cp/ep and ZeRO inside each "
-            "replica group, or fault_tolerance=False."
-        )
     if parallel.data_parallel_replicate_size > 1:
         raise ValueError(
             f"fault_tolerance=True with data_parallel_replicate_size={parallel.data_parallel_replicate_size}: the "

@@ -1,7 +1,7 @@
 """Fault-tolerant replica groups: torchft's quorum, gradient average and live-peer recovery inside Lightning's loop.
 
 With ``LLMParallelStrategy(fault_tolerance=True)`` the job is several *replica groups*, each its own launch (torchrun
-or Lightning's launcher on its own machines) of the same script with the same layout inside (ZeRO, TP, CP, EP). A
+or Lightning's launcher on its own machines) of the same script with the same layout inside (ZeRO, TP, PP, CP, EP). A
 torchft lighthouse forms a quorum of the groups present at every optimizer step; gradients, already reduced inside
 each group, are averaged over the groups of the quorum; a group that dies mid-step fails that step's cross-group
 average on the others, who skip the update and go on without it from the next quorum. A group that starts (or

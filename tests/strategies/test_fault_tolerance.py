@@ -80,6 +80,7 @@ def _fit(
     schedule_steps=None,
     rotation_dir=None,
     tp=1,
+    pp=1,
 ) -> dict:
     L.seed_everything(seed)
     record = _Record(progress, kill_at, step_delay)
@@ -90,6 +91,7 @@ def _fit(
         strategy=strategy_class(
             zero_stage=zero_stage,
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             data_parallel_replicate_size=replicate if zero_stage else 1,
             fault_tolerance=fault_tolerance,
             fault_tolerance_sync_every=sync_every,
@@ -125,9 +127,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _hsdp(zero_stage: int, groups: int, accumulate: int, tp: int) -> dict:
+def _hsdp(zero_stage: int, groups: int, accumulate: int, tp: int, pp: int) -> dict:
     """The oracle: one launch over every rank, the groups as the replicate axis (HSDP; plain DDP at ZeRO 0)."""
-    return _fit(zero_stage, False, replicate=groups, accumulate=accumulate, tp=tp)
+    return _fit(zero_stage, False, replicate=groups, accumulate=accumulate, tp=tp, pp=pp)
 
 
 def _wait_for_step(progress: Path, step: int, timeout: float = 240) -> None:
@@ -159,15 +161,15 @@ def _assert_same_params(got: dict, want: dict, atol: float, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("group_size", "zero_stage", "accumulate", "tp"),
-    [(1, 0, 2, 1), (2, 3, 1, 1), (2, 0, 1, 2)],
-    ids=["2x1-zero0-accumulate2", "2x2-zero3", "2x2-tp2"],
+    ("group_size", "zero_stage", "accumulate", "tp", "pp"),
+    [(1, 0, 2, 1, 1), (2, 3, 1, 1, 1), (2, 0, 1, 2, 1), (2, 1, 1, 1, 2)],
+    ids=["2x1-zero0-accumulate2", "2x2-zero3", "2x2-tp2", "2x2-pp2-zero1"],
 )
-def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage, accumulate, tp):
+def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stage, accumulate, tp, pp):
     lighthouse = _lighthouse(min_replicas=2)  # both groups in every quorum
     try:
         results = {}
-        options = {"accumulate": accumulate, "tp": tp}
+        options = {"accumulate": accumulate, "tp": tp, "pp": pp}
         threads = _run_groups(
             [(g, group_size, g, 2, lighthouse.address(), zero_stage, options) for g in range(2)], results
         )
@@ -177,11 +179,12 @@ def test_two_replica_groups_train_as_one_data_parallel_run(group_size, zero_stag
         lighthouse.shutdown()
     for key in (0, 1):
         assert not isinstance(results[key], Exception), results[key]
-    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, accumulate, tp, timeout=240)
-    # Group g's rank r reads the shard of data-parallel rank g * group_size + r of the plain run.
+    want = run_distributed(_hsdp, 2 * group_size, zero_stage, 2, accumulate, tp, pp, timeout=240)
+    # Group g's rank r is the plain run's rank of data-parallel index g at the same place inside the group.
     for g in (0, 1):
         for r in range(group_size):
-            got, ref = results[g][r], want[g * group_size + r]
+            # the plain run's mesh puts pp outermost, dp next, tp innermost
+            got, ref = results[g][r], want[r * 2 + g if pp > 1 else g * group_size + r]
             assert got["steps"] == ref["steps"] and got["steps"][-1] == STEPS
             logged = got["logged"]
             assert logged["fault_tolerance/groups"] == 2.0 and logged["fault_tolerance/skipped_steps"] == 0.0
@@ -275,7 +278,6 @@ def test_groups_that_start_from_different_weights_are_refused_at_the_first_step(
 @pytest.mark.parametrize(
     ("arguments", "match"),
     [
-        ({"pipeline_parallel_size": 2}, "fault_tolerance=True with pipeline_parallel_size=2 is not built yet"),
         ({"data_parallel_replicate_size": 2}, "keep data_parallel_replicate_size=1 inside a group"),
     ],
 )
