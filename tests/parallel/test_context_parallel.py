@@ -36,10 +36,11 @@ def _attention_matches_sdpa(cases, method="allgather", dtype=torch.float64):
     rank, size = dist.get_rank(), dist.get_world_size()
     cp = CPGroup(dist.group.WORLD, size, rank)
     results = []
-    for heads, kv_heads, seq, causal in cases:
+    for heads, kv_heads, seq, causal, qk_dim, v_dim in cases:
         gen = torch.Generator().manual_seed(seq + heads)
-        q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=dtype) for h in (heads, kv_heads, kv_heads))
-        grad_out = torch.randn(2, heads, seq, 8, generator=gen, dtype=dtype)
+        q, k = (torch.randn(2, h, seq, qk_dim, generator=gen, dtype=dtype) for h in (heads, kv_heads))
+        v = torch.randn(2, kv_heads, seq, v_dim, generator=gen, dtype=dtype)
+        grad_out = torch.randn(2, heads, seq, v_dim, generator=gen, dtype=dtype)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         want = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=heads != kv_heads)
         want.backward(grad_out)
@@ -57,7 +58,10 @@ def _attention_matches_sdpa(cases, method="allgather", dtype=torch.float64):
     return results
 
 
-CASES = [(4, 2, 16, True), (4, 4, 8, True), (6, 2, 24, True), (4, 2, 16, False), (4, 1, 8, True)]
+# (heads, key/value heads, sequence, causal, query/key head dim, value head dim): the last two latent attention's
+# unequal head dims (DeepSeek's MLA: values narrower than queries/keys), and the reverse.
+CASES = [(4, 2, 16, True, 8, 8), (4, 4, 8, True, 8, 8), (6, 2, 24, True, 8, 8), (4, 2, 16, False, 8, 8)]
+CASES += [(4, 1, 8, True, 8, 8), (4, 4, 16, True, 12, 8), (4, 2, 8, False, 8, 12)]
 RUNS = [
     ("allgather", torch.float64, 1e-12),
     ("ring", torch.float64, 1e-12),
@@ -120,12 +124,13 @@ def _results():
 def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
     """Every CP attention (keys/values all-gathered; the send/recv ring merging partials by log-sum-exp with a
     per-block flash backward from the merged output; Ulysses' all-to-all to heads, key/value heads repeated when
-    fewer than the ranks), causal and not, GQA and MHA: outputs and q/k/v gradients
+    fewer than the ranks), causal and not, GQA and MHA, value heads narrower or wider than query/key heads (latent
+    attention; the ring's flash kernel needs one head size): outputs and q/k/v gradients
     match full SDPA (float64 1e-12, float32 1e-5); each rank's kernel computed exactly its own queries, each query
     chunk over only the keys up to its diagonal."""
     for rank, (per_run, _) in enumerate(_results()):
         for (method, dtype, tolerance), results in zip(RUNS, per_run):
-            for (heads, kv_heads, seq, causal), (error, queries, own, calls) in zip(CASES, results):
+            for (heads, kv_heads, seq, causal, *_), (error, queries, own, calls) in zip(CASES, results):
                 label = (method, dtype, rank, heads, kv_heads, seq, causal)
                 assert error < tolerance, (*label, error)
                 # Ulysses: every position, for heads / C heads; the others: exactly this rank's shard

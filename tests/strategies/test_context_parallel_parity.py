@@ -2,7 +2,8 @@
 reference model, fp32, 10 steps: per-step loss and every parameter within 1e-5 relative of one process, parameters
 bit-identical on every rank that holds them, and each rank's attention kernel computing exactly its own zig-zag
 queries (Ulysses: every position, for half the heads). Attention masked by global position too: Mistral's sliding
-window and the reference model on packed documents (document ids from a token file); zero_stage="auto" under cp2
+window and the reference model on packed documents (document ids from a token file); latent attention with value
+heads narrower than query/key heads (DeepSeek-V3's MLA) by ring and Ulysses; zero_stage="auto" under cp2
 plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
 ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
 cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks), cp2 × tp2 + sequence parallelism (the sequence
@@ -29,7 +30,7 @@ from lightning_llm.strategies.zero_auto import model_footprint
 from lightning_llm.testing import run_distributed
 from tests.strategies import _parity
 from tests.strategies._parity import assert_parity
-from tests.zoo import _harness
+from tests.zoo import _harness, _models_attention  # noqa: F401 (registers the attention variants' models)
 from tests.zoo._models import ZooLM
 
 pytestmark = [pytest.mark.distributed]
@@ -50,13 +51,15 @@ MODELS = ["llama", "gpt_neox", "reference"]
 # Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
 # window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
 MASKED = {"mistral": ["cp2_zero3", "cp2_ulysses_zero3"], "reference_documents": ["cp2", "cp2_ulysses_zero3"]}
+# Latent attention (DeepSeek-V3's MLA): value heads (16) narrower than query/key heads (20), by ring and by Ulysses.
+LATENT = {"deepseek_v3_mla": ["cp2", "cp2_ulysses_zero3"]}
 ONE_MODEL = {
     "cp2_auto": ["llama"],
     "cp2_tp2_sp": ["llama", "reference"],
     "cp2_pp2": ["llama", "reference"],
 }  # layouts trained on fewer models
 CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
-CASES += [(layout, name) for name, layouts in MASKED.items() for layout in layouts]
+CASES += [(layout, name) for name, layouts in {**MASKED, **LATENT}.items() for layout in layouts]
 STEPS = _parity.STEPS  # 10 optimizer steps for every model (the zoo's default is 4)
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
 

@@ -10,13 +10,16 @@ The backward (an ``autograd.Function``) walks the ring again: each key block's g
 kernel's backward from the *merged* output and log-sum-exp (which makes each block's share exact), and the block's
 dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. The blocks run
 SDPA's own kernels (CPU flash; CUDA flash for fp16/bf16, memory-efficient for fp32), which return the log-sum-exp;
-GQA by repeating key/value heads per block.
+GQA by repeating key/value heads per block. Those kernels need one head size for queries, keys and values; latent
+attention (DeepSeek's MLA: value heads narrower than query/key heads) is run with the narrower side zero-padded,
+which changes no score and no output column that is kept.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llm._compat.torch_kernels import attention_with_lse, attention_with_lse_backward
@@ -126,4 +129,13 @@ def ring_attention(
 
         out = ring_attention(q, k, v, CPGroup(group, 2, rank), is_causal=True)
     """
-    return _RingAttention.apply(query, key, value, cp, is_causal, scale)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim == v_dim:
+        return _RingAttention.apply(query, key, value, cp, is_causal, scale)
+    # Zero columns added to queries and keys leave every score as it was (the scale stays the unpadded one);
+    # zero columns added to values come out as zero output columns, cut off again.
+    width = max(qk_dim, v_dim)
+    scale = qk_dim**-0.5 if scale is None else scale
+    query, key = (F.pad(t, (0, width - qk_dim)) for t in (query, key))
+    out = _RingAttention.apply(query, key, F.pad(value, (0, width - v_dim)), cp, is_causal, scale)
+    return out[..., :v_dim]
