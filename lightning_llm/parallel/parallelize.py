@@ -28,7 +28,7 @@ from lightning_llm.parallel.block_units import (
     refuse_ties_across_units,
     shared_between_blocks,
 )
-from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel
+from lightning_llm.parallel.cp import apply_context_parallel, check_context_parallel, refuse_blocks_not_called
 from lightning_llm.parallel.data_parallel import apply_data_parallel, mixed_precision_policy
 from lightning_llm.parallel.ep.apply import (
     apply_expert_data_parallel,
@@ -209,6 +209,8 @@ def plan_splits(
         if called is not None:
             refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, called)
     if dims.cp > 1:
+        if called is not None:
+            refuse_blocks_not_called(found.name, found.blocks, called)
         report.context_parallel = apply_context_parallel(
             module,
             blocks_name=found.name,

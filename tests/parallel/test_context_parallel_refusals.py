@@ -138,3 +138,50 @@ def test_a_sliding_window_cp_cannot_see_is_refused():
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match=r"Module has sliding_window=4 but did not pass it to its attention function"):
         interception._hf_attention(layer, q, q, q, None)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.forward_parallel(x)
+
+    def forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(attention.transpose(1, 2).flatten(-2))
+
+
+class _Stack(torch.nn.Module):
+    """Blocks called as modules, or through another of their methods (as yet-another-retnet's stack does)."""
+
+    def __init__(self, as_modules: bool) -> None:
+        super().__init__()
+        self.embed, self.head, self.as_modules = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32), as_modules
+        self.layers = torch.nn.ModuleList(_Attention() for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x) if self.as_modules else x + layer.forward_parallel(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("as_modules", [True, False])
+def test_blocks_the_forward_does_not_call_as_modules_are_refused(as_modules):
+    """The blocks found from the traced forward must each be entered as a module (their hooks route attention);
+    the same model calling them as modules passes."""
+    from lightning_llm.modeling.structure import traced_blocks
+    from lightning_llm.parallel.cp import refuse_blocks_not_called
+
+    holder = torch.nn.Module()
+    holder.model = _Stack(as_modules)
+    traced = traced_blocks(holder, lambda move: holder.model(move(torch.randint(0, 32, (2, 8)))))
+    assert traced.names == ["model.layers.0", "model.layers.1"]
+    if as_modules:
+        refuse_blocks_not_called("model.layers", holder.model.layers, traced.called)
+        return
+    with pytest.raises(ValueError, match=r"does not call model\.layers\.0 \(2 of 2 blocks\) as a module"):
+        refuse_blocks_not_called("model.layers", holder.model.layers, traced.called)

@@ -11,7 +11,7 @@
 - :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered.
 """
 
-from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel
+from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel, refuse_blocks_not_called
 from lightning_llm.parallel.cp.attention import context_parallel_attention, count_queries
 from lightning_llm.parallel.cp.layout import CPGroup, zigzag_positions
 from lightning_llm.parallel.cp.ring import ring_attention
@@ -22,6 +22,7 @@ __all__ = [
     "check_context_parallel",
     "context_parallel_attention",
     "count_queries",
+    "refuse_blocks_not_called",
     "ring_attention",
     "zigzag_positions",
 ]

@@ -7,6 +7,7 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_llm.modeling.blocks import block_names
 from lightning_llm.parallel.cp.interception import route_attention
 from lightning_llm.parallel.cp.layout import CPGroup
 from lightning_llm.parallel.cp.sharding import shard_model_io
@@ -42,6 +43,28 @@ def check_context_parallel(module: nn.Module, *, blocks_name: str, blocks: list[
     """Refuse, before anything is changed, a model context parallelism cannot split exactly (see :mod:`.variants`)."""
     name, model = context_parallel_model(module, blocks_name)
     check_context_parallel_model(model, blocks, where=name)
+
+
+def refuse_blocks_not_called(blocks_name: str, blocks, called: set[str]) -> None:
+    """Refuse blocks the model's forward does not call as modules (``called``: the traced forward's calls).
+
+    CP routes and checks each block's attention from the block's forward hooks; a stack that runs its blocks through
+    another method (yet-another-retnet's ``forward_parallel``) never enters them, so their attention would see only
+    this rank's shard of every sequence with nothing to notice it.
+
+    Example::
+
+        refuse_blocks_not_called("model.layers", layers, traced.called)
+    """
+    names = block_names(blocks_name, blocks)
+    skipped = [name for name in names if name not in called]
+    if skipped:
+        raise ValueError(
+            f"context parallelism routes each block's attention from the block's forward hooks, but the model's forward "
+            f"does not call {skipped[0]} ({len(skipped)} of {len(names)} blocks) as a module (it runs another of "
+            "its methods), so its attention would see only this rank's shard of every sequence. Call the blocks as "
+            "modules (`block(x)`), or use context_parallel_size=1 for this model."
+        )
 
 
 def _check_heads(module: nn.Module, blocks: list[nn.Module], cp: int, tp: int) -> None:
