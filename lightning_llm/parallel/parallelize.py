@@ -218,6 +218,7 @@ def plan_splits(
             cp_mesh=dims.mesh["cp"],
             method=context_parallel_method,
             tp=dims.tp,
+            pipelined=dims.pp > 1,
         )
 
 
@@ -263,7 +264,7 @@ def check_layout(
             refuse_ties_across_units(module, found.blocks)
         report.block_names = list(found.blocks.names)
     if dims.cp > 1:
-        check_context_parallel(module, blocks_name=found.name, blocks=list(found.blocks))
+        check_context_parallel(module, blocks_name=found.name, blocks=list(found.blocks), pipelined=dims.pp > 1)
     return shared_between_blocks(found.name, found.blocks, dims)
 
 

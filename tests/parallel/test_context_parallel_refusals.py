@@ -54,11 +54,25 @@ def test_mesh_degrees_include_cp():
     ],
 )
 def test_models_cp_cannot_split_exactly_are_refused_by_feature(name, feature):
+    """At setup; a forward without ``position_ids`` only under pipeline parallelism (else at its first forward)."""
     module = ZooLM(name)
     blocks_name = "model.transformer.h" if name.startswith("litgpt") else "model.model.layers"
     blocks = list(module.get_submodule(blocks_name))
     with pytest.raises(ValueError, match=feature):
-        check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
+        check_context_parallel(module, blocks_name=blocks_name, blocks=blocks, pipelined=name.startswith("litgpt"))
+
+
+def test_litgpts_cached_rotary_slice_is_refused_at_the_first_forward():
+    """litgpt slices its cached rotary table as ``cos[:T]``: not made global, so refused naming the read."""
+    from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
+
+    model = ZooLM("litgpt_llama").model
+    reads = PositionReads(length=8, positions=torch.tensor([4, 5, 6, 7, 8, 9, 10, 11]))
+    global_position_tables(model, list(model.transformer.h), reads, where="model")
+    with pytest.raises(
+        ValueError, match=r"takes no `position_ids`, .* it read a \[:8\] slice of a \(\d+, \d+\) tensor"
+    ):
+        model(torch.randint(0, 64, (2, 8)))
 
 
 def test_ulysses_refuses_heads_that_do_not_divide():
@@ -185,3 +199,54 @@ def test_blocks_the_forward_does_not_call_as_modules_are_refused(as_modules):
         return
     with pytest.raises(ValueError, match=r"does not call model\.layers\.0 \(2 of 2 blocks\) as a module"):
         refuse_blocks_not_called("model.layers", holder.model.layers, traced.called)
+
+
+class _Positions(torch.nn.Module):
+    """A learned position table looked up with torch.arange(T), optionally with a rotary-like arange of its own."""
+
+    def __init__(self, extra_arange: bool, table: bool = True) -> None:
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(32, 4), torch.nn.Embedding(16, 4) if table else None
+        self.layers, self.extra = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), extra_arange
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        x = self.embed(input_ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(length))
+        if self.extra:
+            x = x * torch.arange(length)[:, None].float()
+        return self.layers[0](x)
+
+
+@pytest.mark.parametrize(
+    "extra_arange, table, refusal",
+    [
+        (False, True, None),
+        (True, True, r"it read torch\.arange\(4\), which the package does not make global"),
+        (False, False, r"it looked up no position table with 0\.\.T-1"),
+    ],
+)
+def test_a_learned_position_table_is_looked_up_by_global_position_and_other_reads_are_refused(
+    extra_arange, table, refusal
+):
+    """Rank 1 of C=2 holds positions (2, 3, 4, 5) of 8 (zig-zag); set as the input-sharding hook sets them. The table
+    is read at those rows (against the table itself), and a model that read positions any other way is refused at
+    its first forward naming what it read."""
+    from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
+
+    model = _Positions(extra_arange, table)
+    reads = PositionReads(length=4, positions=torch.tensor([2, 3, 4, 5]))
+    seen = []
+    if table:
+        model.pos.register_forward_hook(lambda module, args, output: seen.append(output))
+    global_position_tables(model, list(model.layers), reads, where="model")
+    tokens = torch.randint(0, 32, (2, 4))
+    if refusal:
+        with pytest.raises(ValueError, match=refusal):
+            model(tokens)
+        return
+    model(tokens)
+    torch.testing.assert_close(seen[0], model.pos.weight[2:6], rtol=0, atol=0)
+    model(tokens)  # later forwards are no longer watched, and still read the global rows
+    torch.testing.assert_close(seen[1], model.pos.weight[2:6], rtol=0, atol=0)

@@ -151,7 +151,8 @@ def train_zoo(layouts: list[str], models: list[str]) -> dict | None:
     results = {}
     for layout in layouts:
         world_size, kwargs = LAYOUTS[layout]
-        dp = world_size // kwargs.get("tensor_parallel_size", 1) // kwargs.get("pipeline_parallel_size", 1)
+        model_parallel = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+        dp = world_size // model_parallel // kwargs.get("context_parallel_size", 1)  # CP ranks read the same batch
         results[layout] = {}
         for name in models:
             try:

@@ -8,7 +8,9 @@
 - :mod:`.masks`: which keys a query sees by global position (causal, a sliding window, packed documents);
 - :mod:`.interception`: routing a model's attention there (Hugging Face's attention registry, or SDPA calls
   inside the blocks), with the variants that cannot be distributed exactly refused;
-- :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered.
+- :mod:`.sharding`: the model's input sharded (token ids, global ``position_ids``) and its output gathered;
+- :mod:`.multihead`: ``nn.MultiheadAttention`` (PyTorch's Transformer layers) through the CP attention;
+- :mod:`.positions`: a learned position table the forward looks up with ``arange(T)`` read at global positions.
 """
 
 from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel, refuse_blocks_not_called

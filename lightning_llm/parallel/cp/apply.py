@@ -39,10 +39,12 @@ def context_parallel_model(module: nn.Module, blocks_name: str) -> tuple[str, nn
     return top, module.get_submodule(top)
 
 
-def check_context_parallel(module: nn.Module, *, blocks_name: str, blocks: list[nn.Module]) -> None:
+def check_context_parallel(
+    module: nn.Module, *, blocks_name: str, blocks: list[nn.Module], pipelined: bool = False
+) -> None:
     """Refuse, before anything is changed, a model context parallelism cannot split exactly (see :mod:`.variants`)."""
     name, model = context_parallel_model(module, blocks_name)
-    check_context_parallel_model(model, blocks, where=name)
+    check_context_parallel_model(model, blocks, where=name, pipelined=pipelined)
 
 
 def refuse_blocks_not_called(blocks_name: str, blocks, called: set[str]) -> None:
@@ -62,8 +64,8 @@ def refuse_blocks_not_called(blocks_name: str, blocks, called: set[str]) -> None
         raise ValueError(
             f"context parallelism routes each block's attention from the block's forward hooks, but the model's forward "
             f"does not call {skipped[0]} ({len(skipped)} of {len(names)} blocks) as a module (it runs another of "
-            "its methods), so its attention would see only this rank's shard of every sequence. Call the blocks as "
-            "modules (`block(x)`), or use context_parallel_size=1 for this model."
+            "its methods, or calls its parts one by one), so its attention would see only this rank's shard of every "
+            "sequence. Call the blocks as modules (`block(x)`), or use context_parallel_size=1 for this model."
         )
 
 
@@ -85,6 +87,7 @@ def apply_context_parallel(
     cp_mesh: DeviceMesh,
     method: str = "ring",
     tp: int = 1,
+    pipelined: bool = False,
 ) -> str:
     """Split every sequence over ``cp_mesh`` from the embedding to the output (in place); returns a report line.
 
@@ -95,13 +98,13 @@ def apply_context_parallel(
         apply_context_parallel(lightning_module, blocks_name="model.layers", blocks=layers, cp_mesh=dims.mesh["cp"])
     """
     check_method(method)
-    check_context_parallel(module, blocks_name=blocks_name, blocks=blocks)
-    _, model = context_parallel_model(module, blocks_name)
+    check_context_parallel(module, blocks_name=blocks_name, blocks=blocks, pipelined=pipelined)
+    name, model = context_parallel_model(module, blocks_name)
     if method == "ulysses":
         _check_heads(model, blocks, cp_mesh.size(), tp)
     cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), method)
     route = route_attention(model, blocks, cp, blocks_name=blocks_name)
-    shard_model_io(model, cp)
+    shard_model_io(model, cp, blocks, where=name)
     line = f"Applied context parallel (cp={cp.size}, {method}, zig-zag shards) to {len(blocks)} blocks via {route}"
     log.info(line)
     return line

@@ -5,7 +5,8 @@
   to it with ``set_attn_implementation``. No mask function is registered under that name, so transformers builds
   no (local, wrong-sized) mask; causality is applied by global position instead.
 - **SDPA-based models** (the reference model, user models) call ``F.scaled_dot_product_attention``: a
-  ``TorchFunctionMode`` entered by each block's forward pre-hook and left by its forward hook redirects those calls.
+  ``TorchFunctionMode`` entered by each block's forward pre-hook and left by its forward hook redirects those calls;
+  ``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is redirected whole (:mod:`.multihead`).
 
 Either way each block must have routed at least one attention call through CP by the end of its forward; a block
 that computed attention some other way (an eager softmax) would see only its shard's keys, so it is refused.
@@ -14,6 +15,7 @@ that computed attention some other way (an eager softmax) would see only its sha
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from weakref import WeakKeyDictionary
 
 import torch.nn.functional as F
@@ -25,6 +27,8 @@ from lightning_llm._compat.transformers import attention_implementation
 from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.layout import CPGroup
 from lightning_llm.parallel.cp.masks import VisibleKeys
+from lightning_llm.parallel.cp.multihead import multi_head_attention
+from lightning_llm.parallel.cp.positions import cp_own_code
 from lightning_llm.parallel.cp.ring import ring_attention
 from lightning_llm.parallel.cp.ulysses import ulysses_attention
 
@@ -44,10 +48,11 @@ def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | No
     (:func:`~.attention.context_parallel_attention`), whichever the method.
     """
     rule = VisibleKeys.of_step(is_causal, window)
-    if rule.masked:
-        return context_parallel_attention(query, key, value, cp, is_causal=is_causal, scale=scale, rule=rule)
-    fn = ulysses_attention if cp.method == "ulysses" else ring_attention
-    return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
+    with cp_own_code():  # global positions already: nothing here is the model's own position computation
+        if rule.masked:
+            return context_parallel_attention(query, key, value, cp, is_causal=is_causal, scale=scale, rule=rule)
+        fn = ulysses_attention if cp.method == "ulysses" else ring_attention
+        return fn(query, key, value, cp, is_causal=is_causal, scale=scale)
 
 
 def _count_call() -> None:
@@ -91,6 +96,9 @@ class _SDPARouter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward:  # its own SDPA call would run with this mode off
+            _count_call()
+            return multi_head_attention(args, kwargs, self.where, partial(attend, cp=self.cp))
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         call = dict(zip(_SDPA_PARAMS, args), **kwargs)

@@ -7,7 +7,8 @@ then computes on ``seq / cp`` tokens. A forward hook gathers the output (logits)
 global order, so the user's ``training_step`` computes its own loss, whatever it is (shifted cross entropy, ignored
 labels, ...), on the same logits as one process: the loss is exact by construction. Gradients flow back to each
 rank's own positions (:mod:`.collectives`). The gathered logits cost one (batch, seq, vocab) tensor per rank; a
-loss computed on the shard (labels sharded with the inputs, as torchtitan does) is the next step.
+loss computed on the shard (labels sharded with the inputs, as torchtitan does) is the next step. A model whose
+forward takes no ``position_ids`` has its learned position table looked up by global position (:mod:`.positions`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_llm.parallel.cp.collectives import gather_sequence
 from lightning_llm.parallel.cp.layout import CPGroup, zigzag_positions
 from lightning_llm.parallel.cp.masks import record_documents
+from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
 
 # Inputs that would need sharding rules of their own (a padding mask, precomputed embeddings, labels that HF would
 # shift inside the shard): refused by name rather than silently misread.
@@ -46,7 +48,7 @@ def _record_documents(args: tuple, kwargs: dict, ids: torch.Tensor, takes_docume
     return args
 
 
-def _shard_inputs(cp: CPGroup, takes_use_cache: bool, takes_documents: bool):
+def _shard_inputs(cp: CPGroup, takes_use_cache: bool, takes_documents: bool, reads: PositionReads | None):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         ids = args[0] if args else kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -68,10 +70,13 @@ def _shard_inputs(cp: CPGroup, takes_use_cache: bool, takes_documents: bool):
                 "context_parallel_size=1."
             )
         positions = zigzag_positions(ids.shape[1], cp.size, cp.rank, ids.device)
-        given = kwargs.get("position_ids")
-        kwargs["position_ids"] = (
-            positions.expand(ids.shape[0], -1) if given is None else given.index_select(-1, positions)
-        )
+        if reads is not None:  # no position_ids argument: the model's position table is looked up by these
+            reads.length, reads.positions = len(positions), positions
+        else:
+            given = kwargs.get("position_ids")
+            kwargs["position_ids"] = (
+                positions.expand(ids.shape[0], -1) if given is None else given.index_select(-1, positions)
+            )
         if takes_use_cache and kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False  # a KV cache of one shard is of no use and costs memory
         local = ids.index_select(1, positions)
@@ -99,8 +104,13 @@ def _gather_output(cp: CPGroup):
     return hook
 
 
-def shard_model_io(model: nn.Module, cp: CPGroup) -> list[RemovableHandle]:
+def shard_model_io(
+    model: nn.Module, cp: CPGroup, blocks: list[nn.Module] = (), where: str = "model"
+) -> list[RemovableHandle]:
     """Shard ``model``'s token ids (and positions) on the way in and gather its logits on the way out.
+
+    A forward without ``position_ids`` gets its learned position table (outside ``blocks``) looked up by global
+    position, or is refused at its first forward (:func:`~.positions.global_position_tables`).
 
     Example::
 
@@ -109,9 +119,13 @@ def shard_model_io(model: nn.Module, cp: CPGroup) -> list[RemovableHandle]:
     """
     parameters = list(inspect.signature(model.forward).parameters)
     takes_documents = parameters[1:2] == ["document_ids"]  # the package's models: forward(tokens, document_ids, ...)
-    return [
+    reads = None if "position_ids" in parameters else PositionReads()
+    handles = [
         model.register_forward_pre_hook(
-            _shard_inputs(cp, "use_cache" in parameters, takes_documents), with_kwargs=True
+            _shard_inputs(cp, "use_cache" in parameters, takes_documents, reads), with_kwargs=True
         ),
         model.register_forward_hook(_gather_output(cp), with_kwargs=True),
     ]
+    if reads is not None:
+        handles += global_position_tables(model, list(blocks), reads, where=where)
+    return handles

@@ -5,7 +5,9 @@ model whose attention adds anything per (query, key) pair that this does not kno
 each such feature is recognised from the config and the modules (never class names) and refused before training:
 softcapped logits, ALiBi / position biases, attention sinks, attention dropout (not reproducible across shards),
 sliding windows outside Hugging Face's attention registry (there each layer hands its window to the CP attention).
-A forward without ``position_ids`` is refused too: its positions would restart in every shard.
+A forward without ``position_ids`` has its learned position table looked up by global position, or is refused at
+its first forward (:mod:`.positions`); under pipeline parallelism (stages run parts of the forward) it is refused
+here.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def unsupported_features(model: nn.Module, blocks: list[nn.Module]) -> list[str]
     return found
 
 
-def check_context_parallel_model(model: nn.Module, blocks: list[nn.Module], *, where: str) -> None:
+def check_context_parallel_model(
+    model: nn.Module, blocks: list[nn.Module], *, where: str, pipelined: bool = False
+) -> None:
     """Refuse, naming the feature, a model whose attention or positions CP cannot distribute exactly."""
     found = unsupported_features(model, blocks)
     if found:
@@ -66,10 +70,11 @@ def check_context_parallel_model(model: nn.Module, blocks: list[nn.Module], *, w
             f"These are not supported with context_parallel_size > 1 yet; {_FIX}."
         )
     parameters = inspect.signature(model.forward).parameters
-    if "position_ids" not in parameters:
+    if pipelined and "position_ids" not in parameters:
         raise ValueError(
-            f"{where}.forward({', '.join(parameters)}) takes no `position_ids`: under context parallelism each rank "
-            "holds a shard of every sequence, so positions computed inside the model would restart in every shard. "
+            f"{where}.forward({', '.join(parameters)}) takes no `position_ids`: under context parallelism with "
+            "pipeline parallelism each rank holds a shard of every sequence and runs part of the forward, so "
+            "positions computed inside the model would restart in every shard. "
             "Give its forward a `position_ids` argument (global positions of the tokens it receives), or "
             f"{_FIX}."
         )
