@@ -32,12 +32,12 @@ EXTRA_LAYOUTS = {
 LAYOUTS = ["tp2", "tp2_sp", "dp2_zero3", "pp2", "cp2_ring", "cp2_ulysses"]
 # Under CP: a rotary table built inside from torch.arange(T) is not made global (a learned table looked up with
 # torch.arange(T) is: torch_encoder); blocks whose parts the stack calls one by one, or through another method, and
-# blocks that compute no attention (a Mamba stack) are refused at setup or at the first forward.
+# blocks with a short convolution over the sequence (a Mamba stack) are refused at setup or at the first forward.
 POSITIONS = r"takes no `position_ids`, and under context parallelism .*: it read torch\.arange\(8\), which the package"
 CP_NOT_CALLED = (
     r"context parallelism routes each block's attention .* does not call model\.\S+\.0 \(\d+ of \d+ blocks\)"
 )
-NO_ATTENTION = r"block model\.mamba\.layers\.0 computed no attention through context parallelism"
+NO_ATTENTION = r"a convolution over the sequence \(nn\.Conv1d, a recurrent or convolutional mixer\) in block 0"
 HEADS_IN_PATTERN = r"views them as 4 heads, its whole head count, not this rank's \(\[2\]\)"
 NOTHING_SPLIT = r"nothing inside the blocks at 'model.mamba.layers' is split"
 NOT_CALLED = r"does not call it as a module \(it runs another of its methods\)"
