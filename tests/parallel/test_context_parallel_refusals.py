@@ -210,38 +210,42 @@ def test_blocks_the_forward_does_not_call_as_modules_are_refused(as_modules):
 class _Positions(torch.nn.Module):
     """A learned position table looked up with torch.arange(T), optionally with a rotary-like arange of its own."""
 
-    def __init__(self, extra_arange: bool, table: bool = True) -> None:
+    def __init__(self, extra_arange: bool, table: bool = True, cumsum: bool = False) -> None:
         super().__init__()
         self.embed, self.pos = torch.nn.Embedding(32, 4), torch.nn.Embedding(16, 4) if table else None
-        self.layers, self.extra = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), extra_arange
+        self.layers, self.extra, self.cumsum = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), extra_arange, cumsum
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         length = input_ids.shape[1]
         x = self.embed(input_ids)
-        if self.pos is not None:
-            x = x + self.pos(torch.arange(length))
+        if self.pos is not None:  # positions from arange, or counted another way (no arange of their own)
+            ids = torch.ones(length, dtype=torch.long).cumsum(0) - 1 if self.cumsum else torch.arange(length)
+            x = x + self.pos(ids)
         if self.extra:
             x = x * torch.arange(length)[:, None].float()
         return self.layers[0](x)
 
 
 @pytest.mark.parametrize(
-    "extra_arange, table, refusal",
+    "extra_arange, table, cumsum, refusal",
     [
-        (False, True, None),
-        (True, True, r"it read torch\.arange\(4\), which the package does not make global"),
-        (False, False, r"it looked up no position table with 0\.\.T-1"),
+        (False, True, False, None),
+        (False, True, True, None),
+        (True, True, False, r"it read torch\.arange\(4\), which the package does not make global"),
+        # the table's input is no arange, so the rotary-like arange is not taken for the table's own
+        (True, True, True, r"it read torch\.arange\(4\), which the package does not make global"),
+        (False, False, False, r"it looked up no position table with 0\.\.T-1"),
     ],
 )
 def test_a_learned_position_table_is_looked_up_by_global_position_and_other_reads_are_refused(
-    extra_arange, table, refusal
+    extra_arange, table, cumsum, refusal
 ):
     """Rank 1 of C=2 holds positions (2, 3, 4, 5) of 8 (zig-zag); set as the input-sharding hook sets them. The table
     is read at those rows (against the table itself), and a model that read positions any other way is refused at
     its first forward naming what it read."""
     from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
 
-    model = _Positions(extra_arange, table)
+    model = _Positions(extra_arange, table, cumsum)
     reads = PositionReads(length=4, positions=torch.tensor([2, 3, 4, 5]))
     seen = []
     if table:
@@ -256,3 +260,20 @@ def test_a_learned_position_table_is_looked_up_by_global_position_and_other_read
     torch.testing.assert_close(seen[0], model.pos.weight[2:6], rtol=0, atol=0)
     model(tokens)  # later forwards are no longer watched, and still read the global rows
     torch.testing.assert_close(seen[1], model.pos.weight[2:6], rtol=0, atol=0)
+
+
+def test_multihead_attention_asked_for_its_weights_is_refused():
+    """nn.MultiheadAttention's default need_weights=True cannot be honoured by the CP attention: refused, not ignored."""
+    from lightning_llm.parallel.cp.multihead import multi_head_attention
+
+    attention = torch.nn.MultiheadAttention(8, 2)
+    x = torch.randn(4, 1, 8)
+    args = (x, x, x, 8, 2, attention.in_proj_weight, attention.in_proj_bias, None, None, False, 0.0)
+    args += (attention.out_proj.weight, attention.out_proj.bias)
+    with pytest.raises(ValueError, match=r"called with need_weights=True \(attention weights cannot be returned\)"):
+        multi_head_attention(args, {"need_weights": True}, "block 0", lambda *a, **k: None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out, weights = multi_head_attention(args, {"need_weights": False}, "block 0", sdpa)
+    want, _ = attention(x, x, x, need_weights=False)
+    torch.testing.assert_close(out, want)
+    assert weights is None

@@ -8,7 +8,7 @@ projection. Written by hand because torch has no hook between its projections an
 
 What the CP attention cannot split exactly is refused by name: a padding mask, an attention mask that is not
 the causal hint (``is_causal=True`` with ``need_weights=False``, as the Transformer layers pass it), attention
-weights returned, ``bias_k``/``bias_v``, ``add_zero_attn``, static keys/values, and dropout while training.
+weights asked for (``need_weights=True``, ``nn.MultiheadAttention``'s default), ``bias_k``/``bias_v``, ``add_zero_attn``, static keys/values, and dropout while training.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _refusal(call: dict) -> str | None:
     checks = {
         "a key_padding_mask": call.get("key_padding_mask") is not None,
         "an attn_mask other than the causal hint": call.get("attn_mask") is not None and not causal_hint,
-        "need_weights=True": call.get("need_weights", True) and call.get("attn_mask") is not None,
+        "need_weights=True (attention weights cannot be returned)": call.get("need_weights", True),
         "bias_k / bias_v": call["bias_k"] is not None or call["bias_v"] is not None,
         "add_zero_attn=True": call["add_zero_attn"],
         "static_k / static_v": call.get("static_k") is not None or call.get("static_v") is not None,

@@ -10,9 +10,11 @@ reads for it.
 Anything else a first forward reads as "the first T/C positions" (another ``torch.arange(T/C)``: a rotary table
 built from it; a ``[:T/C]`` slice of a longer tensor: a cached rotary table, a causal-mask buffer) is not made
 global, so such a model is refused at its first forward, naming what was read and the fix (pass ``position_ids``);
-so is a model that read no position table at all (a recurrent or position-free stack). Rebuilding cached tables for
-global positions (OLMo-core, litgpt) is not attempted: a cache built from substituted positions would be wrong for
-the next call's slice. The package's own CP attention runs outside the watch (:func:`cp_own_code`).
+so is a model that read no position table at all (a recurrent or position-free stack). Cached tables built from
+``arange`` once and sliced later (OLMo-core, litgpt) are not rebuilt: substituting both the build and the slices
+would map the positions twice. The tables are found in the first forward (their input is exactly ``0..T/C-1``);
+later forwards substitute for those tables only, with no check on values (no host sync per step). The package's own
+CP attention runs outside the watch (:func:`cp_own_code`).
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ class PositionReads:
 
     length: int = 0
     positions: torch.Tensor | None = None
-    tables: list[str] = field(default_factory=list)
-    reads: list[str] = field(default_factory=list)
+    tables: set[int] = field(default_factory=set)  # id() of the embeddings found to be position tables
+    reads: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (what, its result), first forward only
+    fed_tables: list[torch.Tensor] = field(default_factory=list)  # the results a table was looked up with
     watching: bool = True  # only the first forward is recorded
     checked: bool = False
 
     def unexplained(self) -> list[str]:
-        """The reads that were not a replaced table lookup's own ``arange`` (one per table)."""
-        return self.reads[len(self.tables) :] if self.tables else self.reads
+        """The reads whose result was not itself a table's input (a rotary table's ``arange``, a cache's slice)."""
+        return [what for what, result in self.reads if not any(result is t for t in self.fed_tables)]
 
 
 def _local_range_end(args: tuple, kwargs: dict) -> object:
@@ -70,14 +73,15 @@ def _local_range_end(args: tuple, kwargs: dict) -> object:
 def _slices_first(tensor: torch.Tensor, key: object, length: int) -> bool:
     """Whether ``tensor[key]`` keeps the first ``length`` entries of a dimension longer than ``length``."""
     entries = key if isinstance(key, tuple) else (key,)
-    dims = [e for e in entries if e is not None and e is not Ellipsis]
+    if any(e is Ellipsis for e in entries):  # (not ``in``: entries may be tensors, compared by ``==``)
+        return False
+    dims = [e for e in entries if e is not None]
     for dim, entry in enumerate(dims[: tensor.dim()]):
         if (
             isinstance(entry, slice)
             and entry.start in (None, 0)
             and entry.step in (None, 1)
             and entry.stop == length
-            and Ellipsis not in entries
             and tensor.shape[dim] > length
         ):
             return True
@@ -93,13 +97,13 @@ class _WatchPositions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        state = self.state
+        state, result = self.state, func(*args, **kwargs)
         if not _IN_CP_CODE.get():
             if func is torch.arange and _local_range_end(args, kwargs) == state.length:
-                state.reads.append(f"torch.arange({state.length})")
+                state.reads.append((f"torch.arange({state.length})", result))
             elif func is torch.Tensor.__getitem__ and _slices_first(args[0], args[1], state.length):
-                state.reads.append(f"a [:{state.length}] slice of a {tuple(args[0].shape)} tensor")
-        return func(*args, **kwargs)
+                state.reads.append((f"a [:{state.length}] slice of a {tuple(args[0].shape)} tensor", result))
+        return result
 
 
 def _is_local_range(ids: object, length: int) -> bool:
@@ -125,11 +129,14 @@ def global_position_tables(
     handles: list[RemovableHandle] = []
 
     def lookup(module: nn.Module, args: tuple):
+        if reads.positions is None or not args or not isinstance(args[0], torch.Tensor):
+            return None
         with cp_own_code():
-            if reads.positions is None or not args or not _is_local_range(args[0], reads.length):
+            if reads.watching and _is_local_range(args[0], reads.length):  # the first forward finds the tables
+                reads.tables.add(id(module))
+                reads.fed_tables.append(args[0])
+            if id(module) not in reads.tables or args[0].shape[-1] != reads.length:
                 return None
-            if reads.watching:
-                reads.tables.append(type(module).__name__)
             return (reads.positions.to(args[0].device, args[0].dtype).expand_as(args[0]), *args[1:])
 
     for module in model.modules():
@@ -155,7 +162,9 @@ def _watch_first_forward(model: nn.Module, reads: PositionReads, where: str) -> 
     def check(module, args, output):  # the first forward decides; later ones run unwatched
         if not reads.checked:
             reads.checked = True
-            _refuse_unexplained(reads, where, model)
+            unexplained = reads.unexplained()
+            reads.reads, reads.fed_tables = [], []  # the first forward's tensors are not kept
+            _refuse_unexplained(reads, unexplained, where, model)
 
     # Entered after the input-sharding hook (which sets the length), left before the output is gathered.
     return [
@@ -165,8 +174,7 @@ def _watch_first_forward(model: nn.Module, reads: PositionReads, where: str) -> 
     ]
 
 
-def _refuse_unexplained(reads: PositionReads, where: str, model: nn.Module) -> None:
-    unexplained = reads.unexplained()
+def _refuse_unexplained(reads: PositionReads, unexplained: list[str], where: str, model: nn.Module) -> None:
     if reads.tables and not unexplained:
         return
 

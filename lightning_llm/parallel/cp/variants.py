@@ -4,7 +4,7 @@ The CP attention (:mod:`.attention`) computes plain softmax attention, causal or
 model whose attention adds anything per (query, key) pair that this does not know about would be silently wrong, so
 each such feature is recognised from the config and the modules (never class names) and refused before training:
 softcapped logits, ALiBi / position biases, attention sinks, attention dropout (not reproducible across shards),
-a ``nn.Conv1d`` inside a block (the short convolution of Mamba, Mamba-2, gated delta-net and short-convolution
+a ``nn.Conv1d`` wider than one step inside a block (the short convolution of Mamba, Mamba-2, gated delta-net and short-convolution
 mixers: beside attention in the same block, as in Falcon-H1, that mixer would see only this rank's shard while the
 attention passes the first-forward check),
 sliding windows outside Hugging Face's attention registry (there each layer hands its window to the CP attention).
@@ -57,7 +57,7 @@ def unsupported_features(model: nn.Module, blocks: list[nn.Module]) -> list[str]
                 found.append(f"ALiBi / position-bias argument {alibi_argument(module)!r} in {where}")
             if any(p.split(".")[-1] in ("sinks", "attention_sinks") for p, _ in module.named_parameters(recurse=False)):
                 found.append(f"attention sinks in {where}")
-            if isinstance(module, nn.Conv1d):  # Mamba / Mamba-2, gated delta-net, short convolutions: over the sequence
+            if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # Mamba(-2), gated delta-net, short convs
                 found.append(
                     f"a convolution over the sequence (nn.Conv1d, a recurrent or convolutional mixer) in {where}"
                 )
