@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm._compat.torch_distributed import local_tensor
+from lightning_llm.modeling.structure import sequence_mixers
 
 
 @dataclass
@@ -32,11 +33,16 @@ class BlockActivations:
             Other tensor arguments (rotary tables, masks) are shared by all blocks and counted in none.
         op: with selective per-operator checkpointing (input + outputs the policy saves);
             ``None`` when not measured.
+        mixers: of ``saved``, the bytes saved inside the block's sequence mixers other than attention
+            (:func:`~lightning_llm.modeling.structure.sequence_mixers`): context parallelism runs those on whole
+            sequences, so they are not split C ways when the micro-batch is not
+            (:mod:`lightning_llm.parallel.cp.gathered`).
     """
 
     saved: int
     input: int
     op: int | None = None
+    mixers: int = 0
 
 
 class MeasuredBlocks(list):
@@ -72,6 +78,7 @@ class BlockTally:
         self.keep = keep  # False: hand autograd a stand-in, so the pass holds one block's activations at most
         self.params = {storage_of(p) for p in params}
         self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
+        self.mixers, self.in_mixer = [0] * num_blocks, 0  # bytes saved inside sequence mixers; how deep in them
         self.ran = [False] * num_blocks
         self.outside = 0
         self._outside: dict[StorageWeakRef, torch.Tensor] = {}
@@ -104,6 +111,8 @@ class BlockTally:
         elif ref not in self.params and ref not in self._shared and ref not in self._saved:
             self._saved[ref] = t
             self.saved[self.current] += _nbytes(t)
+            if self.in_mixer:
+                self.mixers[self.current] += _nbytes(t)
         return t if self.keep else _Dropped()
 
     def op_output(self, out) -> None:
@@ -114,7 +123,8 @@ class BlockTally:
 
     def result(self, with_op: bool) -> MeasuredBlocks:
         blocks = MeasuredBlocks(
-            BlockActivations(s, i, o if with_op else None) for s, i, o in zip(self.saved, self.input, self.op)
+            BlockActivations(s, i, o if with_op else None, m)
+            for s, i, o, m in zip(self.saved, self.input, self.op, self.mixers)
         )
         blocks.outside = self.outside
         return blocks
@@ -148,6 +158,15 @@ def counting(blocks: Sequence[nn.Module], tally: BlockTally, saves_output: Calla
             post = block.register_forward_hook(lambda m, a, o: tally.leave())
             stack.callback(pre.remove)
             stack.callback(post.remove)
+            for mixer in sequence_mixers(block):
+                handles = (
+                    mixer.register_forward_pre_hook(lambda *_: setattr(tally, "in_mixer", tally.in_mixer + 1)),
+                    mixer.register_forward_hook(
+                        lambda *_: setattr(tally, "in_mixer", tally.in_mixer - 1), always_call=True
+                    ),
+                )
+                stack.callback(handles[0].remove)
+                stack.callback(handles[1].remove)
         stack.enter_context(
             torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
         )

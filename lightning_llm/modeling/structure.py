@@ -9,7 +9,9 @@ inside the blocks), the one holding the most parameters is the blocks.
 
 The forward runs once on fake parameters (nothing is allocated; a model on the meta device works) with the user's
 own input, through the caller's function (a ``training_step``), with module-level forward hooks
-(``torch.nn.modules.module.register_module_forward_pre_hook``) recording each call and the call it is made from.
+(``torch.nn.modules.module.register_module_forward_pre_hook``) recording each call and the call it is made from,
+and a ``TorchFunctionMode`` recording which calls run attention (context parallelism routes those blocks' attention
+and runs the other sequence mixers on the gathered sequence).
 
 Example::
 
@@ -24,19 +26,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 @dataclass(frozen=True)
 class Call:
-    """One module call: the module's name in the traced root and the index of the call it was made from."""
+    """One module call: the module's name in the traced root, the index of the call it was made from, and whether
+    attention (``scaled_dot_product_attention`` or ``multi_head_attention_forward``) ran in it, outside its callees."""
 
     name: str
     caller: int | None
+    attends: bool = False
 
 
 @dataclass
@@ -48,6 +54,7 @@ class TracedBlocks:
     caller: str = ""
     calls: dict[str, list[str]] = field(default_factory=dict)  # block -> the modules called in it, outermost
     called: set[str] = field(default_factory=set)  # every module the forward called
+    attends: set[str] = field(default_factory=set)  # the modules attention ran in (not counting their callees)
 
     def whole_container(self, root: nn.Module) -> bool:
         """Whether the blocks are every entry of their container, in the container's order."""
@@ -85,13 +92,28 @@ def trace_calls(root: nn.Module, run: Callable[[], Any]) -> list[Call]:
         if names.get(id(module)) is not None and stack:
             stack.pop()
 
+    attending: set[int] = set()
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
     try:
-        run()
+        with _AttentionCalls(lambda: attending.add(stack[-1]) if stack else None):
+            run()
     finally:
         for handle in handles:
             handle.remove()
-    return calls
+    return [Call(c.name, c.caller, True) if i in attending else c for i, c in enumerate(calls)]
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """Calls ``seen()`` for each attention call (what context parallelism routes; an eager softmax is not seen)."""
+
+    def __init__(self, seen: Callable[[], None]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward:
+            self.seen()
+        return func(*args, **(kwargs or {}))
 
 
 def _entry(root: nn.Module, caller: str, name: str) -> tuple[str, str]:
@@ -153,6 +175,7 @@ def blocks_from_calls(root: nn.Module, calls: list[Call]) -> TracedBlocks | None
         return None
     blocks = max(candidates, key=lambda run: (_numel(root, run.names), len(run.names)))
     blocks.called = {c.name for c in calls}
+    blocks.attends = {c.name for c in calls if c.attends}
     return blocks
 
 
@@ -191,3 +214,19 @@ def traced_blocks(root: nn.Module, run: Callable[[Callable[[Any], Any]], Any]) -
 
 def _to(device: torch.device) -> Callable[[Any], Any]:
     return lambda data: move_data_to_device(data, device)
+
+
+def sequence_mixers(block: nn.Module) -> list[nn.Module]:
+    """The children of ``block`` holding an ``nn.Conv1d`` wider than one step: the short convolution every Mamba,
+    Mamba-2, gated delta-net and short-convolution mixer runs over the sequence.
+
+    Example::
+
+        sequence_mixers(falcon_h1.model.layers[0])   # [FalconH1Mixer]
+    """
+    return [child for child in block.children() if any(map(is_sequence_conv, child.modules()))]
+
+
+def is_sequence_conv(module: nn.Module) -> bool:
+    """An ``nn.Conv1d`` wider than one step (a convolution over the sequence, not a pointwise projection)."""
+    return isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1

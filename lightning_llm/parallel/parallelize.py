@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from lightning_llm.modeling.blocks import BlocksOverride, FoundBlocks, found_blocks, loose_blocks
+from lightning_llm.modeling.structure import TracedBlocks
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.block_units import (
     block_entries,
@@ -79,8 +80,7 @@ def parallelize(
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | None = None,
     blocks: FoundBlocks | BlocksOverride = None,
-    block_calls: dict[str, list[str]] | None = None,
-    called: set[str] | None = None,
+    traced: TracedBlocks | None = None,
     cpu_offload: bool = False,
     compile_blocks: bool = False,
     activation_checkpointing=None,
@@ -94,7 +94,9 @@ def parallelize(
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``blocks``: the :class:`~lightning_llm.modeling.blocks.FoundBlocks` the strategy found, or what ``find_blocks``
-    takes. ``activation_checkpointing``: ``(blocks, entries) -> None``, applied between TP and FSDP to the modules
+    takes. ``traced``: the blocks as the traced forward ran them (:mod:`~lightning_llm.modeling.structure`: slots
+    called one by one, the modules called, those that ran attention), or ``None`` without a trace.
+    ``activation_checkpointing``: ``(blocks, entries) -> None``, applied between TP and FSDP to the modules
     each block is entered through. The other arguments are the strategy's options of the same names.
 
     Example::
@@ -106,12 +108,13 @@ def parallelize(
     found = found_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=found.name, num_blocks=len(found.blocks), zero_stage=zero_stage)
     pipelined = pipeline is not None and dims.pp > 1
+    block_calls = traced.bypassed() if traced is not None else None
     units = Units(found, block_entries(found.name, found.blocks, block_calls, module), list(found.blocks))
     units.shared = check_layout(module, units, dims, report, pipelined=pipelined, fp8=fp8)
     if expert_parallel_size > 1:
         units.ep_split = check_expert_parallel_model(module, expert_parallel_size, expert_parallel_plan)
     plan_splits(
-        module, units, dims, report, tensor_parallel_plan, tensor_parallel_replicate, called, context_parallel_method
+        module, units, dims, report, tensor_parallel_plan, tensor_parallel_replicate, traced, context_parallel_method
     )
     if pipelined:
         cut_pipeline(module, units, dims, pipeline, report)
@@ -189,7 +192,7 @@ def plan_splits(
     report: ParallelizeReport,
     user_plan: dict[str, str] | None,
     replicate: list[str] | None,
-    called: set[str] | None,
+    traced: TracedBlocks | None,
     context_parallel_method: str,
 ) -> None:
     """The tensor-parallel plan, planned on the whole model (its errors do not depend on the pipeline rank), and
@@ -206,19 +209,20 @@ def plan_splits(
             replicate=replicate or (),
             expert_parallel=units.ep_split,
         )
-        if called is not None:
-            refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, called)
+        if traced is not None:
+            refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, traced.called)
     if dims.cp > 1:
-        if called is not None:
-            refuse_blocks_not_called(found.name, found.blocks, called)
+        if traced is not None:
+            refuse_blocks_not_called(found.name, found.blocks, traced.called)
         report.context_parallel = apply_context_parallel(
             module,
             blocks_name=found.name,
-            blocks=list(found.blocks),
+            blocks=found.blocks,
             cp_mesh=dims.mesh["cp"],
             method=context_parallel_method,
             tp=dims.tp,
             pipelined=dims.pp > 1,
+            attends=traced.attends if traced is not None else None,
         )
 
 

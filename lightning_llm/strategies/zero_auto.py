@@ -39,6 +39,7 @@ def model_footprint(
     precision: str = "32-true",
     ac_options: ACOptions | None = None,
     expert_parallel_plan: dict[str, str] | None = None,
+    cp: int = 1,
 ) -> ModelFootprint:
     """Parameter counts and activation bytes of ``module`` under each checkpointing mode, on fake tensors.
 
@@ -52,6 +53,11 @@ def model_footprint(
     (:mod:`lightning_llm.modeling.optimizer_state`); the MoE experts are found as expert parallelism finds them
     (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
+    The planner divides activations by the context-parallel size ``cp``; sequence mixers other than attention
+    (Mamba, gated delta-net, short convolutions) run on whole sequences under CP, split by batch rows only when the
+    micro-batch divides by ``cp`` (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes
+    are then counted ``cp`` times, so that the division leaves them whole.
+
     Example::
 
         with torch.device("meta"):
@@ -62,10 +68,11 @@ def model_footprint(
     sizes = measure_model_activations(
         module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, saves_output=saves_output
     )
-    saved, inputs = [s.saved for s in sizes], [s.input for s in sizes]
+    whole = cp - 1 if micro_batch_size % cp else 0  # the mixers' extra copies, before the planner divides by cp
+    saved, inputs = [s.saved + whole * s.mixers for s in sizes], [s.input for s in sizes]
     options = ac_options or ACOptions()
     policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
-    kept = {"none": saved, "full": inputs, "op": [s.saved if s.op is None else s.op for s in sizes]}
+    kept = {"none": saved, "full": inputs, "op": [s.saved if s.op is None else s.op + whole * s.mixers for s in sizes]}
     selective = [kept[policy][i] for i, policy in enumerate(policies)]
     around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
     return ModelFootprint(
@@ -103,6 +110,7 @@ def choose_zero_stage(
         precision=precision,
         ac_options=ac_options,
         expert_parallel_plan=expert_parallel_plan,
+        cp=options.get("cp", 1),
     )
     return plan_zero_stage(footprint, precision=precision, **options)
 

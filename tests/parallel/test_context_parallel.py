@@ -73,7 +73,7 @@ RUNS = [
 def _every_method(runs):
     """All runs in one spawned group (each call initializes the group once), then the masked cases."""
     results = [_attention_matches_sdpa(CASES, method, dtype) for method, dtype, _ in runs]
-    return results, _masked_attention_matches_sdpa(MASKED)
+    return results, _masked_attention_matches_sdpa(MASKED), _mixers_match_one_process(MIXER_CASES)
 
 
 # (window, packed documents): Hugging Face's sliding window (key k visible to query q iff q - window < k <= q),
@@ -128,7 +128,7 @@ def test_attention_of_shards_equals_sdpa_on_the_whole_sequence():
     attention; the ring's flash kernel needs one head size): outputs and q/k/v gradients
     match full SDPA (float64 1e-12, float32 1e-5); each rank's kernel computed exactly its own queries, each query
     chunk over only the keys up to its diagonal."""
-    for rank, (per_run, _) in enumerate(_results()):
+    for rank, (per_run, *_) in enumerate(_results()):
         for (method, dtype, tolerance), results in zip(RUNS, per_run):
             for (heads, kv_heads, seq, causal, *_), (error, queries, own, calls) in zip(CASES, results):
                 label = (method, dtype, rank, heads, kv_heads, seq, causal)
@@ -148,7 +148,7 @@ def test_sliding_windows_and_packed_documents_are_applied_by_global_position():
     """A sliding window, packed documents and both, through the CP attention at C=2: output and q/k/v gradients equal
     SDPA with the whole-sequence mask (float64, 1e-12); each query chunk's kernel call reads only the keys from its
     window's left edge to its diagonal (chunk 4 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2)."""
-    for rank, (_, masked) in enumerate(_results()):
+    for rank, (_, masked, _) in enumerate(_results()):
         for (window, packed), (error, calls) in zip(MASKED, masked):
             assert error < 1e-12, (rank, window, packed, error)
             starts = [positions[0] for positions, _ in calls]
@@ -156,3 +156,79 @@ def test_sliding_windows_and_packed_documents_are_applied_by_global_position():
             # keys from max(0, start - window + 1) to the chunk's end
             want = [start + 4 - (max(0, start - window + 1) if window else 0) for start in starts]
             assert [keys for _, keys in calls] == want, (rank, window, calls)
+
+
+class _Recurrent(torch.nn.Module):
+    """A causal depthwise convolution and a decaying running sum over the sequence, per sample: a sequence mixer
+    that is not attention. Records the (batch, seq) it computes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(6, 6, 3, groups=6, padding=2, dtype=torch.float64)
+        self.proj = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.seen: list[tuple[int, int]] = []
+
+    def forward(self, x, mask=None, bias=None, scale=None):
+        self.seen.append(tuple(x.shape[:2]))
+        h = self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        h = h if mask is None else h * mask[..., None]
+        h = h if bias is None else h + bias
+        h = h if scale is None else h * scale[:, None]
+        decay = 0.9 ** torch.arange(x.shape[1], dtype=x.dtype)
+        return self.proj(torch.cumsum(h / decay[:, None], dim=1) * decay[:, None]), h.sum()
+
+
+# (batch, extra inputs): batch 2 splits by rows (each rank whole sequences of one row), batch 1 and an input with the
+# batch dimension but no sequence (``scale``) gather the sequence instead; ``bias`` is broadcast over the batch.
+MIXER_CASES = [(2, ()), (1, ()), (2, ("mask", "bias")), (2, ("scale",))]
+
+
+def _mixers_match_one_process(cases):
+    """A module run on whole sequences through the hooks against the same module on the whole batch, one process:
+    (max error of outputs, input and parameter gradients; the (batch, seq) it computed on)."""
+    from lightning_llm.parallel.cp.gathered import GatheredMixer, gather_mixers
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cp, results, seq = CPGroup(dist.group.WORLD, size, rank), [], 16
+    pos = zigzag_positions(seq, size, rank)
+    for batch, extras in cases:
+        torch.manual_seed(0)
+        module = _Recurrent()
+        gen = torch.Generator().manual_seed(batch)
+        x, grad_out = (torch.randn(batch, seq, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+        inputs = {"mask": (torch.rand(batch, seq, generator=gen) > 0.2).double(),
+                  "bias": torch.randn(1, seq, 6, generator=gen, dtype=torch.float64),
+                  "scale": torch.rand(batch, 1, generator=gen, dtype=torch.float64)}  # fmt: skip
+        kwargs = {name: inputs[name] for name in extras}
+        full = x.clone().requires_grad_()
+        want, _ = module(full, **kwargs)
+        want.backward(grad_out)
+        ref_grads = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+        handles = gather_mixers([GatheredMixer("mixer", module, whole_block=False)], cp)
+        local = x[:, pos].clone().requires_grad_()
+        shard = lambda t: t[:, pos] if t.shape[1] == seq else t  # noqa: E731
+        got, _ = module(local, **{k: shard(v) for k, v in kwargs.items()})
+        got.backward(grad_out[:, pos])
+        for handle in handles:
+            handle.remove()
+        grads = [p.grad.clone() for p in module.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad)  # each rank's part of the parameter gradients (what data parallelism sums)
+        errors = [(got - want[:, pos]).abs().max(), (local.grad - full.grad[:, pos]).abs().max()]
+        errors += [(g - r).abs().max() for g, r in zip(grads, ref_grads)]
+        results.append((max(e.item() for e in errors), module.seen[-1]))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_mixer_on_whole_sequences_matches_one_process():
+    """Other sequence mixers under CP (:mod:`lightning_llm.parallel.cp.gathered`): outputs, input gradients and the
+    parameter gradients summed over the ranks equal one process on the whole batch (float64, 1e-12); with the batch
+    divisible by C each rank computes whole sequences of its own rows (batch / C), else the whole gathered batch."""
+    for rank, (*_, mixers) in enumerate(_results()):
+        for (batch, extras), (error, seen) in zip(MIXER_CASES, mixers):
+            assert error < 1e-12, (rank, batch, extras, error)
+            split = batch % 2 == 0 and "scale" not in extras
+            assert seen == ((batch // 2 if split else batch), 16), (rank, batch, extras, seen)

@@ -3,7 +3,8 @@ reference model, fp32, 10 steps: per-step loss and every parameter within 1e-5 r
 bit-identical on every rank that holds them, and each rank's attention kernel computing exactly its own zig-zag
 queries (Ulysses: every position, for half the heads). Attention masked by global position too: Mistral's sliding
 window and the reference model on packed documents (document ids from a token file); latent attention with value
-heads narrower than query/key heads (DeepSeek-V3's MLA) by ring and Ulysses; zero_stage="auto" under cp2
+heads narrower than query/key heads (DeepSeek-V3's MLA) by ring and Ulysses; hybrid stacks whose Mamba-2 and gated
+delta-net mixers run on the gathered sequence (Falcon-H1, Bamba, Qwen3-Next, Jamba); zero_stage="auto" under cp2
 plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
 ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
 cp2 + "auto"; on 4 ranks cp2 × tp2 (+ ZeRO-3 over the CP ranks), cp2 × tp2 + sequence parallelism (the sequence
@@ -30,8 +31,11 @@ from lightning_llm.strategies.zero_auto import model_footprint
 from lightning_llm.testing import run_distributed
 from tests.strategies import _parity
 from tests.strategies._parity import assert_parity
-from tests.zoo import _harness, _models_attention  # noqa: F401 (registers the attention variants' models)
+from tests.zoo import _harness, _models_attention, _models_hybrid, _models_more  # noqa: F401 (registers the attention variants' models)
 from tests.zoo._models import ZooLM
+
+_models_hybrid.register()
+_models_more.register()
 
 pytestmark = [pytest.mark.distributed]
 
@@ -53,13 +57,22 @@ MODELS = ["llama", "gpt_neox", "reference"]
 MASKED = {"mistral": ["cp2_zero3", "cp2_ulysses_zero3"], "reference_documents": ["cp2", "cp2_ulysses_zero3"]}
 # Latent attention (DeepSeek-V3's MLA): value heads (16) narrower than query/key heads (20), by ring and by Ulysses.
 LATENT = {"deepseek_v3_mla": ["cp2", "cp2_ulysses_zero3"]}
+# Hybrid stacks: their Mamba-2 / gated delta-net mixers run on the gathered sequence, attention by the ring or
+# Ulysses. Falcon-H1 (Mamba-2 beside attention in every block), Bamba (Mamba-2 layers between attention layers),
+# Qwen3-Next (gated delta-net layers, MoE) and Jamba (Mamba layers, MoE).
+HYBRID = {
+    "falcon_h1": ["cp2", "cp2_ulysses_zero3", "cp2_tp2_sp"],  # SP: the mixer's input is a DTensor over tp
+    "bamba": ["cp2_zero3", "cp2_pp2"],
+    "qwen3_next": ["cp2_ulysses_zero3"],
+    "jamba": ["cp2_zero3_ac"],
+}
 ONE_MODEL = {
     "cp2_auto": ["llama"],
     "cp2_tp2_sp": ["llama", "reference"],
     "cp2_pp2": ["llama", "reference"],
 }  # layouts trained on fewer models
 CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
-CASES += [(layout, name) for name, layouts in {**MASKED, **LATENT}.items() for layout in layouts]
+CASES += [(layout, name) for name, layouts in {**MASKED, **LATENT, **HYBRID}.items() for layout in layouts]
 STEPS = _parity.STEPS  # 10 optimizer steps for every model (the zoo's default is 4)
 REFERENCE_SEQ = 32  # the reference model reads seq_len + 1 tokens and trains on 32; the zoo trains on 16
 

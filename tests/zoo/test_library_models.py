@@ -37,7 +37,9 @@ POSITIONS = r"takes no `position_ids`, and under context parallelism .*: it read
 CP_NOT_CALLED = (
     r"context parallelism routes each block's attention .* does not call model\.\S+\.0 \(\d+ of \d+ blocks\)"
 )
-NO_ATTENTION = r"a convolution over the sequence \(nn\.Conv1d, a recurrent or convolutional mixer\) in block 0"
+NO_ATTENTION = (
+    r"takes no `position_ids`, .*: it looked up no position table with 0\.\.T-1 \(a recurrent or position-free"
+)
 HEADS_IN_PATTERN = r"views them as 4 heads, its whole head count, not this rank's \(\[2\]\)"
 NOTHING_SPLIT = r"nothing inside the blocks at 'model.mamba.layers' is split"
 NOT_CALLED = r"does not call it as a module \(it runs another of its methods\)"

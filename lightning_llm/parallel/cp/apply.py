@@ -7,7 +7,8 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llm.modeling.blocks import block_names
+from lightning_llm.modeling.blocks import BlockStack, block_names
+from lightning_llm.parallel.cp.gathered import GatheredMixer, gather_mixers, gathered_mixers, inside
 from lightning_llm.parallel.cp.interception import route_attention
 from lightning_llm.parallel.cp.layout import CPGroup
 from lightning_llm.parallel.cp.sharding import shard_model_io
@@ -69,12 +70,13 @@ def refuse_blocks_not_called(blocks_name: str, blocks, called: set[str]) -> None
         )
 
 
-def _check_heads(module: nn.Module, blocks: list[nn.Module], cp: int, tp: int) -> None:
-    """Ulysses: refuse, at setup, query head counts that do not divide by cp × tp."""
+def _check_heads(module: nn.Module, blocks: list[nn.Module], cp: int, tp: int, mixers: list[GatheredMixer]) -> None:
+    """Ulysses: refuse, at setup, query head counts that do not divide by cp × tp (gathered mixers keep theirs)."""
     config = model_config(module)
+    kept = {id(m) for mixer in mixers for m in mixer.module.modules()}
     for block in blocks:
         for attention in filter(is_attention, block.modules()):
-            heads = head_count(attention, config)
+            heads = head_count(attention, config) if id(attention) not in kept else None
             if heads is not None:
                 check_ulysses_heads(heads, None, cp, tp)
 
@@ -83,13 +85,17 @@ def apply_context_parallel(
     module: nn.Module,
     *,
     blocks_name: str,
-    blocks: list[nn.Module],
+    blocks: BlockStack,
     cp_mesh: DeviceMesh,
     method: str = "ring",
     tp: int = 1,
     pipelined: bool = False,
+    attends: set[str] | None = None,
 ) -> str:
     """Split every sequence over ``cp_mesh`` from the embedding to the output (in place); returns a report line.
+
+    ``attends``: the modules the traced forward ran attention in (``TracedBlocks.attends``); other sequence mixers
+    run on the gathered sequence (:mod:`.gathered`).
 
     Example::
 
@@ -100,11 +106,30 @@ def apply_context_parallel(
     check_method(method)
     check_context_parallel(module, blocks_name=blocks_name, blocks=blocks, pipelined=pipelined)
     name, model = context_parallel_model(module, blocks_name)
+    names, blocks = block_names(blocks_name, blocks), list(blocks)
+    mixers = gathered_mixers(names, blocks, attends)
     if method == "ulysses":
-        _check_heads(model, blocks, cp_mesh.size(), tp)
+        _check_heads(model, blocks, cp_mesh.size(), tp, mixers)
     cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), method)
-    route = route_attention(model, blocks, cp, blocks_name=blocks_name)
+    unrouted = {i for i, n in enumerate(names) if attends is not None and not any(inside(a, n) for a in attends)}
+    route = route_attention(model, blocks, cp, blocks_name=blocks_name, unrouted=unrouted)
+    gather_mixers(mixers, cp)
     shard_model_io(model, cp, blocks, where=name)
     line = f"Applied context parallel (cp={cp.size}, {method}, zig-zag shards) to {len(blocks)} blocks via {route}"
+    if mixers:
+        kinds = sorted({type(m.module).__name__ for m in mixers})
+        plural = "s" if len(mixers) > 1 else ""
+        line += f"; {len(mixers)} other sequence mixer{plural} ({', '.join(kinds)}) on the gathered sequence"
     log.info(line)
+    _warn_whole_blocks([m.name for m in mixers if m.whole_block], len(blocks))
     return line
+
+
+def _warn_whole_blocks(names: list[str], total: int) -> None:
+    if names:
+        log.warning(
+            f"{names[0]} ({len(names)} of {total} blocks) ran no attention call context parallelism can split "
+            "(scaled_dot_product_attention, nn.MultiheadAttention, Hugging Face's attention functions): each such block runs whole on the gathered sequence on every rank "
+            "(exact, but not split). An eager softmax attention in it is split once it calls "
+            "F.scaled_dot_product_attention."
+        )

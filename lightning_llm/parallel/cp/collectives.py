@@ -1,4 +1,4 @@
-"""Autograd-aware gathers of sequence shards over the context-parallel group (gloo and NCCL alike).
+"""Autograd-aware gathers of sequence shards and all-to-alls over the context-parallel group (gloo and NCCL alike).
 
 Two gathers differ only in their backward, which follows from who uses the gathered tensor:
 
@@ -52,3 +52,30 @@ def gather_sequence(
         k_full = gather_sequence(k_local, cp, dim=-2, backward="sum")   # (batch, heads, seq, head_dim)
     """
     return _GatherSequence.apply(shard, dim % shard.dim(), cp, backward)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Slot ``c`` of dim 0 goes to rank ``c``; the received slot ``c`` came from rank ``c``. Its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+        ctx.cp = cp
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=cp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.cp.group)
+        return out, None
+
+
+def all_to_all(slots: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """Send slot ``c`` of dim 0 (``cp.size`` slots) to rank ``c``; slot ``c`` of the result came from rank ``c``.
+
+    Example::
+
+        received = all_to_all(x.reshape(cp.size, -1, *x.shape[1:]), cp)
+    """
+    return _AllToAll.apply(slots, cp)

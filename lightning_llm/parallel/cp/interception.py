@@ -9,7 +9,9 @@
   ``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is redirected whole (:mod:`.multihead`).
 
 Either way each block must have routed at least one attention call through CP by the end of its forward; a block
-that computed attention some other way (an eager softmax) would see only its shard's keys, so it is refused.
+that computed attention some other way (an eager softmax) would see only its shard's keys, so it is refused. Blocks
+the traced forward ran no attention in are not routed: their mixers run on the gathered sequence (:mod:`.gathered`),
+where an attention call computes plain attention over the whole sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_llm._compat.transformers import attention_implementation
 from lightning_llm.parallel.cp.attention import context_parallel_attention
+from lightning_llm.parallel.cp.gathered import in_gathered
 from lightning_llm.parallel.cp.layout import CPGroup
 from lightning_llm.parallel.cp.masks import VisibleKeys
 from lightning_llm.parallel.cp.multihead import multi_head_attention
@@ -62,6 +65,8 @@ def _count_call() -> None:
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention-function signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+    if in_gathered():  # the whole sequence is here: plain attention
+        return _plain_hf_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     cp = _GROUPS.get(module)
     if cp is None:
         raise RuntimeError(f"{type(module).__name__} runs context-parallel attention but was not set up for it.")
@@ -87,6 +92,19 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
+def _plain_hf_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"{type(module).__name__} runs sliding-window attention inside a module context parallelism runs on the "
+            "gathered sequence; use context_parallel_size=1 for this model."
+        )
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
 class _SDPARouter(TorchFunctionMode):
     """Redirects ``F.scaled_dot_product_attention`` calls to the CP attention while a block's forward runs."""
 
@@ -96,6 +114,8 @@ class _SDPARouter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if in_gathered():  # the whole sequence is here: the model's own call is exact
+            return func(*args, **kwargs)
         if func is F.multi_head_attention_forward:  # its own SDPA call would run with this mode off
             _count_call()
             return multi_head_attention(args, kwargs, self.where, partial(attend, cp=self.cp))
@@ -151,8 +171,12 @@ def _block_hooks(block: nn.Module, where: str, router: _SDPARouter | None) -> li
     return [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
 
 
-def route_attention(model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, blocks_name: str) -> str:
+def route_attention(
+    model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, blocks_name: str, unrouted: set[int] = frozenset()
+) -> str:
     """Make every block of ``model`` compute attention with CP; returns how ("transformers registry"/"SDPA").
+
+    ``unrouted``: the indices of blocks that run no attention (their mixers compute on the gathered sequence).
 
     Example::
 
@@ -164,6 +188,8 @@ def route_attention(model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, b
             for module in block.modules():
                 _GROUPS[module] = cp
     for index, block in enumerate(blocks):
+        if index in unrouted:
+            continue
         where = f"block {blocks_name}.{index}"
         _block_hooks(block, where, None if hf else _SDPARouter(cp, where))
     return "transformers attention registry" if hf else "SDPA inside the blocks"

@@ -12,36 +12,19 @@ redone before the second, so the attention itself sees tokens in global order.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_llm.parallel.cp.attention import observe_queries
+from lightning_llm.parallel.cp.collectives import all_to_all
 from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global
-
-
-class _AllToAll(torch.autograd.Function):
-    """Slot ``c`` of dim 0 goes to rank ``c``; the received slot ``c`` came from rank ``c``. Its own adjoint."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-        ctx.cp = cp
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=cp.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.cp.group)
-        return out, None
 
 
 def _to_heads(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """(batch, heads, seq / C, dim) zig-zag shard -> (batch, heads / C, seq, dim) in global order."""
     b, h, n, d = x.shape
     slots = x.reshape(b, cp.size, h // cp.size, n, d).transpose(0, 1).contiguous()
-    received = _AllToAll.apply(slots, cp)  # slot c: rank c's tokens, for this rank's heads
+    received = all_to_all(slots, cp)  # slot c: rank c's tokens, for this rank's heads
     full = received.permute(1, 2, 0, 3, 4).reshape(b, h // cp.size, cp.size * n, d)
     return full.index_select(2, gathered_to_global(cp.size * n, cp.size, x.device))
 
@@ -51,7 +34,7 @@ def _to_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     b, hc, seq, d = x.shape
     order = torch.argsort(gathered_to_global(seq, cp.size, x.device))  # global -> ranks' shards, rank 0 first
     slots = x.index_select(2, order).reshape(b, hc, cp.size, seq // cp.size, d).permute(2, 0, 1, 3, 4).contiguous()
-    received = _AllToAll.apply(slots, cp)  # slot c: this rank's tokens, for rank c's heads
+    received = all_to_all(slots, cp)  # slot c: this rank's tokens, for rank c's heads
     return received.transpose(0, 1).reshape(b, cp.size * hc, seq // cp.size, d)
 
 

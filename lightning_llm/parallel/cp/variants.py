@@ -1,12 +1,10 @@
 """Attention variants context parallelism cannot yet distribute exactly, refused at setup by name.
 
+Recurrent and convolutional mixers are not refused: they run on the gathered sequence (:mod:`.gathered`).
 The CP attention (:mod:`.attention`) computes plain softmax attention, causal or not, by global position. A
 model whose attention adds anything per (query, key) pair that this does not know about would be silently wrong, so
 each such feature is recognised from the config and the modules (never class names) and refused before training:
 softcapped logits, ALiBi / position biases, attention sinks, attention dropout (not reproducible across shards),
-a ``nn.Conv1d`` wider than one step inside a block (the short convolution of Mamba, Mamba-2, gated delta-net and short-convolution
-mixers: beside attention in the same block, as in Falcon-H1, that mixer would see only this rank's shard while the
-attention passes the first-forward check),
 sliding windows outside Hugging Face's attention registry (there each layer hands its window to the CP attention).
 A forward without ``position_ids`` has its learned position table looked up by global position, or is refused at
 its first forward (:mod:`.positions`); under pipeline parallelism (stages run parts of the forward) it is refused
@@ -57,10 +55,6 @@ def unsupported_features(model: nn.Module, blocks: list[nn.Module]) -> list[str]
                 found.append(f"ALiBi / position-bias argument {alibi_argument(module)!r} in {where}")
             if any(p.split(".")[-1] in ("sinks", "attention_sinks") for p, _ in module.named_parameters(recurse=False)):
                 found.append(f"attention sinks in {where}")
-            if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # Mamba(-2), gated delta-net, short convs
-                found.append(
-                    f"a convolution over the sequence (nn.Conv1d, a recurrent or convolutional mixer) in {where}"
-                )
         if found:
             break  # one block names every feature its class has
     return found

@@ -1,0 +1,209 @@
+"""Sequence mixers other than attention under context parallelism: each computes on whole sequences.
+
+Attention crosses the CP ranks by the ring or Ulysses (:mod:`.interception`). A recurrent or convolutional mixer
+(Mamba, Mamba-2, gated delta-net, short convolutions: each holds an ``nn.Conv1d`` over the sequence) cannot be split
+that way without knowing its internals, and neither can a block whose forward runs no attention call at all (an
+eager softmax, a linear recurrence written out, or only an MLP). Such a module runs unchanged on whole sequences,
+brought there by hooks on it (nothing on the module changes) in one of two ways, both exact for any module:
+
+- **by batch rows** when the micro-batch divides by C: an all-to-all gives rank ``c`` the whole sequences of rows
+  ``c·B/C ... (c+1)·B/C - 1`` (Ulysses' exchange, over the batch instead of the heads, which a mixer's input
+  projection mixes), and a second returns each output to its zig-zag shard. Compute, activations and traffic
+  stay 1/C, as for attention;
+- **all-gathered** otherwise (a micro-batch of one, or an input with the batch dimension but no sequence): every
+  rank runs the module on the whole batch and keeps its zig-zag positions of the output; gradients reach each input
+  position from every rank's outputs (:func:`~.collectives.gather_sequence`). That costs C times the module's compute
+  and the whole sequence's activations inside it; the rest of the model keeps 1/C.
+
+Inputs shaped like the block's hidden states (batch, seq / C, ...) are brought to whole sequences (one with a
+batch of 1 is broadcast, so it is gathered); outputs of the whole length go back to this rank's shard.
+
+Which modules (:func:`gathered_mixers`), from the traced forward's attention calls:
+
+- in a block that runs attention, each child holding an ``nn.Conv1d`` wider than one step (Falcon-H1's Mamba-2
+  beside attention, a hybrid's mixer child); a child running attention and such a convolution both is refused;
+- a block that runs no attention call: each such conv child when it has one (the rest of the block, norms and
+  MLPs, stays on 1/C of the sequence), else the whole block (also when the convolution is its direct child).
+
+Without a trace (blocks named by the user) only the conv children are gathered; a block running no attention is
+then refused at its first forward, as before (:mod:`.interception`).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.hooks import RemovableHandle
+
+from lightning_llm.modeling.structure import is_sequence_conv
+from lightning_llm.parallel.cp.collectives import all_to_all, gather_sequence
+from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global, zigzag_positions
+from lightning_llm.parallel.cp.positions import cp_own_code
+
+_GATHERED: ContextVar[bool] = ContextVar("lightning_llm_cp_gathered", default=False)
+
+
+def in_gathered() -> bool:
+    """Whether the running code is inside a module that computes on the gathered (whole) sequence."""
+    return _GATHERED.get()
+
+
+@dataclass(frozen=True)
+class GatheredMixer:
+    """A module run on the gathered sequence: its name, the module, and whether it is a whole block."""
+
+    name: str
+    module: nn.Module
+    whole_block: bool
+
+
+def inside(name: str, prefix: str) -> bool:
+    """Whether the module named ``name`` is ``prefix`` or inside it."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _conv_children(block_name: str, block: nn.Module, attends: set[str] | None) -> list[GatheredMixer]:
+    mixers = []
+    for child_name, child in block.named_children():
+        if not any(map(is_sequence_conv, child.modules())):
+            continue
+        name = f"{block_name}.{child_name}"
+        if is_sequence_conv(child) or (attends is not None and any(inside(a, name) for a in attends)):
+            raise ValueError(
+                f"context parallelism runs a convolution over the sequence (a Mamba / short-convolution mixer) on "
+                f"the gathered sequence and the block's attention by the ring or Ulysses, but {name} "
+                f"({type(child).__name__}) {'is the convolution itself' if is_sequence_conv(child) else 'holds both'}, "
+                "so neither can be told apart from the other; wrap the convolution in a module of its own (called "
+                "with (batch, seq, ...) inputs), or use context_parallel_size=1 for this model."
+            )
+        mixers.append(GatheredMixer(name, child, whole_block=False))
+    return mixers
+
+
+def gathered_mixers(names: list[str], blocks: list[nn.Module], attends: set[str] | None) -> list[GatheredMixer]:
+    """The modules of ``blocks`` (named ``names``) that compute on the gathered sequence (see the module doc).
+
+    ``attends``: the modules the traced forward ran attention in, or ``None`` without a trace.
+
+    Example::
+
+        gathered_mixers(["model.layers.0"], [layer], traced.attends)   # [GatheredMixer("model.layers.0.mamba", ...)]
+    """
+    mixers = []
+    for name, block in zip(names, blocks):
+        attending = attends is None or any(inside(a, name) for a in attends)
+        if attending:
+            mixers += _conv_children(name, block, attends)
+        elif any(map(is_sequence_conv, block.children())) or not any(is_sequence_conv(m) for m in block.modules()):
+            mixers.append(GatheredMixer(name, block, whole_block=True))  # the conv is the block's own step
+        else:
+            mixers += _conv_children(name, block, attends)
+    return mixers
+
+
+class _WholeSequences:
+    """The hooks of one module run on whole sequences: how its inputs got there, undone on its outputs."""
+
+    def __init__(self, cp: CPGroup) -> None:
+        self.cp, self.calls = cp, []
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict):
+        hidden = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        if hidden is None:
+            raise TypeError(
+                f"context parallelism runs {type(module).__name__} on whole sequences, so it needs its "
+                "(batch, seq, ...) input as a tensor argument; it got none."
+            )
+        batch, local = hidden.shape[:2]
+        split = _splits_by_batch(batch, local, self.cp.size, (args, kwargs))
+        # Under sequence parallelism the hidden states are DTensors over the TP ranks: the module runs whole there
+        # too (tensor parallelism keeps these mixers whole), and its outputs go back to the input's placements.
+        layout = (hidden.device_mesh, hidden.placements) if isinstance(hidden, DTensor) else None
+
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            if not _seq(t, local):
+                return t
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            if split and t.shape[0] == batch:
+                return _to_batch_shard(t, self.cp)
+            return gather_sequence(t, self.cp, dim=1, backward="sum")
+
+        args, kwargs = apply_to_collection((args, kwargs), torch.Tensor, whole)
+        own = cp_own_code()  # positions it computes are over whole sequences: not watched
+        own.__enter__()
+        rows = batch // self.cp.size if split else None
+        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own))
+        return args, kwargs
+
+    def leave(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        rows, length, layout, flag, own = self.calls.pop()
+        own.__exit__(None, None, None)
+        _GATHERED.reset(flag)
+        keep = zigzag_positions(length, self.cp.size, self.cp.rank)
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            if not _seq(t, length):
+                return t
+            if rows is not None and t.shape[0] == rows:
+                t = _to_sequence_shard(t, self.cp)
+            else:
+                t = t.index_select(1, keep.to(t.device))
+            if layout is None or isinstance(t, DTensor):
+                return t
+            mesh, placements = layout
+            return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+                mesh, placements
+            )
+
+        return apply_to_collection(output, torch.Tensor, back)
+
+
+def _seq(tensor: torch.Tensor, length: int) -> bool:
+    return tensor.dim() >= 2 and tensor.shape[1] == length
+
+
+def _splits_by_batch(batch: int, local: int, cp: int, inputs: tuple) -> bool:
+    """Whether the inputs go to whole sequences by batch rows: the batch divides by ``cp`` and no input other than
+    the (batch, seq / C, ...) ones has the batch dimension (it would need splitting by a rule of its own)."""
+    if batch % cp:
+        return False
+    others = []
+    apply_to_collection(inputs, torch.Tensor, lambda t: others.append(t) if not _seq(t, local) else None)
+    return not any(t.dim() >= 1 and t.shape[0] == batch for t in others)
+
+
+def _to_batch_shard(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """(batch, seq / C, ...) zig-zag shard -> (batch / C, seq, ...) in global order: rank c keeps rows c·B/C..."""
+    b, n, *rest = x.shape
+    received = all_to_all(x.reshape(cp.size, b // cp.size, n, *rest), cp)  # slot c: rank c's tokens, these rows
+    full = received.transpose(0, 1).reshape(b // cp.size, cp.size * n, *rest)
+    return full.index_select(1, gathered_to_global(cp.size * n, cp.size, x.device))
+
+
+def _to_sequence_shard(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """(batch / C, seq, ...) in global order -> (batch, seq / C, ...) zig-zag shard (inverse of the above)."""
+    rows, seq, *rest = x.shape
+    order = torch.argsort(gathered_to_global(seq, cp.size, x.device))  # global -> ranks' shards, rank 0 first
+    slots = x.index_select(1, order).reshape(rows, cp.size, seq // cp.size, *rest).transpose(0, 1)
+    received = all_to_all(slots, cp)  # slot c: this rank's tokens, rank c's rows
+    return received.reshape(cp.size * rows, seq // cp.size, *rest)
+
+
+def gather_mixers(mixers: list[GatheredMixer], cp: CPGroup) -> list[RemovableHandle]:
+    """Run each of ``mixers`` on the gathered sequence (hooks on the module; nothing on it changes).
+
+    Example::
+
+        gather_mixers(gathered_mixers(names, blocks, traced.attends), cp)
+    """
+    handles = []
+    for mixer in mixers:
+        hooks = _WholeSequences(cp)
+        handles.append(mixer.module.register_forward_pre_hook(hooks.enter, with_kwargs=True))
+        handles.append(mixer.module.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True))
+    return handles
