@@ -10,6 +10,7 @@ process group (a rank failing alone cannot stall the others) with a timeout.
 
     python benchmarks/architecture_sweep.py --models Cohere2 Olmo3 HunYuanMoEV1 --layouts tp2 tp2_sp pp2
     python benchmarks/architecture_sweep.py --float64 --models Glm4 --layouts tp2   # rounding, or a real gap?
+    python benchmarks/architecture_sweep.py --models Lfm2 NemotronH --layouts cp2 cp2_ulysses
     python benchmarks/architecture_sweep.py --models Zamba2 --layouts tp2 \
         --replicate "model.model.layers.*.shared_transformer.feed_forward"        # the entry a refusal names
 
@@ -68,6 +69,9 @@ OVERRIDES = {
     "Qwen3_5": ((), dict(_LINEAR, layer_types=["linear_attention", "full_attention"])),
     "Qwen3_5Moe": ((), dict(_LINEAR, layer_types=["linear_attention", "full_attention"])),
     "Bamba": ((), dict(_MAMBA2, attn_layer_indices=[1])),
+    # Hybrids whose default layer pattern puts no attention in 2 layers (their forward then fails in one process).
+    "Jamba": ((), dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)),
+    "Lfm2Moe": ((), dict(layer_types=["conv", "full_attention"])),
     "GraniteMoeHybrid": ((), dict(_MAMBA2, layer_types=["mamba", "attention"])),
     "Zamba2": (
         (),
@@ -100,7 +104,12 @@ OVERRIDES = {
         ),
     ),
 }
-LAYOUTS = ("tp2", "tp2_sp", "pp2", "dp2_zero3", "ac_selective")
+LAYOUTS = ("tp2", "tp2_sp", "pp2", "dp2_zero3", "ac_selective", "cp2", "cp2_ulysses")
+# Context parallelism (2 ranks, ZeRO 0: both CP ranks hold every parameter), not among the zoo harness's own layouts.
+CP_LAYOUTS = {
+    "cp2": (2, {"context_parallel_size": 2, "zero_stage": 0}),
+    "cp2_ulysses": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses", "zero_stage": 0}),
+}
 # The held-out set of docs/models.md ("Held out: ... as a new user would bring them"): ``--models held-out`` runs it,
 # the table before and after any change to how models are read or split.
 HELD_OUT = [
@@ -220,6 +229,7 @@ def _register(architecture: str, float64: bool) -> str:
 def _ranks(architecture: str, layouts: list[str], float64: bool, replicate: list[str]):
     from tests.zoo import _harness
 
+    _harness.LAYOUTS.update(CP_LAYOUTS)
     for layout in layouts:  # the modules the user keeps whole on purpose, under the layouts with tensor parallelism
         if replicate and "tensor_parallel_size" in _harness.LAYOUTS[layout][1]:
             _harness.LAYOUTS[layout][1]["tensor_parallel_replicate"] = replicate

@@ -62,19 +62,6 @@ def test_models_cp_cannot_split_exactly_are_refused_by_feature(name, feature):
         check_context_parallel(module, blocks_name=blocks_name, blocks=blocks, pipelined=name.startswith("litgpt"))
 
 
-def test_litgpts_cached_rotary_slice_is_refused_at_the_first_forward():
-    """litgpt slices its cached rotary table as ``cos[:T]``: not made global, so refused naming the read."""
-    from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
-
-    model = ZooLM("litgpt_llama").model
-    reads = PositionReads(length=8, positions=torch.tensor([4, 5, 6, 7, 8, 9, 10, 11]))
-    global_position_tables(model, list(model.transformer.h), reads, where="model")
-    with pytest.raises(
-        ValueError, match=r"takes no `position_ids`, .* it read a \[:8\] slice of a \(\d+, \d+\) tensor"
-    ):
-        model(torch.randint(0, 64, (2, 8)))
-
-
 def test_ulysses_refuses_heads_that_do_not_divide():
     from lightning_llm.parallel.cp.ulysses import check_ulysses_heads
 
@@ -202,58 +189,61 @@ def test_blocks_the_forward_does_not_call_as_modules_are_refused(as_modules):
 
 
 class _Positions(torch.nn.Module):
-    """A learned position table looked up with torch.arange(T), optionally with a rotary-like arange of its own."""
+    """Positions read every way the package makes global: a learned table looked up with ``torch.arange(T)`` or
+    with ``0..T-1`` counted by ``cumsum``, a rotary-like ``arange`` of its own, a ``[:T]`` slice and a ``narrow`` of
+    a cached table built for the longest sequence (litgpt's ``cos[:T]``)."""
 
-    def __init__(self, extra_arange: bool, table: bool = True, cumsum: bool = False) -> None:
+    def __init__(self, table: bool = True, cumsum: bool = False, extra_arange: bool = False, cache: str = "") -> None:
         super().__init__()
         self.embed, self.pos = torch.nn.Embedding(32, 4), torch.nn.Embedding(16, 4) if table else None
-        self.layers, self.extra, self.cumsum = torch.nn.ModuleList([torch.nn.Linear(4, 4)]), extra_arange, cumsum
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.extra, self.cumsum, self.cache = extra_arange, cumsum, cache
+        self.register_buffer("cos", torch.cos(torch.arange(16.0)[:, None] / torch.arange(1.0, 5.0)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         length = input_ids.shape[1]
         x = self.embed(input_ids)
-        if self.pos is not None:  # positions from arange, or counted another way (no arange of their own)
+        if self.pos is not None:
             ids = torch.ones(length, dtype=torch.long).cumsum(0) - 1 if self.cumsum else torch.arange(length)
             x = x + self.pos(ids)
         if self.extra:
-            x = x * torch.arange(length)[:, None].float()
+            x = x * torch.cos(torch.arange(length)[:, None].float())
+        if self.cache == "slice":
+            x = x * self.cos[:length]
+        if self.cache == "narrow":
+            x = x * self.cos.narrow(0, 0, length)
         return self.layers[0](x)
 
 
 @pytest.mark.parametrize(
-    "extra_arange, table, cumsum, refusal",
+    "kwargs",
     [
-        (False, True, False, None),
-        (False, True, True, None),
-        (True, True, False, r"it read torch\.arange\(4\), which the package does not make global"),
-        # the table's input is no arange, so the rotary-like arange is not taken for the table's own
-        (True, True, True, r"it read torch\.arange\(4\), which the package does not make global"),
-        (False, False, False, r"it looked up no position table with 0\.\.T-1"),
+        {},
+        {"cumsum": True},
+        {"extra_arange": True},
+        {"cumsum": True, "extra_arange": True},
+        {"table": False, "cache": "slice"},
+        {"table": False, "cache": "narrow"},
+        {"table": False},
     ],
 )
-def test_a_learned_position_table_is_looked_up_by_global_position_and_other_reads_are_refused(
-    extra_arange, table, cumsum, refusal
-):
-    """Rank 1 of C=2 holds positions (2, 3, 4, 5) of 8 (zig-zag); set as the input-sharding hook sets them. The table
-    is read at those rows (against the table itself), and a model that read positions any other way is refused at
-    its first forward naming what it read."""
+def test_positions_read_inside_the_forward_are_global_and_a_model_reading_none_is_refused(kwargs):
+    """Rank 1 of C=2 holds positions (2, 3, 4, 5) of 8 (zig-zag); set as the input-sharding hook sets them. Oracle:
+    the same position-wise model on all 8 tokens in one process, at those rows; every later forward too. A model
+    that read no positions is refused at its first forward."""
     from lightning_llm.parallel.cp.positions import PositionReads, global_position_tables
 
-    model = _Positions(extra_arange, table, cumsum)
+    model = _Positions(**kwargs)
+    tokens = torch.randint(0, 32, (2, 8))
+    want = model(tokens)[:, 2:6]
     reads = PositionReads(length=4, positions=torch.tensor([2, 3, 4, 5]))
-    seen = []
-    if table:
-        model.pos.register_forward_hook(lambda module, args, output: seen.append(output))
     global_position_tables(model, list(model.layers), reads, where="model")
-    tokens = torch.randint(0, 32, (2, 4))
-    if refusal:
-        with pytest.raises(ValueError, match=refusal):
-            model(tokens)
+    if kwargs == {"table": False}:
+        with pytest.raises(ValueError, match=r"takes no `position_ids`, .* its first forward read no positions"):
+            model(tokens[:, 2:6])
         return
-    model(tokens)
-    torch.testing.assert_close(seen[0], model.pos.weight[2:6], rtol=0, atol=0)
-    model(tokens)  # later forwards are no longer watched, and still read the global rows
-    torch.testing.assert_close(seen[1], model.pos.weight[2:6], rtol=0, atol=0)
+    for _ in range(2):
+        torch.testing.assert_close(model(tokens[:, 2:6]), want, rtol=0, atol=0)
 
 
 def test_multihead_attention_asked_for_its_weights_is_refused():

@@ -30,16 +30,13 @@ EXTRA_LAYOUTS = {
     "cp2_ulysses": (2, {**CP, "context_parallel_method": "ulysses"}),
 }
 LAYOUTS = ["tp2", "tp2_sp", "dp2_zero3", "pp2", "cp2_ring", "cp2_ulysses"]
-# Under CP: a rotary table built inside from torch.arange(T) is not made global (a learned table looked up with
-# torch.arange(T) is: torch_encoder); blocks whose parts the stack calls one by one, or through another method, and
-# blocks with a short convolution over the sequence (a Mamba stack) are refused at setup or at the first forward.
-POSITIONS = r"takes no `position_ids`, and under context parallelism .*: it read torch\.arange\(8\), which the package"
+# Under CP: positions read inside the forward are made global (torch_encoder's learned table looked up with
+# torch.arange(T), OLMo-core's rotary table built from torch.arange(T)); blocks whose parts the stack calls one by
+# one, or through another method, are refused at setup; a Mamba stack reading no positions at its first forward.
 CP_NOT_CALLED = (
     r"context parallelism routes each block's attention .* does not call model\.\S+\.0 \(\d+ of \d+ blocks\)"
 )
-NO_ATTENTION = (
-    r"takes no `position_ids`, .*: it looked up no position table with 0\.\.T-1 \(a recurrent or position-free"
-)
+NO_POSITIONS = r"takes no `position_ids`, .*: its first forward read no positions the package can make global"
 HEADS_IN_PATTERN = r"views them as 4 heads, its whole head count, not this rank's \(\[2\]\)"
 NOTHING_SPLIT = r"nothing inside the blocks at 'model.mamba.layers' is split"
 NOT_CALLED = r"does not call it as a module \(it runs another of its methods\)"
@@ -57,15 +54,15 @@ EXPECTED = {
         cp2_ulysses=CP_NOT_CALLED,
     ),
     "olmo_core": dict(
-        tp2="parity", tp2_sp="parity", dp2_zero3="parity", pp2="parity", cp2_ring=POSITIONS, cp2_ulysses=POSITIONS
+        tp2="parity", tp2_sp="parity", dp2_zero3="parity", pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
     ),
     "mambapy": dict(
         tp2=NOTHING_SPLIT,
         tp2_sp=NOTHING_SPLIT,
         dp2_zero3="parity",
         pp2="parity",
-        cp2_ring=NO_ATTENTION,
-        cp2_ulysses=NO_ATTENTION,
+        cp2_ring=NO_POSITIONS,
+        cp2_ulysses=NO_POSITIONS,
     ),
     "retnet": dict(
         tp2=NOT_CALLED,

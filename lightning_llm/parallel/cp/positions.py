@@ -1,20 +1,22 @@
-"""Learned position tables a model indexes inside its forward, made global under context parallelism.
+"""Positions a model computes inside its forward, made global under context parallelism.
 
 A model whose forward takes no ``position_ids`` computes positions from the length it is given. Under context
-parallelism it is given ``T / C`` tokens (two zig-zag chunks), so those positions would restart in every shard.
-One form is exact to fix from the dataflow: a learned absolute table outside the blocks looked up with
-``0, 1, ..., T/C - 1`` (PyTorch's tutorials, nanoGPT: ``self.pos(torch.arange(T))``). That lookup's input is
-replaced by this rank's global positions (:func:`global_position_tables`), so each token reads the row one process
-reads for it.
+parallelism it is given ``T / C`` tokens (two zig-zag chunks), so those positions would restart in every shard. Each
+way of reading "the first T/C positions" seen in the forward reads this rank's global positions instead
+(:func:`global_position_tables`), so every token gets what one process computes for it:
 
-Anything else a first forward reads as "the first T/C positions" (another ``torch.arange(T/C)``: a rotary table
-built from it; a ``[:T/C]`` slice of a longer tensor: a cached rotary table, a causal-mask buffer) is not made
-global, so such a model is refused at its first forward, naming what was read and the fix (pass ``position_ids``);
-so is a model that read no position table at all (a recurrent or position-free stack). Cached tables built from
-``arange`` once and sliced later (OLMo-core, litgpt) are not rebuilt: substituting both the build and the slices
-would map the positions twice. The tables are found in the first forward (their input is exactly ``0..T/C-1``);
-later forwards substitute for those tables only, with no check on values (no host sync per step). The package's own
-CP attention runs outside the watch (:func:`cp_own_code`).
+- ``torch.arange(T/C)`` (from 0, step 1) returns the global positions: a learned table looked up with it
+  (PyTorch's tutorials, nanoGPT), a rotary table built from it, distances between positions;
+- a ``[:T/C]`` slice (or ``narrow(dim, 0, T/C)``) of a longer tensor takes the rows at the global positions: a rotary
+  cache or a table built for the longest sequence (litgpt's ``cos[:T]``);
+- an ``nn.Embedding`` outside the blocks looked up with exactly ``0..T/C-1`` computed another way (a ``cumsum`` of
+  ones) is looked up at the global positions; such tables are found in the first forward.
+
+A read that was no position and indexes a local tensor with the global positions falls outside its range on every
+rank (each rank holds a chunk of the sequence's second half), so it fails loudly instead of silently. A model whose
+first forward read none of these (position-free, or positions computed some other way) is refused there, naming the
+fix (pass ``position_ids``). The package's own CP code and the modules it runs on whole sequences (:mod:`.gathered`)
+are not watched (:func:`cp_own_code`).
 """
 
 from __future__ import annotations
@@ -45,19 +47,13 @@ def cp_own_code() -> Iterator[None]:
 
 @dataclass
 class PositionReads:
-    """What one forward read as local positions: replaced table lookups, and everything else seen."""
+    """This forward's local length and global positions (set by the input-sharding hook), and what was read."""
 
     length: int = 0
     positions: torch.Tensor | None = None
     tables: set[int] = field(default_factory=set)  # id() of the embeddings found to be position tables
-    reads: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (what, its result), first forward only
-    fed_tables: list[torch.Tensor] = field(default_factory=list)  # the results a table was looked up with
-    watching: bool = True  # only the first forward is recorded
+    read: list[str] = field(default_factory=list)  # what the first forward read as positions
     checked: bool = False
-
-    def unexplained(self) -> list[str]:
-        """The reads whose result was not itself a table's input (a rotary table's ``arange``, a cache's slice)."""
-        return [what for what, result in self.reads if not any(result is t for t in self.fed_tables)]
 
 
 def _local_range_end(args: tuple, kwargs: dict) -> object:
@@ -70,40 +66,63 @@ def _local_range_end(args: tuple, kwargs: dict) -> object:
     return None
 
 
-def _slices_first(tensor: torch.Tensor, key: object, length: int) -> bool:
-    """Whether ``tensor[key]`` keeps the first ``length`` entries of a dimension longer than ``length``."""
-    entries = key if isinstance(key, tuple) else (key,)
-    if any(e is Ellipsis for e in entries):  # (not ``in``: entries may be tensors, compared by ``==``)
-        return False
-    dims = [e for e in entries if e is not None]
-    for dim, entry in enumerate(dims[: tensor.dim()]):
+def _global_key(tensor: torch.Tensor, key: object, length: int, positions: torch.Tensor) -> object:
+    """``key`` with its first ``:length`` slice of a longer dimension replaced by ``positions``; ``None`` if none.
+
+    Only keys of slices, ints and ``None`` (an index tensor or ``...`` would change how the replacement indexes).
+    """
+    entries = list(key) if isinstance(key, tuple) else [key]
+    if not all(e is None or isinstance(e, int | slice) for e in entries):
+        return None
+    dim = 0
+    for index, entry in enumerate(entries):
+        if entry is None:
+            continue
         if (
             isinstance(entry, slice)
             and entry.start in (None, 0)
             and entry.step in (None, 1)
             and entry.stop == length
+            and dim < tensor.dim()
             and tensor.shape[dim] > length
         ):
-            return True
-    return False
+            entries[index] = positions.to(tensor.device)
+            return tuple(entries)
+        dim += 1
+    return None
 
 
-class _WatchPositions(TorchFunctionMode):
-    """Records ``torch.arange(T/C)`` calls and ``[:T/C]`` slices of longer tensors made by the model's forward."""
+class _GlobalPositions(TorchFunctionMode):
+    """Makes ``torch.arange(T/C)`` and ``[:T/C]`` slices / ``narrow(d, 0, T/C)`` of longer tensors read global
+    positions while the model's forward runs."""
 
     def __init__(self, reads: PositionReads) -> None:
         super().__init__()
         self.state = reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        state, result = self.state, func(*args, **kwargs)
-        if not _IN_CP_CODE.get():
-            if func is torch.arange and _local_range_end(args, kwargs) == state.length:
-                state.reads.append((f"torch.arange({state.length})", result))
-            elif func is torch.Tensor.__getitem__ and _slices_first(args[0], args[1], state.length):
-                state.reads.append((f"a [:{state.length}] slice of a {tuple(args[0].shape)} tensor", result))
-        return result
+        kwargs, state = kwargs or {}, self.state
+        if _IN_CP_CODE.get() or state.positions is None:
+            return func(*args, **kwargs)
+        if func is torch.arange and _local_range_end(args, kwargs) == state.length:
+            local = func(*args, **kwargs)
+            self._record(f"torch.arange({state.length})")
+            return state.positions.to(device=local.device, dtype=local.dtype)
+        if func is torch.Tensor.__getitem__:
+            key = _global_key(args[0], args[1], state.length, state.positions)
+            if key is not None:
+                self._record(f"a [:{state.length}] slice of a {tuple(args[0].shape)} tensor")
+                return func(args[0], key)
+        if func in (torch.Tensor.narrow, torch.narrow):
+            tensor, dim, start, length = (*args, *kwargs.values())[:4]
+            if start == 0 and length == state.length and tensor.shape[dim] > length:
+                self._record(f"narrow({dim}, 0, {state.length}) of a {tuple(tensor.shape)} tensor")
+                return tensor.index_select(dim, state.positions.to(tensor.device))
+        return func(*args, **kwargs)
+
+    def _record(self, what: str) -> None:
+        if not self.state.checked:
+            self.state.read.append(what)
 
 
 def _is_local_range(ids: object, length: int) -> bool:
@@ -115,8 +134,8 @@ def _is_local_range(ids: object, length: int) -> bool:
 def global_position_tables(
     model: nn.Module, blocks: list[nn.Module], reads: PositionReads, *, where: str
 ) -> list[RemovableHandle]:
-    """Replace the input of each ``nn.Embedding`` outside ``blocks`` looked up with ``0..T/C-1`` by the global
-    positions in ``reads``; watch the first forward and refuse it if it read positions any other way.
+    """Make ``model``'s forward read global positions (see the module doc); refuse, at its first forward, a model
+    that read none.
 
     ``reads.length`` / ``reads.positions`` are set by the input-sharding hook for every forward.
 
@@ -132,9 +151,8 @@ def global_position_tables(
         if reads.positions is None or not args or not isinstance(args[0], torch.Tensor):
             return None
         with cp_own_code():
-            if reads.watching and _is_local_range(args[0], reads.length):  # the first forward finds the tables
+            if not reads.checked and _is_local_range(args[0], reads.length):  # the first forward finds the tables
                 reads.tables.add(id(module))
-                reads.fed_tables.append(args[0])
             if id(module) not in reads.tables or args[0].shape[-1] != reads.length:
                 return None
             return (reads.positions.to(args[0].device, args[0].dtype).expand_as(args[0]), *args[1:])
@@ -142,29 +160,26 @@ def global_position_tables(
     for module in model.modules():
         if isinstance(module, nn.Embedding) and id(module) not in inside:
             handles.append(module.register_forward_pre_hook(lookup))
-    handles += _watch_first_forward(model, reads, where)
-    return handles
+    return handles + _watch_forward(model, reads, where)
 
 
-def _watch_first_forward(model: nn.Module, reads: PositionReads, where: str) -> list[RemovableHandle]:
-    watch, active = _WatchPositions(reads), [False]
+def _watch_forward(model: nn.Module, reads: PositionReads, where: str) -> list[RemovableHandle]:
+    mode, active = _GlobalPositions(reads), [False]
 
     def enter(module, args):
-        if reads.watching:
-            watch.__enter__()
-            active[0] = True
+        mode.__enter__()
+        active[0] = True
 
     def leave(module, args, output):  # also when the forward raised (hooks are not removed while torch runs them)
         if active[0]:
-            watch.__exit__(None, None, None)
-            active[0] = reads.watching = False
+            mode.__exit__(None, None, None)
+            active[0] = False
 
-    def check(module, args, output):  # the first forward decides; later ones run unwatched
+    def check(module, args, output):  # the first forward decides
         if not reads.checked:
             reads.checked = True
-            unexplained = reads.unexplained()
-            reads.reads, reads.fed_tables = [], []  # the first forward's tensors are not kept
-            _refuse_unexplained(reads, unexplained, where, model)
+            if not reads.read and not reads.tables:
+                _refuse_position_free(where, model)
 
     # Entered after the input-sharding hook (which sets the length), left before the output is gathered.
     return [
@@ -174,18 +189,11 @@ def _watch_first_forward(model: nn.Module, reads: PositionReads, where: str) -> 
     ]
 
 
-def _refuse_unexplained(reads: PositionReads, unexplained: list[str], where: str, model: nn.Module) -> None:
-    if reads.tables and not unexplained:
-        return
-
-    what = (
-        f"it read {', '.join(dict.fromkeys(unexplained))}, which the package does not make global"
-        if unexplained
-        else "it looked up no position table with 0..T-1 (a recurrent or position-free model)"
-    )
+def _refuse_position_free(where: str, model: nn.Module) -> None:
     raise ValueError(
         f"{where}.forward({', '.join(inspect.signature(model.forward).parameters)}) takes no `position_ids`, and "
-        f"under context parallelism each rank holds a shard of every sequence: {what}. Only a learned position "
-        "table outside the blocks looked up with torch.arange(T) is made global. Give the forward a "
-        "`position_ids` argument (global positions of the tokens it receives), or use context_parallel_size=1."
+        "under context parallelism each rank holds a shard of every sequence: its first forward read no positions "
+        "the package can make global (no torch.arange(T), no [:T] slice of a longer table, no position table "
+        "looked up with 0..T-1; a recurrent or position-free model). Give the forward a `position_ids` argument "
+        "(global positions of the tokens it receives), or use context_parallel_size=1."
     )
