@@ -8,7 +8,9 @@
   ``TorchFunctionMode`` entered by each block's forward pre-hook and left by its forward hook redirects those calls;
   ``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is redirected whole (:mod:`.multihead`).
 
-Either way each block must have routed at least one attention call through CP by the end of its forward; a block
+Each routed block's hooks open a :func:`block_call` around its forward (a ``ContextVar``: the block's CP group and
+a count of the attention calls it routed), which the attention function reads: nothing is kept on the model's
+modules or in a module-level registry. Either way each block must have routed at least one attention call through CP by the end of its forward; a block
 that computed attention some other way (an eager softmax) would see only its shard's keys, so it is refused. Blocks
 the traced forward ran no attention in are not routed: their mixers run on the gathered sequence (:mod:`.gathered`),
 where an attention call computes plain attention over the whole sequence.
@@ -17,8 +19,11 @@ where an attention call computes plain attention over the whole sequence.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import partial
-from weakref import WeakKeyDictionary
 
 import torch.nn.functional as F
 from torch import nn
@@ -36,8 +41,29 @@ from lightning_llm.parallel.cp.ring import ring_attention
 from lightning_llm.parallel.cp.ulysses import ulysses_attention
 
 CP_ATTENTION = "lightning_llm_context_parallel"
-_GROUPS: WeakKeyDictionary[nn.Module, CPGroup] = WeakKeyDictionary()  # HF attention modules -> their CP group
-_ACTIVE: list[list[int]] = []  # one call counter per block whose forward is running
+
+
+@dataclass
+class BlockCall:
+    """A routed block's forward while it runs: its CP group and the attention calls routed so far."""
+
+    cp: CPGroup
+    calls: int = 0
+
+
+_CALL: ContextVar[BlockCall | None] = ContextVar("lightning_llm_cp_block_call", default=None)
+
+
+@contextmanager
+def block_call(cp: CPGroup) -> Iterator[BlockCall]:
+    """Run a routed block's forward: its attention goes over ``cp`` (what the block hooks open around it)."""
+    token = _CALL.set(call := BlockCall(cp))
+    try:
+        yield call
+    finally:
+        _CALL.reset(token)
+
+
 _SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                       scale=None, enable_gqa=False: None).parameters)  # fmt: skip
 
@@ -59,17 +85,20 @@ def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | No
 
 
 def _count_call() -> None:
-    if _ACTIVE:
-        _ACTIVE[-1][0] += 1
+    if (call := _CALL.get()) is not None:
+        call.calls += 1
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention-function signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
     if in_gathered():  # the whole sequence is here: plain attention
         return _plain_hf_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    cp = _GROUPS.get(module)
-    if cp is None:
-        raise RuntimeError(f"{type(module).__name__} runs context-parallel attention but was not set up for it.")
+    call = _CALL.get()
+    if call is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs context-parallel attention outside the blocks context parallelism routes."
+        )
+    cp = call.cp
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(
@@ -151,16 +180,20 @@ def _switch_hf_attention(model: nn.Module) -> bool:
     return True
 
 
-def _block_hooks(block: nn.Module, where: str, router: _SDPARouter | None) -> list[RemovableHandle]:
+def _block_hooks(block: nn.Module, where: str, cp: CPGroup, router: _SDPARouter | None) -> list[RemovableHandle]:
+    running: list = []  # the open block_call contexts (a block re-entered by activation checkpointing's recompute)
+
     def enter(module, args):
-        _ACTIVE.append([0])
+        running.append(block_call(cp))
+        running[-1].__enter__()
         if router is not None:
             router.__enter__()
 
     def leave(module, args, output):
         if router is not None:
             router.__exit__(None, None, None)
-        calls = _ACTIVE.pop()[0]
+        calls = _CALL.get().calls
+        running.pop().__exit__(None, None, None)
         if calls == 0:
             raise RuntimeError(
                 f"{where} computed no attention through context parallelism (no scaled_dot_product_attention or "
@@ -183,13 +216,9 @@ def route_attention(
         route_attention(hf_model, list(hf_model.model.layers), CPGroup(group, 2, rank), blocks_name="model.layers")
     """
     hf = _switch_hf_attention(model)
-    if hf:
-        for block in blocks:
-            for module in block.modules():
-                _GROUPS[module] = cp
     for index, block in enumerate(blocks):
         if index in unrouted:
             continue
         where = f"block {blocks_name}.{index}"
-        _block_hooks(block, where, None if hf else _SDPARouter(cp, where))
+        _block_hooks(block, where, cp, None if hf else _SDPARouter(cp, where))
     return "transformers attention registry" if hf else "SDPA inside the blocks"
