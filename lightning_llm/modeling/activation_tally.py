@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm._compat.torch_distributed import local_tensor
-from lightning_llm.modeling.structure import sequence_mixers
+from lightning_llm.modeling.structure import AttentionCalls, sequence_mixers
 
 
 @dataclass
@@ -37,12 +37,21 @@ class BlockActivations:
             (:func:`~lightning_llm.modeling.structure.sequence_mixers`): context parallelism runs those on whole
             sequences, so they are not split C ways when the micro-batch is not
             (:mod:`lightning_llm.parallel.cp.gathered`).
+        attends: whether the block ran an attention call; context parallelism runs a block that runs none whole,
+            on whole sequences, like a mixer.
     """
 
     saved: int
     input: int
     op: int | None = None
     mixers: int = 0
+    attends: bool = True
+
+    @property
+    def gathered(self) -> int:
+        """Of ``saved``, the bytes context parallelism keeps on whole sequences: the block's all if it runs no
+        attention, else its sequence mixers'."""
+        return self.mixers if self.attends else self.saved
 
 
 class MeasuredBlocks(list):
@@ -79,7 +88,7 @@ class BlockTally:
         self.params = {storage_of(p) for p in params}
         self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
         self.mixers, self.in_mixer = [0] * num_blocks, 0  # bytes saved inside sequence mixers; how deep in them
-        self.ran = [False] * num_blocks
+        self.ran, self.attends = [False] * num_blocks, [False] * num_blocks
         self.outside = 0
         self._outside: dict[StorageWeakRef, torch.Tensor] = {}
         self._shared: set[StorageWeakRef] = set()
@@ -98,6 +107,10 @@ class BlockTally:
             self.input[index] = _local(hidden).numel() * _local(hidden).element_size()
             self.op[index] = self.input[index]
             self._op[storage_of(hidden)] = hidden
+
+    def attended(self) -> None:
+        if self.current is not None:
+            self.attends[self.current] = True
 
     def leave(self) -> None:
         self.current, self._saved, self._op = None, {}, {}
@@ -123,8 +136,8 @@ class BlockTally:
 
     def result(self, with_op: bool) -> MeasuredBlocks:
         blocks = MeasuredBlocks(
-            BlockActivations(s, i, o if with_op else None, m)
-            for s, i, o, m in zip(self.saved, self.input, self.op, self.mixers)
+            BlockActivations(s, i, o if with_op else None, m, a)
+            for s, i, o, m, a in zip(self.saved, self.input, self.op, self.mixers, self.attends)
         )
         blocks.outside = self.outside
         return blocks
@@ -171,6 +184,7 @@ def counting(blocks: Sequence[nn.Module], tally: BlockTally, saves_output: Calla
             torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
         )
         stack.enter_context(torch.enable_grad())
+        stack.enter_context(AttentionCalls(tally.attended))
         if saves_output is not None:
             stack.enter_context(_SavedOutputs(tally, saves_output))
         yield

@@ -169,7 +169,9 @@ def measure_model_activations(
         sizes = measure_repeated(module, name, blocks, measure) or measure(list(blocks))
     half = precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4
     result = MeasuredBlocks(
-        BlockActivations(s.saved // 2, s.input // 2, None if s.op is None else s.op // 2, s.mixers // 2) if half else s
+        BlockActivations(s.saved // 2, s.input // 2, None if s.op is None else s.op // 2, s.mixers // 2, s.attends)
+        if half
+        else s
         for s in sizes
     )
     result.outside = outside[-1] // 2 if half else outside[-1]

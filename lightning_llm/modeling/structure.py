@@ -95,7 +95,7 @@ def trace_calls(root: nn.Module, run: Callable[[], Any]) -> list[Call]:
     attending: set[int] = set()
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
     try:
-        with _AttentionCalls(lambda: attending.add(stack[-1]) if stack else None):
+        with AttentionCalls(lambda: attending.add(stack[-1]) if stack else None):
             run()
     finally:
         for handle in handles:
@@ -103,8 +103,14 @@ def trace_calls(root: nn.Module, run: Callable[[], Any]) -> list[Call]:
     return [Call(c.name, c.caller, True) if i in attending else c for i, c in enumerate(calls)]
 
 
-class _AttentionCalls(TorchFunctionMode):
-    """Calls ``seen()`` for each attention call (what context parallelism routes; an eager softmax is not seen)."""
+class AttentionCalls(TorchFunctionMode):
+    """Calls ``seen()`` for each attention call (what context parallelism routes; an eager softmax is not seen).
+
+    Example::
+
+        with AttentionCalls(lambda: print("attention")):
+            model(input_ids)
+    """
 
     def __init__(self, seen: Callable[[], None]) -> None:
         super().__init__()

@@ -94,22 +94,20 @@ def parallelize(
     """Apply PP splitting, TP/SP, activation checkpointing, compile and ZeRO data parallelism in place.
 
     ``blocks``: the :class:`~lightning_llm.modeling.blocks.FoundBlocks` the strategy found, or what ``find_blocks``
-    takes. ``traced``: the blocks as the traced forward ran them (:mod:`~lightning_llm.modeling.structure`: slots
-    called one by one, the modules called, those that ran attention), or ``None`` without a trace.
-    ``activation_checkpointing``: ``(blocks, entries) -> None``, applied between TP and FSDP to the modules
-    each block is entered through. The other arguments are the strategy's options of the same names.
+    takes. ``traced``: the blocks as the traced forward ran them (:mod:`~lightning_llm.modeling.structure`), or
+    ``None``. ``activation_checkpointing``: ``(blocks, entries) -> None``, applied between TP and FSDP to the
+    modules each block is entered through. The other arguments are the strategy's options of the same names.
 
     Example::
 
-        dims = ParallelDims(world_size=4, tp=2)
-        dims.build_mesh("cpu")
+        dims = ParallelDims(world_size=4, tp=2); dims.build_mesh("cpu")
         parallelize(lightning_module, dims, zero_stage=3)
     """
     found = found_blocks(module, blocks)
     report = ParallelizeReport(blocks_name=found.name, num_blocks=len(found.blocks), zero_stage=zero_stage)
     pipelined = pipeline is not None and dims.pp > 1
-    block_calls = traced.bypassed() if traced is not None else None
-    units = Units(found, block_entries(found.name, found.blocks, block_calls, module), list(found.blocks))
+    bypassed = traced.bypassed() if traced is not None else None
+    units = Units(found, block_entries(found.name, found.blocks, bypassed, module), list(found.blocks))
     units.shared = check_layout(module, units, dims, report, pipelined=pipelined, fp8=fp8)
     if expert_parallel_size > 1:
         units.ep_split = check_expert_parallel_model(module, expert_parallel_size, expert_parallel_plan)

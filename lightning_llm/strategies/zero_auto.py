@@ -54,9 +54,10 @@ def model_footprint(
     (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
     The planner divides activations by the context-parallel size ``cp``; sequence mixers other than attention
-    (Mamba, gated delta-net, short convolutions) run on whole sequences under CP, split by batch rows only when the
-    micro-batch divides by ``cp`` (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes
-    are then counted ``cp`` times, so that the division leaves them whole.
+    (Mamba, gated delta-net, short convolutions), and blocks that run no attention at all, run on whole sequences
+    under CP, split by batch rows only when the micro-batch divides by ``cp``
+    (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
+    times, so that the division leaves them whole.
 
     Example::
 
@@ -68,11 +69,12 @@ def model_footprint(
     sizes = measure_model_activations(
         module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, saves_output=saves_output
     )
-    whole = cp - 1 if micro_batch_size % cp else 0  # the mixers' extra copies, before the planner divides by cp
-    saved, inputs = [s.saved + whole * s.mixers for s in sizes], [s.input for s in sizes]
+    whole = cp - 1 if micro_batch_size % cp else 0  # the gathered part's extra copies, before the division by cp
+    saved, inputs = [s.saved + whole * s.gathered for s in sizes], [s.input for s in sizes]
     options = ac_options or ACOptions()
     policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
-    kept = {"none": saved, "full": inputs, "op": [s.saved if s.op is None else s.op + whole * s.mixers for s in sizes]}
+    op = [s.saved if s.op is None else s.op + whole * (s.op if not s.attends else s.mixers) for s in sizes]
+    kept = {"none": saved, "full": inputs, "op": op}
     selective = [kept[policy][i] for i, policy in enumerate(policies)]
     around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
     return ModelFootprint(

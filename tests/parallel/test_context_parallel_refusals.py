@@ -108,7 +108,13 @@ def test_a_block_whose_attention_bypasses_cp_is_refused_at_its_first_forward():
 
     blocks = torch.nn.ModuleList([_EagerBlock()])
     route_attention(torch.nn.Sequential(*blocks), list(blocks), CPGroup(None, 1, 0), blocks_name="layers")
-    with pytest.raises(RuntimeError, match=r"block layers.0 computed no attention through context parallelism"):
+    with pytest.raises(RuntimeError, match=r"block layers.0 computed no attention through context parallelism") as e:
+        blocks[0](torch.randn(1, 4, 8))
+    assert "trace" not in str(e.value)
+    # Without the setup's trace (a forward that does not run on fake tensors) the refusal says what was missing.
+    blocks = torch.nn.ModuleList([_EagerBlock()])
+    route_attention(torch.nn.Sequential(*blocks), list(blocks), CPGroup(None, 1, 0), blocks_name="layers", traced=False)
+    with pytest.raises(RuntimeError, match=r"fake-tensor trace of the forward.*did not run"):
         blocks[0](torch.randn(1, 4, 8))
 
 

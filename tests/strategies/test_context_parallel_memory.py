@@ -123,11 +123,12 @@ def _hybrid_layouts() -> dict:
 
 @pytest.mark.timeout(300)
 def test_a_hybrids_planned_activations_per_rank_match_the_measured_under_cp():
-    """Mamba-2 mixers run on whole sequences under CP: by batch rows with a micro-batch of 2 (1/C per rank), all-
-    gathered with a micro-batch of 1 (the mixer whole on every rank). The plan (``model_footprint(cp=...)`` on fake
-    tensors, divided by C as the planner divides) against torch's MemTracker on 2 gloo ranks, within 10%.
-    Measured: micro-batch 2, 119.5 -> 60.2 MiB per rank (0.50; planned 116.9 -> 58.5); micro-batch 1, 59.9 -> 52.9
-    MiB (0.88; planned 58.5 -> 49.9), where a plan splitting everything C ways said 29.3."""
+    """Mamba-2 mixers, and the Mamba-only block around one (it runs no attention), run on whole sequences under CP:
+    by batch rows with a micro-batch of 2 (1/C per rank), all-gathered with a micro-batch of 1 (whole on every
+    rank). The plan (``model_footprint(cp=...)`` on fake tensors, divided by C as the planner divides) against
+    torch's MemTracker on 2 gloo ranks, within 5%. Measured: micro-batch 2, 119.5 -> 60.2 MiB per rank (0.50;
+    planned 116.9 -> 58.5); micro-batch 1, 59.9 -> 52.9 MiB (0.88; planned 58.5 -> 53.1), where a plan counting
+    only the mixer whole said 49.9 (5.7% under) and one splitting everything C ways 29.3."""
     from lightning_llm.strategies.zero_auto import model_footprint
 
     ranks = run_distributed(_hybrid_layouts, 2, timeout=280)
@@ -135,5 +136,5 @@ def test_a_hybrids_planned_activations_per_rank_match_the_measured_under_cp():
         planned = model_footprint(_Hybrid(), micro_batch_size=micro_batch, seq_len=HYBRID_SEQ, cp=cp).activations / cp
         print(f"cp {cp}, micro-batch {micro_batch}: planned {planned / 2**20:.1f} MiB, measured "
               f"{[r[(cp, micro_batch)] / 2**20 for r in ranks]} MiB per rank")  # fmt: skip
-        assert abs(planned / measured - 1) < 0.1, (cp, micro_batch, planned, measured)
+        assert abs(planned / measured - 1) < 0.05, (cp, micro_batch, planned, measured)
     assert ranks[0][(2, 1)] / ranks[0][(1, 1)] > 0.8  # the gathered mixer dominates: far from 1/2

@@ -112,7 +112,7 @@ def apply_context_parallel(
         _check_heads(model, blocks, cp_mesh.size(), tp, mixers)
     cp = CPGroup(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), method)
     unrouted = {i for i, n in enumerate(names) if attends is not None and not any(inside(a, n) for a in attends)}
-    route = route_attention(model, blocks, cp, blocks_name=blocks_name, unrouted=unrouted)
+    route = route_attention(model, blocks, cp, blocks_name=blocks_name, unrouted=unrouted, traced=attends is not None)
     gather_mixers(mixers, cp)
     shard_model_io(model, cp, blocks, where=name)
     line = f"Applied context parallel (cp={cp.size}, {method}, zig-zag shards) to {len(blocks)} blocks via {route}"

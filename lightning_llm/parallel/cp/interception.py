@@ -180,7 +180,16 @@ def _switch_hf_attention(model: nn.Module) -> bool:
     return True
 
 
-def _block_hooks(block: nn.Module, where: str, cp: CPGroup, router: _SDPARouter | None) -> list[RemovableHandle]:
+_UNTRACED = (
+    " The setup's fake-tensor trace of the forward, which finds the blocks that run no attention and runs them whole, "
+    "did not run (its reason is in the DEBUG log of lightning_llm.strategies.parallel_setup): a training_step that "
+    "runs on fake tensors gets that trace."
+)
+
+
+def _block_hooks(
+    block: nn.Module, where: str, cp: CPGroup, router: _SDPARouter | None, traced: bool
+) -> list[RemovableHandle]:
     running: list = []  # the open block_call contexts (a block re-entered by activation checkpointing's recompute)
 
     def enter(module, args):
@@ -198,18 +207,26 @@ def _block_hooks(block: nn.Module, where: str, cp: CPGroup, router: _SDPARouter 
             raise RuntimeError(
                 f"{where} computed no attention through context parallelism (no scaled_dot_product_attention or "
                 "Hugging Face attention-function call): its attention would see only this rank's shard of the "
-                "sequence. Use SDPA in its attention, or context_parallel_size=1."
+                "sequence. Use SDPA in its attention, or context_parallel_size=1." + ("" if traced else _UNTRACED)
             )
 
     return [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
 
 
 def route_attention(
-    model: nn.Module, blocks: list[nn.Module], cp: CPGroup, *, blocks_name: str, unrouted: set[int] = frozenset()
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cp: CPGroup,
+    *,
+    blocks_name: str,
+    unrouted: set[int] = frozenset(),
+    traced: bool = True,
 ) -> str:
     """Make every block of ``model`` compute attention with CP; returns how ("transformers registry"/"SDPA").
 
     ``unrouted``: the indices of blocks that run no attention (their mixers compute on the gathered sequence).
+    ``traced``: whether ``unrouted`` comes from a traced forward (else a block computing no attention is refused
+    with the reason the trace would have run it whole).
 
     Example::
 
@@ -220,5 +237,5 @@ def route_attention(
         if index in unrouted:
             continue
         where = f"block {blocks_name}.{index}"
-        _block_hooks(block, where, cp, None if hf else _SDPARouter(cp, where))
+        _block_hooks(block, where, cp, None if hf else _SDPARouter(cp, where), traced)
     return "transformers attention registry" if hf else "SDPA inside the blocks"
