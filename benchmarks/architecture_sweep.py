@@ -233,7 +233,19 @@ def _ranks(architecture: str, layouts: list[str], float64: bool, replicate: list
     for layout in layouts:  # the modules the user keeps whole on purpose, under the layouts with tensor parallelism
         if replicate and "tensor_parallel_size" in _harness.LAYOUTS[layout][1]:
             _harness.LAYOUTS[layout][1]["tensor_parallel_replicate"] = replicate
-    return _harness.train_zoo(layouts, [_register(architecture, float64)])
+    return _harness.train_zoo(layouts, [_register(architecture, float64)], every_rank=True)
+
+
+def _first_cause(results: list):
+    """Rank 0's result, or where it failed because another rank did (the peer closed the connection), that rank's
+    error: a stage refusing a layout on rank 1 shows on rank 0 only as a lost connection."""
+
+    def lost(result) -> bool:
+        return isinstance(result, str) and "Connection closed by peer" in result
+
+    if not lost(results[0]):
+        return results[0]
+    return next((r for r in results if isinstance(r, str) and not lost(r)), results[0])
 
 
 def cells(
@@ -243,12 +255,12 @@ def cells(
     from tests.zoo._harness import train
 
     try:
-        runs = run_distributed(_ranks, 2, architecture, layouts, float64, list(replicate), timeout=timeout)[0]
+        ranks = run_distributed(_ranks, 2, architecture, layouts, float64, list(replicate), timeout=timeout)
     except Exception as error:  # a rank died, or the group hung: every cell says so
         return dict.fromkeys(layouts, f"group failed: {str(error).strip().splitlines()[-1][:200]}")
     reference, lines = None, {}
     for layout in layouts:
-        result = runs[layout][architecture]
+        result = _first_cause([rank[layout][architecture] for rank in ranks])
         if isinstance(result, str):
             lines[layout] = "refused/failed: " + result.strip().splitlines()[0][:240]
             continue

@@ -141,10 +141,11 @@ def train(
     return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations, most
 
 
-def train_zoo(layouts: list[str], models: list[str]) -> dict | None:
+def train_zoo(layouts: list[str], models: list[str], every_rank: bool = False) -> dict | None:
     """Train every model under each layout (all of one world size) on this rank, one process group for all.
 
-    Rank 0 returns {layout: {model: result, or the error text}}; a model's failure is its cell's result.
+    Rank 0 (with ``every_rank``, each rank) returns {layout: {model: result, or the error text}}; a model's failure
+    is its cell's result.
     """
     from lightning_llm.strategies import LLMParallelStrategy
 
@@ -159,4 +160,4 @@ def train_zoo(layouts: list[str], models: list[str]) -> dict | None:
                 results[layout][name] = train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp)
             except Exception as error:
                 results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
-    return results if dist.get_rank() == 0 else None
+    return results if every_rank or dist.get_rank() == 0 else None
