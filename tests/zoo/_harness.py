@@ -141,8 +141,9 @@ def train(
     return losses.losses, merged, sorted(differing), planned and planned.rows[0].activations, most
 
 
-def train_zoo(layouts: list[str], models: list[str], every_rank: bool = False) -> dict | None:
-    """Train every model under each layout (all of one world size) on this rank, one process group for all.
+def train_zoo(layouts: list[str], models: list[str], every_rank: bool = False, steps: int = STEPS) -> dict | None:
+    """Train every model under each layout (all of one world size) on this rank, one process group for all, for
+    ``steps`` optimizer steps.
 
     Rank 0 (with ``every_rank``, each rank) returns {layout: {model: result, or the error text}}; a model's failure
     is its cell's result.
@@ -157,7 +158,9 @@ def train_zoo(layouts: list[str], models: list[str], every_rank: bool = False) -
         results[layout] = {}
         for name in models:
             try:
-                results[layout][name] = train(name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp)
+                results[layout][name] = train(
+                    name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp, steps=steps
+                )
             except Exception as error:
                 results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
     return results if every_rank or dist.get_rank() == 0 else None
