@@ -181,9 +181,9 @@ def _switch_hf_attention(model: nn.Module) -> bool:
 
 
 _UNTRACED = (
-    " The setup's fake-tensor trace of the forward, which finds the blocks that run no attention and runs them whole, "
-    "did not run (its reason is in the DEBUG log of lightning_llm.strategies.parallel_setup): a training_step that "
-    "runs on fake tensors gets that trace."
+    " No trace of the forward was given, which finds the blocks that run no attention and runs them whole: the "
+    "strategy's setup traces a training_step that runs on fake tensors (where it cannot, the reason is in the DEBUG "
+    "log of lightning_llm.strategies.parallel_setup); a direct parallelize(...) call takes it as traced=."
 )
 
 
