@@ -1,10 +1,10 @@
 """The planner's per-rank total against torch's MemTracker under tensor parallelism (2 gloo ranks, CPU).
 
 Each case plans the ``small`` reference model (4 blocks, batch 4) for tp=2 as ``zero_stage="auto"`` would
-(:func:`model_footprint` on the whole model, then :func:`estimate_options` with ``tp=2``), lays the model out with
-:func:`parallelize` (with and without sequence parallelism), runs one step to create the optimizer state, and
-measures the peak of the next step with ``MemTracker``. ``tests/planning/test_planned_totals.py`` does the same
-for ZeRO 0-3 on data parallelism, where the plan is within 15%; under tp it is not yet (see ``docs/plan.md``).
+(:func:`model_footprint` with ``tp=2``: each rank's share read from the dataflow, then :func:`estimate_options`),
+lays the model out with :func:`parallelize` (with and without sequence parallelism), runs one step to create the
+optimizer state, and measures the peak of the next step with ``MemTracker``. ``tests/planning/test_planned_totals.py``
+holds the 512-token rows within 10% and ZeRO 0-3 on data parallelism within 15%; the table is in ``docs/plan.md``.
 
     python benchmarks/planned_memory_layouts.py
 """
@@ -34,19 +34,21 @@ def _model():
 
 def _measure(cases: list[tuple[bool, int, str]]) -> dict | None:
     import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
     from lightning_llm.parallel.mesh import ParallelDims
     from lightning_llm.parallel.parallelize import parallelize
     from lightning_llm.planning.zero import estimate_options
     from lightning_llm.strategies.zero_auto import model_footprint
+    from lightning_llm.testing.memory import step_peak
 
     dims = ParallelDims(world_size=2, tp=2)
     dims.build_mesh("cpu")
     results = {}
     for sequence_parallel, seq_len, policy in cases:
-        footprint = model_footprint(_model(), micro_batch_size=BATCH, seq_len=seq_len)
+        footprint = model_footprint(
+            _model(), micro_batch_size=BATCH, seq_len=seq_len, tp=2, sequence_parallel=sequence_parallel
+        )
         rows = estimate_options(
             footprint.num_params,
             footprint.largest_block,
@@ -56,6 +58,7 @@ def _measure(cases: list[tuple[bool, int, str]]) -> dict | None:
             tp=2,
             allow_offload=False,
             optimizer_states=footprint.optimizer_states,
+            activations_tp=footprint.activations_tp,
         )
         planned = next(r for r in rows if r.zero_stage == 0).total
         module = _model()
@@ -69,20 +72,9 @@ def _measure(cases: list[tuple[bool, int, str]]) -> dict | None:
         )
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
         batch = torch.randint(0, 256, (BATCH, seq_len + 1), generator=torch.Generator().manual_seed(1))
-
-        def step():
-            module.training_step(batch, 0).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-        step()
-        tracker = MemTracker()
-        tracker.track_external(module, optimizer)
-        with tracker:
-            step()
         results[(sequence_parallel, seq_len, policy)] = (
             planned,
-            tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"],
+            step_peak(module, optimizer, batch),
         )
     return results if dist.get_rank() == 0 else None
 

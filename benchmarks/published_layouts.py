@@ -10,7 +10,9 @@ per-GPU total. The layouts and their sources:
 * torchtitan's 405B on 512 H100s, FSDP8 x TP8 x PP8 at 8,192 tokens (the TorchTitan paper, ICLR 2025, its 3D run);
 * Llama 3 8B with FSDP on 8 H100s at 8,192 tokens (torchtitan's ``llama3_8b.toml``: micro-batch 1).
 
-Pipeline stages are planned as 1F1B keeps them: the first stage holds ``pp`` micro-batches in flight of its
+Tensor parallelism runs with sequence parallelism, as in all three runs; each rank's activations are read from the
+model's dataflow under its tensor-parallel plan (:mod:`lightning_llm.modeling.tp_shares`). Pipeline stages are planned
+as 1F1B keeps them: the first stage holds ``pp`` micro-batches in flight of its
 ``1/pp`` of the blocks, the activations of one micro-batch through the whole model.
 
     python benchmarks/published_layouts.py
@@ -53,7 +55,14 @@ def plan(layout: Layout, device: str = "H100") -> tuple[str, ZeroDecision]:
         module = CausalLM(LlamaConfig.from_name(layout.preset, max_seq_len=layout.seq_len))
         module.configure_model()
     # Context parallelism splits the sequence: the footprint is measured whole and divided by cp in the plan.
-    footprint = model_footprint(module, micro_batch_size=1, seq_len=layout.seq_len, precision="bf16-mixed")
+    footprint = model_footprint(
+        module,
+        micro_batch_size=1,
+        seq_len=layout.seq_len,
+        precision="bf16-mixed",
+        tp=layout.tp,
+        sequence_parallel=layout.tp > 1,
+    )
     error = None
     for mode in ("none", "selective", "full"):
         try:

@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm._compat.torch_distributed import local_tensor
 from lightning_llm.modeling.structure import AttentionCalls, sequence_mixers
+from lightning_llm.modeling.tp_shares import TensorParallelShares
 
 
 @dataclass
@@ -82,19 +83,29 @@ def _nbytes(t: torch.Tensor) -> int:
 class BlockTally:
     """Per-block byte counts, filled by the hooks of :func:`counting` while a forward runs."""
 
-    def __init__(self, num_blocks: int, params: Sequence[torch.Tensor], keep: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        params: Sequence[torch.Tensor],
+        keep: bool,
+        shares: TensorParallelShares | None = None,
+    ) -> None:
         self.current: int | None = None
+        self.shares = shares  # under tensor parallelism: one rank's share of each tensor, else all of it
         self.keep = keep  # False: hand autograd a stand-in, so the pass holds one block's activations at most
         self.params = {storage_of(p) for p in params}
         self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
         self.mixers, self.in_mixer = [0] * num_blocks, 0  # bytes saved inside sequence mixers; how deep in them
         self.ran, self.attends = [False] * num_blocks, [False] * num_blocks
         self.outside = 0
-        self._outside: dict[StorageWeakRef, torch.Tensor] = {}
+        self._outside: dict[object, torch.Tensor] = {}
         self._shared: set[StorageWeakRef] = set()
         # Tensors counted in the running block, held so that their storages' weak refs stay unique.
-        self._saved: dict[StorageWeakRef, torch.Tensor] = {}
+        self._saved: dict[object, torch.Tensor] = {}
         self._op: dict[StorageWeakRef, torch.Tensor] = {}
+
+    def _bytes(self, t: torch.Tensor, fraction: float = 1.0) -> int:
+        return int(_nbytes(t) * fraction)
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self._saved, self._op = index, {}, {}
@@ -104,7 +115,8 @@ class BlockTally:
         # Other inputs (rotary tables, masks) are the model's, shared by every block: counted in none.
         self._shared = {storage_of(t) for t in tensors[1:]} - ({storage_of(hidden)} if tensors else set())
         if hidden is not None:
-            self.input[index] = _local(hidden).numel() * _local(hidden).element_size()
+            share = self.shares.fraction(hidden) if self.shares is not None else 1.0
+            self.input[index] = int(_local(hidden).numel() * _local(hidden).element_size() * share)
             self.op[index] = self.input[index]
             self._op[storage_of(hidden)] = hidden
 
@@ -117,22 +129,23 @@ class BlockTally:
 
     def pack(self, t: torch.Tensor):
         ref = storage_of(t)
+        fraction, key = self.shares.weigh(t, ref) if self.shares is not None else (1.0, ref)
         if self.current is None:
-            if ref not in self.params and ref not in self._outside:
-                self._outside[ref] = t  # held (also when dropping) so that its weak ref stays unique
-                self.outside += _nbytes(t)
-        elif ref not in self.params and ref not in self._shared and ref not in self._saved:
-            self._saved[ref] = t
-            self.saved[self.current] += _nbytes(t)
+            if ref not in self.params and key not in self._outside:
+                self._outside[key] = t  # held (also when dropping) so that its weak ref stays unique
+                self.outside += self._bytes(t, fraction)
+        elif ref not in self.params and ref not in self._shared and key not in self._saved:
+            self._saved[key] = t
+            self.saved[self.current] += self._bytes(t, fraction)
             if self.in_mixer:
-                self.mixers[self.current] += _nbytes(t)
+                self.mixers[self.current] += self._bytes(t, fraction)
         return t if self.keep else _Dropped()
 
     def op_output(self, out) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and storage_of(t) not in self._op:
                 self._op[storage_of(t)] = t
-                self.op[self.current] += _nbytes(t)
+                self.op[self.current] += self._bytes(t, self.shares.fraction(t) if self.shares is not None else 1.0)
 
     def result(self, with_op: bool) -> MeasuredBlocks:
         blocks = MeasuredBlocks(
@@ -185,6 +198,8 @@ def counting(blocks: Sequence[nn.Module], tally: BlockTally, saves_output: Calla
         )
         stack.enter_context(torch.enable_grad())
         stack.enter_context(AttentionCalls(tally.attended))
+        if tally.shares is not None:  # before the selective count, which reads the marks it sets
+            stack.enter_context(tally.shares.tracking())
         if saves_output is not None:
             stack.enter_context(_SavedOutputs(tally, saves_output))
         yield

@@ -34,10 +34,14 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.repeated_blocks import measure_repeated
+from lightning_llm.modeling.tp_shares import TensorParallelShares
 
 
 def measure_blocks(
-    blocks: Sequence[nn.Module], measure_fn: Callable[[], object], saves_output: Callable | None = None
+    blocks: Sequence[nn.Module],
+    measure_fn: Callable[[], object],
+    saves_output: Callable | None = None,
+    shares: TensorParallelShares | None = None,
 ) -> MeasuredBlocks:
     """Measure each block during one real call of ``measure_fn()`` (a forward of the model holding ``blocks``).
 
@@ -50,7 +54,7 @@ def measure_blocks(
         sizes = measure_blocks(model.layers, lambda: model(tokens).sum())
     """
     params = [p for block in blocks for p in block.parameters()]
-    tally = BlockTally(len(blocks), params, keep=False)
+    tally = BlockTally(len(blocks), params, keep=False, shares=shares)
     with counting(blocks, tally, saves_output):
         measure_fn()
     missed = [i for i, ran in enumerate(tally.ran) if not ran]
@@ -63,7 +67,12 @@ def measure_blocks(
 
 
 def measure_block_activations(
-    module: nn.Module, blocks: Sequence[nn.Module], step: Callable[[], object], saves_output=None, device=None
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    step: Callable[[], object],
+    saves_output=None,
+    device=None,
+    shares: TensorParallelShares | None = None,
 ) -> MeasuredBlocks:
     """Run ``step()`` (one forward of ``module`` on a real-shaped batch) on fake tensors and measure each block.
 
@@ -73,7 +82,7 @@ def measure_block_activations(
         sizes = measure_block_activations(module, list(blocks), lambda: module.training_step(batch, 0))
     """
     # Parameters are told apart by storage: the fakes, recognised inside the call (where they are the module's).
-    tally = BlockTally(len(blocks), [], keep=True)
+    tally = BlockTally(len(blocks), [], keep=True, shares=shares)
 
     def run() -> None:
         tally.params = {storage_of(p) for p in module.parameters()}
@@ -138,11 +147,13 @@ def measure_model_activations(
     batch_fn=None,
     precision: str = "32-true",
     saves_output: Callable | None = None,
+    shares: TensorParallelShares | None = None,
 ) -> MeasuredBlocks:
     """Per-block bytes of one micro-batch (:class:`BlockActivations`), and those outside the blocks, from one fake
     forward of ``module``.
 
-    ``saves_output(op)``: the selective policy's choice of ops to keep, to measure ``op`` too. For 16-bit
+    ``saves_output(op)``: the selective policy's choice of ops to keep, to measure ``op`` too. ``shares``: count one
+    tensor-parallel rank's share of each tensor (:mod:`.tp_shares`) instead of all of it. For 16-bit
     precisions the bytes are halved (the forward runs in the parameters' dtype; autocast keeps nearly every
     saved activation in 16 bits). Example::
 
@@ -159,7 +170,7 @@ def measure_model_activations(
     outside = []
 
     def measure(sample: list) -> MeasuredBlocks:
-        sizes = measure_activations(module, sample, step, device=device, saves_output=saves_output)
+        sizes = measure_activations(module, sample, step, device=device, saves_output=saves_output, shares=shares)
         outside.append(sizes.outside)
         return sizes
 
@@ -196,6 +207,7 @@ def measure_activations(
     step: Callable[[], object],
     device: torch.device | None = None,
     saves_output: Callable | None = None,
+    shares: TensorParallelShares | None = None,
 ) -> MeasuredBlocks:
     """:func:`measure_block_activations` (fake tensors), or one real forward where a kernel has no fake version.
 
@@ -209,11 +221,13 @@ def measure_activations(
     on_meta = any(p.is_meta for p in module.parameters())
     with _quiet_fake_kernel_errors(not on_meta):
         try:
-            return measure_block_activations(module, blocks, step, saves_output=saves_output, device=device)
+            return measure_block_activations(
+                module, blocks, step, saves_output=saves_output, device=device, shares=shares
+            )
         except RuntimeError:
             if on_meta:
                 raise
-    return measure_blocks(blocks, step, saves_output)
+    return measure_blocks(blocks, step, saves_output, shares)
 
 
 @contextmanager

@@ -49,6 +49,9 @@ class ModelFootprint:
         selective_activations: the same with ``activation_checkpointing="selective"``'s policy; ``None`` when not
             measured (then planned at ``activations``, an upper bound).
         optimizer_states: the optimizer's state bytes per parameter byte (see :func:`model_state_bytes`).
+        expert_params: of ``num_params``, those in MoE experts (divided by expert parallelism).
+        activations_tp: the tensor-parallel size the activation bytes are one rank's share of (measured from the
+            model's dataflow under its tensor-parallel plan); 1: the whole model's, divided by ``tp`` when planned.
     """
 
     num_params: float
@@ -58,7 +61,8 @@ class ModelFootprint:
     full_activations: float
     selective_activations: float | None = None
     optimizer_states: float = 2.0  # state bytes per parameter byte of the user's optimizer (AdamW: 2)
-    expert_params: float = 0.0  # of num_params, those in MoE experts (divided by expert parallelism)
+    expert_params: float = 0.0
+    activations_tp: int = 1
 
     def activations_for(self, activation_checkpointing: str) -> float:
         """Bytes for one mode: "full", "selective" (when measured) or, for "none" and "auto", without checkpointing."""

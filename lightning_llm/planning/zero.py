@@ -55,6 +55,7 @@ def estimate_options(
     optimizer_states: float = 2.0,
     ep: int = 1,
     expert_params: float = 0.0,
+    activations_tp: int = 1,
 ) -> list[MemoryEstimate]:
     """Per-rank estimates of every option, ``fits`` set against ``usable`` bytes.
 
@@ -64,6 +65,8 @@ def estimate_options(
     ``expert_params`` of ``num_params`` are MoE experts: with ``ep > 1`` each rank holds ``1/ep`` of them whole, and
     ZeRO 1-3 shard those over the ``dp / ep`` ranks outside its expert group (so at ZeRO 3 the bytes equal the dense
     ones'; ZeRO 0 and 2 gain from ``ep``); a block's experts share of ``largest_block`` is taken as the model's.
+    ``activations_tp``: the ``activations`` are one rank's share under that tensor-parallel size (measured from the
+    dataflow, :mod:`lightning_llm.modeling.tp_shares`); for another ``tp`` (the refusal's hints) they are scaled.
     """
     dp = world_size // (tp * pp * cp)
     share = _RankParameters.of(
@@ -92,7 +95,7 @@ def estimate_options(
             optimizer_states=optimizer_states,
         )
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
-        row = MemoryEstimate(stage, offload, *states, activations / (tp * cp))
+        row = MemoryEstimate(stage, offload, *states, activations * activations_tp / (tp * cp))
         row.fits = usable is not None and row.total <= usable
         rows.append(row)
     return rows
@@ -238,6 +241,7 @@ def plan_zero_stage(
         optimizer_states=footprint.optimizer_states,
         ep=ep,
         expert_params=footprint.expert_params,
+        activations_tp=footprint.activations_tp,
         allow_offload=allow_offload,
         usable=usable,
     )

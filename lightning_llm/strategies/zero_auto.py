@@ -25,6 +25,7 @@ from lightning_llm.modeling.optimizer_state import optimizer_states
 from lightning_llm.parallel.activation_checkpointing import ACOptions, block_policies, saves_output
 from lightning_llm.parallel.devices import min_over_ranks, total_device_memory
 from lightning_llm.parallel.ep.apply import find_experts
+from lightning_llm.parallel.tp.model_plan import planned_shares
 from lightning_llm.planning.activation_budget import predicted_peak
 from lightning_llm.planning.device_memory import device_memory_bytes
 from lightning_llm.planning.memory import ModelFootprint
@@ -40,6 +41,10 @@ def model_footprint(
     ac_options: ACOptions | None = None,
     expert_parallel_plan: dict[str, str] | None = None,
     cp: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    tensor_parallel_plan: dict[str, str] | None = None,
+    tensor_parallel_replicate: list[str] | tuple[str, ...] = (),
 ) -> ModelFootprint:
     """Parameter counts and activation bytes of ``module`` under each checkpointing mode, on fake tensors.
 
@@ -59,6 +64,13 @@ def model_footprint(
     (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
     times, so that the division leaves them whole.
 
+    With ``tp > 1`` the activations are one tensor-parallel rank's, read from the model's dataflow under its plan
+    (the strategy's ``tensor_parallel_plan``/``tensor_parallel_replicate`` as given, the rest as parallelize finds
+    it): a head-sharded region's tensors count ``1/tp``, the residual stream whole (``1/tp`` with
+    ``sequence_parallel``), and each column split's input whole, once per split under sequence parallelism, where
+    each gathers its own copy (:mod:`lightning_llm.modeling.tp_shares`). A plan tensor parallelism refuses is refused
+    here, with parallelize()'s message.
+
     Example::
 
         with torch.device("meta"):
@@ -66,8 +78,24 @@ def model_footprint(
         model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     num_params, largest, outside = parameter_counts(module)
+    shares = (
+        planned_shares(
+            module,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            user_plan=tensor_parallel_plan,
+            replicate=tensor_parallel_replicate,
+        )
+        if tp > 1
+        else None
+    )
     sizes = measure_model_activations(
-        module, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, saves_output=saves_output
+        module,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        saves_output=saves_output,
+        shares=shares,
     )
     whole = cp - 1 if micro_batch_size % cp else 0  # the gathered part's extra copies, before the division by cp
     saved, inputs = [s.saved + whole * s.gathered for s in sizes], [s.input for s in sizes]
@@ -86,6 +114,7 @@ def model_footprint(
         around + predicted_peak(saved, selective),
         optimizer_states(module).states,
         sum(p.numel() for _, experts in find_experts(module, expert_parallel_plan) for p in experts.parameters()),
+        activations_tp=tp,
     )
 
 
@@ -97,6 +126,9 @@ def choose_zero_stage(
     precision: str = "32-true",
     ac_options: ACOptions | None = None,
     expert_parallel_plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
+    tensor_parallel_plan: dict[str, str] | None = None,
+    tensor_parallel_replicate: list[str] | tuple[str, ...] = (),
     **options: Any,
 ) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
@@ -113,6 +145,10 @@ def choose_zero_stage(
         ac_options=ac_options,
         expert_parallel_plan=expert_parallel_plan,
         cp=options.get("cp", 1),
+        tp=options.get("tp", 1),
+        sequence_parallel=sequence_parallel,
+        tensor_parallel_plan=tensor_parallel_plan,
+        tensor_parallel_replicate=tensor_parallel_replicate or (),
     )
     return plan_zero_stage(footprint, precision=precision, **options)
 

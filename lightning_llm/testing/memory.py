@@ -73,3 +73,31 @@ def measure_model_states(world_size: int, preset: str, zero_stage: int, seq_len:
     model = CausalLM(preset, warmup_steps=1)
     trainer.fit(model, LLMDataModule(num_tokens=20_000, seq_len=seq_len, batch_size=2))
     return measure_cb.bytes
+
+
+def step_peak(module: L.LightningModule, optimizer: torch.optim.Optimizer, batch, fsdp_root=None) -> int:
+    """Peak bytes on the CPU of one real training step (``training_step``, backward, optimizer step), after a first
+    step created the optimizer state, as in every step but the first. Measured by torch's ``MemTracker``, or its
+    ``FSDPMemTracker`` for a model sharded by FSDP2 from ``fsdp_root`` (it also attributes FSDP's buffers).
+
+    Example::
+
+        peak = step_peak(module, torch.optim.AdamW(module.parameters()), batch)
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step():
+        module.training_step(batch, 0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    step()
+    if fsdp_root is None:
+        tracker = MemTracker()
+        tracker.track_external(module, optimizer)
+    else:
+        tracker = FSDPMemTracker(fsdp_root, optimizer)
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

@@ -26,7 +26,8 @@ SEQ_LEN = 16
 LAYOUTS = {
     "dp2_zero3": (2, {"zero_stage": 3}),
     "tp2": (2, {"tensor_parallel_size": 2}),
-    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    # zero_stage="auto" plans each tp rank's activations from the dataflow (one data-parallel rank: no ZeRO to pick)
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True, "zero_stage": "auto"}),
     "pp2": (2, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
     "dp2xtp2": (4, {"tensor_parallel_size": 2, "zero_stage": 3}),
     "ac_selective": (2, {"zero_stage": 3, "activation_checkpointing": "selective"}),

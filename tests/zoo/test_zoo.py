@@ -117,3 +117,8 @@ def test_zoo_cell_matches_single_process(layout, name, request):
         assert planned(GLOBAL_BATCH) != pytest.approx(expected)
         # the blocks' part is the fake-tensor measurement of the whole per-rank micro-batch (no checkpointing)
         assert expected > activation_bytes(ZooLM(name), micro_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ_LEN)
+    if layout == "tp2_sp":  # planned per tp rank from the dataflow, not the whole model's activations halved
+        footprint = lambda **tp: model_footprint(ZooLM(name), micro_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, **tp)  # noqa: E731
+        expected = footprint(tp=2, sequence_parallel=True).activations
+        assert planned_activations == pytest.approx(expected), (planned_activations, expected)
+        assert expected != pytest.approx(footprint().activations / 2)

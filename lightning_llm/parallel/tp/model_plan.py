@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_llm.modeling.blocks import BlockStack, distinct_blocks
+from lightning_llm.modeling.blocks import BlockStack, distinct_blocks, find_blocks
+from lightning_llm.modeling.tp_shares import TensorParallelShares
 from lightning_llm.parallel.tp.apply import (
     check_head_counts,
     head_split_parts,
@@ -21,6 +22,8 @@ from lightning_llm.parallel.tp.apply import (
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
+from lightning_llm.parallel.tp.patterns import matches
+from lightning_llm.parallel.tp.style_kinds import dataflow_role
 from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
 
 
@@ -77,3 +80,31 @@ def refuse_uncalled_split_parts(plan: dict[str, str], blocks_name: str, blocks: 
                 f"against the whole part in the first forward. Keep it whole: tensor_parallel_replicate="
                 f"['{wildcard_index(name)}'], or use ZeRO or pipeline parallelism for this model."
             )
+
+
+def planned_shares(
+    module: nn.Module,
+    *,
+    tp: int,
+    sequence_parallel: bool,
+    user_plan: dict[str, str] | None = None,
+    replicate: list[str] | tuple[str, ...] = (),
+) -> TensorParallelShares:
+    """What one of ``tp`` ranks holds of each activation, from the model's tensor-parallel plan: its column splits,
+    row splits and gathered head (:mod:`lightning_llm.modeling.tp_shares`). Raises the plan's refusal (ValueError).
+
+    Example::
+
+        shares = planned_shares(model, tp=2, sequence_parallel=True)
+    """
+    found = find_blocks(module)
+    plan, _ = plan_tensor_parallel(
+        module, tp=tp, blocks_name=found.name, blocks=found.blocks, user_plan=user_plan, replicate=replicate
+    )
+    roles = {
+        part: role
+        for name, part in module.named_modules()
+        for pattern, style in plan.items()
+        if name and matches(name, pattern) and (role := dataflow_role(style)) is not None
+    }
+    return TensorParallelShares(tp, sequence_parallel, roles)

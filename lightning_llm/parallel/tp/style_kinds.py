@@ -107,3 +107,17 @@ def whole(style: str | None) -> bool:
     """Whether ``style`` keeps its module's parameters whole on every rank."""
     kind = kind_of(style)
     return kind is not None and kind.whole
+
+
+def dataflow_role(style: str | None) -> str | None:
+    """How planning classes a module of ``style`` in the dataflow (:mod:`lightning_llm.modeling.tp_shares`):
+    "opens" (its output is split by heads/columns), "closes" (its output is back on the stream), "gathers" (its
+    split output is gathered whole), or ``None``."""
+    kind = kind_of(style)
+    if kind is None:
+        return None
+    if kind.opens:
+        return "opens"
+    if kind.closes or kind.name == "rowwise_split_input":
+        return "closes"
+    return "gathers" if kind.name == "colwise_gather" else None
