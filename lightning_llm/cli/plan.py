@@ -45,6 +45,18 @@ def plan(args: list[str]) -> str:
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     header = _header(module, settings, options.device_memory, cli.trainer.accumulate_grad_batches)
+    if options.layout == "auto":
+        from lightning_llm.cli.plan_layout import layout_report
+
+        report = f"{header}\n" + layout_report(
+            module,
+            settings,
+            rates_name=options.rates,
+            accumulate=cli.trainer.accumulate_grad_batches,
+            devices_per_node=options.devices or (config.get("trainer") or {}).get("devices") or 8,
+        )
+        print(report)
+        return report
     try:
         decision = choose_zero_stage(module, **settings)
         report = f"{header}\n{decision.table}\nChosen: ZeRO {decision.stage}, offload {decision.offload}"
@@ -70,6 +82,10 @@ def _parser():
     )
     parser.add_argument("--backend", choices=("native", "deepspeed"), help="default: from the config's strategy")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of device memory kept free")
+    parser.add_argument(
+        "--layout", choices=("config", "auto"), default="config", help="auto: rank every layout by step time"
+    )
+    parser.add_argument("--rates", default="H100", help="with --layout auto: H100, H200, A100, or calibrate")
     return parser
 
 

@@ -65,6 +65,10 @@ class TensorParallelShares:
         """SPLIT, WHOLE, or ``None`` for the stream."""
         return self._marks.get(_ref(t))
 
+    def inside_split(self) -> bool:
+        """Whether a split module is running (its ops do ``1/tp`` of the work)."""
+        return bool(self._inside)
+
     def weigh(self, t: torch.Tensor, ref: StorageWeakRef) -> tuple[float, object]:
         """(this rank's fraction of ``t``, the key its bytes are counted once under) for a tensor autograd saves."""
         mark = self.mark_of(t)

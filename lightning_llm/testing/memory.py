@@ -84,8 +84,9 @@ def step_peak(module: L.LightningModule, optimizer: torch.optim.Optimizer, batch
 
         peak = step_peak(module, torch.optim.AdamW(module.parameters()), batch)
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from lightning_llm._compat.torch_distributed import memory_trackers
+
+    MemTracker, FSDPMemTracker = memory_trackers()
 
     def step():
         module.training_step(batch, 0).backward()

@@ -118,6 +118,6 @@ def dataflow_role(style: str | None) -> str | None:
         return None
     if kind.opens:
         return "opens"
-    if kind.closes or kind.name == "rowwise_split_input":
+    if kind.closes or kind.name in ("rowwise_split_input", "embedding"):  # an embedding's rows: output summed
         return "closes"
     return "gathers" if kind.name == "colwise_gather" else None

@@ -1,0 +1,172 @@
+"""Predicted against measured step time over a grid of layouts and sequence lengths, on 2 gloo ranks (CPU).
+
+Each cell trains the ``small`` reference model (4 blocks, width 256) under ``LLMParallelStrategy`` with a standard
+``Trainer`` for a few steps; the step time is the median, over rounds that alternate the cells, of rank 0's
+optimizer steps after the first. The prediction is :func:`~lightning_llm.planning.step_time.step_time` of the
+cell's layout, from the work of one micro-batch recorded on fake tensors (:mod:`lightning_llm.modeling.op_work`)
+and the rates :mod:`lightning_llm.planning.calibration` measures in the same process group first.
+
+    python benchmarks/step_time_layouts.py [--rounds 3] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+from lightning_llm.testing import run_distributed
+
+GLOBAL_BATCH = 4
+LAYOUTS = {  # name: (strategy arguments, micro-batches per step)
+    "dp2 ZeRO 0": ({"zero_stage": 0}, 1),
+    "dp2 ZeRO 2": ({"zero_stage": 2}, 1),
+    "dp2 ZeRO 3": ({"zero_stage": 3}, 1),
+    "dp2 ZeRO 3, AC full": ({"zero_stage": 3, "activation_checkpointing": "full"}, 1),
+    "dp2 ZeRO 3, AC selective": ({"zero_stage": 3, "activation_checkpointing": "selective"}, 1),
+    "tp2": ({"tensor_parallel_size": 2, "zero_stage": 0}, 1),
+    "tp2 SP": ({"tensor_parallel_size": 2, "sequence_parallel": True, "zero_stage": 0}, 1),
+    "pp2, 2 micro-batches": ({"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 0}, 2),
+    "pp2, 4 micro-batches": ({"pipeline_parallel_size": 2, "num_microbatches": 4, "zero_stage": 0}, 4),
+    "cp2 ZeRO 3": ({"context_parallel_size": 2, "zero_stage": 3}, 1),
+}
+SEQ_LENS = (128, 256)
+
+
+def _model(seq_len: int):
+    from lightning_llm.models import CausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    return CausalLM(LlamaConfig.from_name("small", max_seq_len=seq_len))
+
+
+class _StepTimes:
+    """Seconds of each optimizer step (batch start to batch end, the optimizer step included)."""
+
+    def __init__(self) -> None:
+        import lightning as L
+
+        class Callback(L.Callback):
+            def on_train_batch_start(inner, *args):
+                self.start = time.perf_counter()
+
+            def on_train_batch_end(inner, *args):
+                self.times.append(time.perf_counter() - self.start)
+
+        self.times: list[float] = []
+        self.callback = Callback()
+
+
+def _measure(name: str, seq_len: int, steps: int) -> float:
+    from torch.utils.data import DataLoader
+
+    from lightning_llm.strategies import LLMParallelStrategy
+    from lightning_llm.testing.trainer import cpu_trainer
+
+    kwargs, _ = LAYOUTS[name]
+    dp = 2 // (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
+    dp //= kwargs.get("context_parallel_size", 1)
+    data = torch.randint(0, 256, (GLOBAL_BATCH * steps, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    times = _StepTimes()
+    trainer = cpu_trainer(
+        devices=2, strategy=LLMParallelStrategy(**kwargs), max_steps=steps, callbacks=[times.callback]
+    )
+    trainer.fit(_model(seq_len), DataLoader(data, batch_size=GLOBAL_BATCH // dp))
+    return statistics.median(times.times[1:])
+
+
+def _predict(name: str, seq_len: int, rates) -> object:
+    from lightning_llm.modeling.op_work import forward_work
+    from lightning_llm.parallel.tp.model_plan import planned_shares
+    from lightning_llm.planning.step_time import StepLayout, step_time
+
+    kwargs, micro_batches = LAYOUTS[name]
+    tp, pp, cp = (kwargs.get(f"{k}_parallel_size", 1) for k in ("tensor", "pipeline", "context"))
+    dp = 2 // (tp * pp * cp)
+    with torch.device("meta"):
+        module = _model(seq_len)
+        module.configure_model()
+    sp = kwargs.get("sequence_parallel", False)
+    shares = planned_shares(module, tp=tp, sequence_parallel=sp) if tp > 1 else None
+    batch = torch.zeros(GLOBAL_BATCH // dp // micro_batches, seq_len + 1, dtype=torch.long)
+    module.log = lambda *args, **kw: None
+    work = forward_work(module, lambda: module.training_step(batch, 0), shares=shares, device=torch.device("cpu"))
+    layout = StepLayout(
+        world_size=2,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=kwargs.get("zero_stage", 3),
+        activation_checkpointing=kwargs.get("activation_checkpointing", "none"),
+        micro_batches=micro_batches,
+        sequence_parallel=sp,
+    )
+    params = sum(p.numel() for p in module.parameters())
+    return step_time(work, layout, rates, rank_params=params / (tp * pp))
+
+
+def _fitted(rates):
+    """``rates`` fitted to the model's own forward and backward at 2 x 128 and 2 x 256 tokens, timed on every rank at
+    once (as the ranks compute in a run)."""
+    from lightning_llm.modeling.op_work import forward_work
+    from lightning_llm.planning.calibration import fitted_to_model, time_passes
+
+    works, seconds = [], []
+    for seq_len in (256, 128):
+        module = _model(seq_len)
+        module.configure_model()
+        module.log = lambda *args, **kw: None
+        batch = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        works.append(forward_work(module, lambda: module.training_step(batch, 0)))
+        seconds.append(time_passes(lambda: module.training_step(batch, 0).backward(), torch.device("cpu")))
+    return fitted_to_model(rates, tuple(works), tuple(seconds))
+
+
+def _grid(rounds: int, steps: int) -> dict | None:
+    import torch.distributed as dist
+
+    from lightning_llm.planning.calibration import calibrate
+
+    cells = [(name, seq_len) for name in LAYOUTS for seq_len in SEQ_LENS]
+    measured: dict = {cell: [] for cell in cells}
+    for _ in range(rounds):  # alternated: each round runs every cell once
+        for cell in cells:
+            measured[cell].append(_measure(*cell, steps))
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_llm.planning.calibration import in_stream_links
+
+    cpu = torch.device("cpu")
+    rates = _fitted(calibrate(tokens=GLOBAL_BATCH * 256, hidden=256, width=256, dtype=torch.float32, device=cpu))
+    tp_link, dp_link = in_stream_links(init_device_mesh("cpu", (2,)), GLOBAL_BATCH * 256, 256, 704, cpu)
+    rates = replace(rates, tp_link=tp_link, dp_link=dp_link)
+    results = {cell: (_predict(*cell, rates), measured[cell]) for cell in cells}
+    return (results, rates) if dist.get_rank() == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    results, rates = run_distributed(_grid, 2, args.rounds, args.steps, timeout=3000)[0]
+    print(f"rates: {rates}")
+    print("| layout | tokens | predicted ms | measured ms (median, min-max) | predicted / measured |")
+    print("|---|---|---|---|---|")
+    for (name, seq_len), (predicted, times) in results.items():
+        median = statistics.median(times)
+        print(
+            f"| {name} | {seq_len} | {predicted.total * 1e3:.0f} | {median * 1e3:.0f} ({min(times) * 1e3:.0f}-"
+            f"{max(times) * 1e3:.0f}) | {predicted.total / median:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

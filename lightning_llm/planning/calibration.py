@@ -1,0 +1,189 @@
+"""Measuring the rates :mod:`.step_time` prices work at, on the machine the run uses: seconds, nothing kept.
+
+* the matmul rate at the model's own matmul shape (tokens x hidden by hidden x width), in the run's dtype;
+* the memory bandwidth of an elementwise op on a tensor the size of the hidden states;
+* the cost of one op beyond its work: a chain of tiny ops run forward and backward (dispatch, autograd, launch);
+* a process group's link: an all-reduce at two sizes, solved for latency and bandwidth (ranks call it together).
+
+Each is the median of several timed repeats after a warm-up. On CUDA the device is synchronized around each timing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_llm.planning.step_time import Link, Rates, work_time
+from lightning_llm.planning.work import ForwardWork
+
+_REPEATS = 7
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = _REPEATS) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_passes(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of ``fn()`` (a forward and backward of the model) over a few repeats after warm-up."""
+    return _seconds(fn, device, repeats=5)
+
+
+def matmul_rate(tokens: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of a ``(tokens, hidden) @ (hidden, width)`` matmul."""
+    a = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    b = torch.randn(hidden, width, dtype=dtype, device=device)
+    return 2 * tokens * hidden * width / _seconds(lambda: a @ b, device)
+
+
+def memory_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Bytes/s of ``x * y`` (two reads and a write) on tensors of ``numel`` elements."""
+    x, y = torch.randn(numel, dtype=dtype, device=device), torch.randn(numel, dtype=dtype, device=device)
+    return 3 * x.numel() * x.element_size() / _seconds(lambda: x * y, device)
+
+
+def op_overhead(device: torch.device, length: int = 64) -> float:
+    """Seconds per op of a chain of ``length`` tiny ops run forward and backward, per forward op and its backward
+    (3 units: :mod:`.step_time` prices a backward as two forwards)."""
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(length):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _seconds(chain, device) / (3 * length)
+
+
+def dispatch_mode_overhead(device: torch.device, length: int = 64) -> float:
+    """Seconds a Python dispatch mode adds to each op (what selective checkpointing's policy costs per op)."""
+    from lightning_llm._compat.torch import TorchDispatchMode
+
+    class _Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(8, device=device)
+
+    def chain() -> None:
+        y = x
+        for _ in range(length):
+            y = y * 1.0001
+
+    plain = _seconds(chain, device)
+    with _Passing():
+        moded = _seconds(chain, device)
+    return max(moded - plain, 0.0) / length
+
+
+def link(group=None, device: torch.device | None = None, sizes: tuple[int, int] = (2**10, 2**22)) -> Link:
+    """Latency and bandwidth of ``group``'s all-reduce (every rank of it calls this together)."""
+    n = dist.get_world_size(group)
+    device = device or torch.device("cpu")
+    small, large = (torch.ones(size // 4, device=device) for size in sizes)
+    t_small, t_large = (_seconds(lambda t=t: dist.all_reduce(t, group=group), device) for t in (small, large))
+    factor = 2 * (n - 1) / n
+    bandwidth = factor * (sizes[1] - sizes[0]) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - factor * sizes[0] / bandwidth, 0.0) / (2 * (n - 1))
+    return Link(bandwidth, latency)
+
+
+def calibrate(*, tokens: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device, group=None) -> Rates:
+    """Every rate on this machine; ``group`` (an initialized process group, or ``None`` for the default one when
+    initialized) gives the link. Example::
+
+        rates = calibrate(tokens=2048, hidden=4096, width=4096, dtype=torch.bfloat16, device=torch.device("cuda"))
+    """
+    measured_link = link(group, device) if dist.is_initialized() else Link(float("inf"))
+    return Rates(
+        matmul_flops=matmul_rate(tokens, hidden, width, dtype, device),
+        memory_bandwidth=memory_bandwidth(tokens * hidden, dtype, device),
+        op_overhead=op_overhead(device),
+        link=measured_link,
+        mode_overhead=dispatch_mode_overhead(device),
+        overlap=device.type == "cuda",
+    )
+
+
+def fitted_to_model(rates: Rates, works: tuple[ForwardWork, ForwardWork], seconds: tuple[float, float]) -> Rates:
+    """``rates`` fitted to two timed forward-and-backward passes of the model itself (at two sizes).
+
+    The micro-benchmarks miss what the model's own ops cost: the Python and autograd work around each op, and how
+    far its matmuls and elementwise ops fall short of the isolated ones. With ``t = 3 (ops x c + k x W)`` per pass (W
+    the work's seconds at ``rates``, c the cost per op, k how much slower the work runs than measured alone), two
+    passes give c and k; a degenerate fit (a negative c) keeps the measured overhead and fits k alone.
+
+    Example::
+
+        rates = fitted_to_model(rates, (work_at_256, work_at_128), (0.41, 0.23))
+    """
+    ops = [w.total.ops for w in works]
+    work = [work_time(w.total, replace(rates, op_overhead=0.0)) for w in works]
+    determinant = ops[0] * work[1] - ops[1] * work[0]
+    per_op, scale = -1.0, 1.0
+    if determinant:
+        per_op = (seconds[0] * work[1] - seconds[1] * work[0]) / 3 / determinant
+        scale = (ops[0] * seconds[1] - ops[1] * seconds[0]) / 3 / determinant
+    if per_op < 0 or scale <= 0:
+        per_op = rates.op_overhead
+        scale = max(seconds[0] / 3 - ops[0] * per_op, 1e-12) / work[0]
+    return replace(
+        rates,
+        matmul_flops=rates.matmul_flops / scale,
+        memory_bandwidth=rates.memory_bandwidth / scale,
+        op_overhead=per_op,
+    )
+
+
+def in_stream_links(mesh, tokens: int, hidden: int, width: int, device: torch.device) -> tuple[Link, Link]:
+    """(tensor-parallel, data-parallel) links as a training step meets them: the cost of a collective between matmuls,
+    where each waits for the slower rank and goes through DTensor or FSDP2, over ``mesh`` (1-D, every rank calls).
+
+    Tensor parallelism: a column split then a row split (torch's ``ColwiseParallel``/``RowwiseParallel``) run forward
+    and backward (two all-reduces) against the same layers whole on 1/n of the work. ZeRO: the same pair under FSDP2
+    (``fully_shard`` each: per layer an all-gather forward, one backward and a reduce-scatter) against the pair
+    unsharded. The extra seconds per collective, less what the isolated all-reduce's bandwidth gives the bytes, are
+    the link's latency.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n, isolated = mesh.size(), link(mesh.get_group(), device)
+
+    def pair() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(hidden, width, bias=False), nn.Linear(width, hidden, bias=False)).to(device)
+
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    plain = _seconds(lambda m=pair(): m(x).sum().backward(), device)
+    split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    per_collective = (_seconds(lambda: split(x).sum().backward(), device) - plain / n) / 2
+    nbytes = tokens * hidden * x.element_size()
+    tp_latency = (per_collective - 2 * (n - 1) / n * nbytes / isolated.bandwidth) / (2 * (n - 1))
+    sharded = pair()
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    per_collective = (_seconds(lambda: sharded(x).sum().backward(), device) - plain) / 6
+    layer_bytes = hidden * width * x.element_size()
+    dp_latency = (per_collective - (n - 1) / n * layer_bytes / isolated.bandwidth) / (n - 1)
+    return Link(isolated.bandwidth, max(tp_latency, isolated.latency)), Link(
+        isolated.bandwidth, max(dp_latency, isolated.latency)
+    )

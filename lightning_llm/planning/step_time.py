@@ -1,0 +1,231 @@
+"""Step time of a layout: compute from the recorded work at the device's rates, communication from bytes and link
+rates, the pipeline's bubble, recomputation and the optimizer step. Arithmetic only.
+
+The work is one micro-batch's forward on one rank (:class:`~lightning_llm.planning.work.ForwardWork`, recorded by :mod:`lightning_llm.modeling.op_work`
+on fake tensors with the rank's tensor-parallel share). The model, per rank and micro-batch:
+
+* **compute**: forward = ops x launch overhead + matmul FLOPs / matmul rate + other bytes / memory bandwidth; backward
+  twice the forward (a matmul's backward is two matmuls; an elementwise op's reads the saved input and the gradient
+  and writes one); context parallelism divides the FLOPs and bytes by ``cp`` (each rank runs its share of the
+  sequence, attention's queries included), not the ops each rank launches;
+* **recompute**: "full" checkpointing runs every block's forward again; "selective" its ops other than matmuls;
+* **tensor parallelism**: the recorded collectives (torch's styles: row splits all-reduce or reduce-scatter, column
+  splits all-gather under sequence parallelism, and their backward mirrors), on the critical path;
+* **context parallelism**: the ring passes each rank's keys and values ``cp - 1`` times per attention call, twice
+  that in backward;
+* **ZeRO** (FSDP2 over ``dp x cp`` ranks): stage 3 all-gathers the parameters in forward and again in backward,
+  stage 2 once; stages 1-3 reduce-scatter the gradients, stage 0 all-reduces them; where the device overlaps
+  communication with compute (CUDA streams), only what exceeds the compute is exposed;
+* **pipeline**: ``(m + pp - 1) / v`` stage slots for ``m`` micro-batches, the slowest stage's time per slot (the last
+  holds the head and loss), plus a send of the hidden states per micro-batch and boundary;
+* **optimizer**: AdamW reads and writes parameters, gradients and two moments once: memory-bound.
+
+Collectives cost ``latency x steps + bytes x factor / bandwidth`` (ring: all-reduce ``2(n-1)/n``, all-gather and
+reduce-scatter ``(n-1)/n`` of the whole tensor). Not modelled: expert parallelism's all-to-alls, kernel fusion by
+``torch.compile``, and contention between ranks sharing a host's cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_llm.planning.work import ForwardWork, Work
+
+
+@dataclass(frozen=True)
+class Link:
+    """A process group's collectives: ``latency`` seconds per ring step and ``bandwidth`` bytes/s per rank."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        return 0.0 if n == 1 else 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+    def all_gather(self, nbytes: float, n: int) -> float:
+        """Also a reduce-scatter's time: ``nbytes`` is the whole (gathered) tensor."""
+        return 0.0 if n == 1 else (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
+
+    def send(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a device and its links achieve (measured by :mod:`lightning_llm.planning.calibration` or from its table).
+
+    Attributes:
+        matmul_flops: FLOP/s the model's matmuls reach.
+        memory_bandwidth: bytes/s elementwise ops move.
+        op_overhead: seconds each op costs beyond its work (dispatch, autograd, kernel launch).
+        link: the collectives between ranks of one node (or of every group, without ``network``).
+        overlap: whether data-parallel and context-parallel communication runs beside compute (CUDA streams).
+        network: the collectives of a group spanning nodes of ``node_size`` ranks.
+        tp_link, dp_link: tensor parallelism's and ZeRO's collectives as measured inside a step (DTensor's and FSDP2's
+            own costs and the wait for the slower rank included), where calibrated; else ``link``/``network``.
+            Context parallelism's ring hops run inside the step too and use ``tp_link``.
+        mode_overhead: seconds a Python dispatch mode adds per op (selective checkpointing's policy sees every op of
+            a block's forward and of its recompute).
+    """
+
+    matmul_flops: float
+    memory_bandwidth: float
+    op_overhead: float
+    link: Link
+    overlap: bool = False
+    network: Link | None = None
+    node_size: int = 8
+    tp_link: Link | None = None
+    dp_link: Link | None = None
+    mode_overhead: float = 0.0
+
+    def link_over(self, span: int) -> Link:
+        """The link of a group whose ranks lie within ``span`` consecutive ranks (mesh order pp, dp, cp, tp)."""
+        return self.network if self.network is not None and span > self.node_size else self.link
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One candidate: the parallel sizes, ZeRO stage, checkpointing and micro-batching of a step.
+
+    ``micro_batches``: forwards per optimizer step on each rank (gradient accumulation, or the pipeline's micro-batches).
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: str = "none"
+    micro_batches: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part; ``total`` is what a step takes."""
+
+    compute: float
+    recompute: float
+    tensor_parallel: float
+    context_parallel: float
+    data_parallel: float
+    pipeline: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute
+            + self.recompute
+            + self.tensor_parallel
+            + self.context_parallel
+            + self.data_parallel
+            + self.pipeline
+            + self.optimizer
+        )
+
+
+def work_time(work: Work, rates: Rates, share: float = 1.0, part: str = "all") -> float:
+    """Seconds of one forward of ``work`` when this rank does ``share`` of its FLOPs and bytes but launches all its
+    ops (context parallelism: every op on a shard of the sequence); ``part``: "all", "matmuls" or "others"."""
+    matmul = share * work.matmul_flops / rates.matmul_flops + work.matmuls * rates.op_overhead
+    other = share * work.other_bytes / rates.memory_bandwidth + (work.ops - work.matmuls) * rates.op_overhead
+    return {"all": matmul + other, "matmuls": matmul, "others": other}[part]
+
+
+def step_time(
+    work: ForwardWork,
+    layout: StepLayout,
+    rates: Rates,
+    *,
+    rank_params: float,
+    param_bytes: int = 4,
+    gather_bytes: int = 4,
+) -> StepTime:
+    """Predicted seconds of one optimizer step of ``layout`` (see the module doc).
+
+    ``work``: one micro-batch's forward on one rank, with the layout's tensor-parallel share (context parallelism is
+    applied here). ``rank_params``: parameters this rank holds before ZeRO's sharding (the model over ``tp x pp``).
+    ``param_bytes``: bytes per parameter of the optimizer's tensors; ``gather_bytes``: per gathered parameter.
+
+    Example::
+
+        step_time(work, StepLayout(world_size=2, zero_stage=3), rates, rank_params=124e6).total
+    """
+    m, cp, pp = layout.micro_batches, layout.cp, layout.pp
+    blocks, outside = _summed(work.blocks), work.outside
+    stage_forward = work_time(blocks, rates, 1 / cp) / pp + work_time(outside, rates, 1 / cp)
+    stage_recompute = _recompute(blocks, layout.activation_checkpointing, rates, 1 / cp) / pp
+    tp_seconds = _tensor_parallel(work, layout, rates) / pp
+    cp_seconds = _context_parallel(work, layout, rates) / pp
+    slots = m + (pp - 1) / layout.virtual_stages  # 1F1B / GPipe: the bubble is pp - 1 slots (over v virtual stages)
+    compute = slots * 3 * stage_forward
+    recompute = slots * stage_recompute
+    tensor_parallel = slots * tp_seconds
+    hidden_states = work.stream_bytes / cp / (layout.tp if layout.sequence_parallel else 1)
+    send = rates.link_over(layout.world_size).send(hidden_states)
+    sends = 0.0 if pp == 1 else slots * 2 * send  # the forward's output, and backward's gradient
+    data_parallel = _data_parallel(layout, rates, rank_params, gather_bytes, param_bytes)
+    context_parallel = slots * cp_seconds
+    if rates.overlap:  # FSDP's prefetch runs beside all compute, the ring's next hop beside this hop's attention
+        attention = slots * 3 * sum(work.attention_flops) / cp / pp / rates.matmul_flops
+        data_parallel = max(0.0, data_parallel - compute - recompute)
+        context_parallel = max(0.0, context_parallel - attention)
+    shard = layout.dp * cp if layout.zero_stage > 0 else 1
+    optimizer = rank_params / shard * param_bytes * 4 * 2 / rates.memory_bandwidth  # param, grad, 2 moments; r + w
+    return StepTime(compute, recompute, tensor_parallel, context_parallel, data_parallel, sends, optimizer)
+
+
+def _summed(parts: list[Work]) -> Work:
+    total = Work()
+    for part in parts:
+        total += part
+    return total
+
+
+def _recompute(blocks: Work, policy: str, rates: Rates, share: float) -> float:
+    if policy == "full":
+        return work_time(blocks, rates, share)
+    if policy == "selective":  # keeps the matmuls' and attention's outputs; its policy sees every op twice
+        return work_time(blocks, rates, share, part="others") + 2 * blocks.ops * rates.mode_overhead
+    return 0.0
+
+
+def _tensor_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> float:
+    """Seconds of one micro-batch's tensor-parallel collectives (forward and backward), per rank."""
+    seconds, link = 0.0, rates.tp_link or rates.link_over(layout.tp)
+    for _phase, kind, nbytes, _block in work.collectives:
+        size = nbytes / layout.cp
+        if kind == "all_reduce":
+            seconds += link.all_reduce(size, layout.tp)
+        else:
+            seconds += link.all_gather(size, layout.tp)
+    return seconds
+
+
+def _context_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> float:
+    """Seconds of one micro-batch's ring passes: ``cp - 1`` hops of this rank's keys and values per attention call,
+    twice that in backward (keys and values, then their gradients, go round)."""
+    if layout.cp == 1:
+        return 0.0
+    link = rates.tp_link or rates.link_over(layout.tp * layout.cp)
+    return sum(3 * (layout.cp - 1) * link.send(kv / layout.cp) for kv in work.attention_kv_bytes if kv)
+
+
+def _data_parallel(layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int) -> float:
+    """Seconds of ZeRO's collectives per step over the ``dp x cp`` ranks sharding each parameter."""
+    n = layout.dp * layout.cp
+    if n == 1:
+        return 0.0
+    gathered, grads = rank_params * gather_bytes, rank_params * param_bytes
+    m, link = layout.micro_batches, rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp)
+    if layout.zero_stage == 0:
+        return m * link.all_reduce(grads, n)
+    gathers = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m
+    return gathers * link.all_gather(gathered, n) + m * link.all_gather(grads, n)

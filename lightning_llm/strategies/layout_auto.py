@@ -1,0 +1,169 @@
+"""``layout="auto"``: every layout that fits the world, the model and the device memory, priced in seconds per step;
+the fastest is chosen.
+
+A candidate is tensor, pipeline and context parallel sizes (the rest data parallel), sequence parallelism with tp,
+a ZeRO stage, an activation-checkpointing mode and the micro-batches per step that keep the global batch. Its
+memory is the planner's (:func:`~lightning_llm.strategies.zero_auto.model_footprint` under the candidate's tp,
+then :func:`~lightning_llm.planning.zero.estimate_options`); its step time is
+:func:`~lightning_llm.planning.step_time.step_time` of the work one rank does
+(:func:`~lightning_llm.modeling.op_work.forward_work`). The model is measured once per tensor-parallel layout and
+micro-batch size, on fake tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.op_work import forward_work
+from lightning_llm.parallel.tp.model_plan import planned_shares
+from lightning_llm.planning.memory import ModelFootprint
+from lightning_llm.planning.sizes import GiB
+from lightning_llm.planning.step_time import Rates, StepLayout, StepTime, step_time
+from lightning_llm.planning.work import ForwardWork
+from lightning_llm.planning.zero import estimate_options
+from lightning_llm.strategies.zero_auto import model_footprint
+
+ZERO_STAGES = (0, 2, 3)  # natively ZeRO 1 runs as 2
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its micro-batch size, per-rank memory (bytes), predicted step time, and whether it fits."""
+
+    layout: StepLayout
+    micro_batch_size: int
+    memory: float
+    time: StepTime
+    fits: bool
+
+    def line(self) -> str:
+        """``tp= pp= cp= zero= ac= micro_batches=`` with the predicted memory and time."""
+        lay = self.layout
+        sp = " sp" if lay.sequence_parallel else ""
+        return (
+            f"tp={lay.tp}{sp} pp={lay.pp} cp={lay.cp} dp={lay.dp} zero={lay.zero_stage} "
+            f"ac={lay.activation_checkpointing} micro_batches={lay.micro_batches} (micro-batch "
+            f"{self.micro_batch_size}): {self.memory / GiB:.2f} GiB, {self.time.total * 1e3:.1f} ms/step"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(module: nn.Module) -> list[int]:
+    config = getattr(module, "config", None)
+    names = ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads")
+    return [h for h in (getattr(config, name, None) for name in names) if isinstance(h, int)]
+
+
+def layouts(module: nn.Module, *, world_size: int, seq_len: int, global_batch: int) -> Iterator[tuple[StepLayout, int]]:
+    """(layout, micro-batch size) of every candidate: tp divides the heads, pp is at most the blocks (with at least pp
+    micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the global batch divides evenly."""
+    blocks = len(find_blocks(module).blocks)
+    for tp in (d for d in _divisors(world_size) if all(h % d == 0 for h in _heads(module))):
+        for pp in (d for d in _divisors(world_size // tp) if d <= blocks):
+            for cp in (d for d in _divisors(world_size // (tp * pp)) if seq_len % (2 * d) == 0):
+                dp = world_size // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                for micro_batches in (m for m in _divisors(global_batch // dp) if m >= pp):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for zero in ZERO_STAGES if dp * cp > 1 else (0,):
+                            for ac in CHECKPOINTING:
+                                layout = StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp)
+                                yield layout, global_batch // dp // micro_batches
+
+
+class _Measured:
+    """The model's footprint and one rank's work per (tp, sequence parallel, cp, micro-batch), measured once."""
+
+    def __init__(self, module: nn.Module, seq_len: int, precision: str) -> None:
+        self.module, self.seq_len, self.precision = module, seq_len, precision
+        self._cache: dict[tuple, tuple[ModelFootprint, ForwardWork]] = {}
+
+    def __call__(self, layout: StepLayout, micro_batch_size: int) -> tuple[ModelFootprint, ForwardWork]:
+        tp, sp = layout.tp, layout.sequence_parallel
+        key = (tp, sp, layout.cp, micro_batch_size)
+        if key not in self._cache:
+            footprint = model_footprint(
+                self.module,
+                micro_batch_size=micro_batch_size,
+                seq_len=self.seq_len,
+                precision=self.precision,
+                tp=tp,
+                sequence_parallel=sp,
+                cp=layout.cp,
+            )
+            shares = planned_shares(self.module, tp=tp, sequence_parallel=sp) if tp > 1 else None
+            batch = torch.zeros(micro_batch_size, self.seq_len + 1, dtype=torch.long)
+            step = lambda: self.module.training_step(batch, 0)  # noqa: E731
+            work = forward_work(self.module, step, shares=shares, device=torch.device("cpu"))
+            self._cache[key] = (footprint, work)
+        return self._cache[key]
+
+
+def rank_candidates(
+    module: nn.Module,
+    *,
+    world_size: int,
+    seq_len: int,
+    global_batch: int,
+    device_memory: int,
+    rates: Rates,
+    precision: str = "32-true",
+    margin: float = 0.1,
+) -> list[Candidate]:
+    """Every candidate, fitting ones first, each group fastest first (on a tie, the lower ZeRO stage, then the fewer
+    model-parallel ranks, the less checkpointing, the fewer micro-batches). Example::
+
+        ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
+                                 rates=rates)
+        ranked[0].line()
+    """
+    measured, usable, half = _Measured(module, seq_len, precision), device_memory * (1 - margin), "16" in precision
+    candidates = []
+    for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, global_batch=global_batch):
+        footprint, work = measured(layout, micro_batch_size)
+        rows = estimate_options(
+            footprint.num_params,
+            footprint.largest_block,
+            footprint.activations_for(layout.activation_checkpointing),
+            outside_blocks=footprint.outside_blocks,
+            world_size=world_size,
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            precision=precision,
+            allow_offload=False,
+            optimizer_states=footprint.optimizer_states,
+            activations_tp=footprint.activations_tp,
+        )
+        row = next(r for r in rows if r.zero_stage == layout.zero_stage)
+        seconds = step_time(
+            work,
+            layout,
+            rates,
+            rank_params=footprint.num_params / (layout.tp * layout.pp),
+            gather_bytes=2 if half else 4,
+        )
+        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable))
+    # On a tie (communication hidden behind compute), less communication and fewer model-parallel splits first.
+    order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
+    return sorted(
+        candidates,
+        key=lambda c: (
+            not c.fits,
+            round(c.time.total, 9),
+            c.layout.zero_stage,
+            c.layout.tp * c.layout.pp * c.layout.cp,
+            order[c.layout.activation_checkpointing],
+            c.layout.micro_batches,
+        ),
+    )

@@ -1,0 +1,99 @@
+"""The step-time arithmetic against counts by hand (:mod:`lightning_llm.planning.step_time`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_llm.planning.step_time import Link, Rates, StepLayout, step_time
+from lightning_llm.planning.work import ForwardWork, Work
+
+# 1 GFLOP/s, 1 GB/s, no launch cost: a block's forward is 1 s of matmuls and 0.5 s of elementwise work.
+RATES = Rates(matmul_flops=1e9, memory_bandwidth=1e9, op_overhead=0.0, link=Link(bandwidth=1e9, latency=0.0))
+
+
+def _work(blocks: int = 2) -> ForwardWork:
+    work = ForwardWork(
+        [Work(matmul_flops=1e9, matmuls=4, other_bytes=5e8, ops=10) for _ in range(blocks)],
+        Work(matmul_flops=0.0, other_bytes=0.0),
+    )
+    work.stream_bytes, work.attention_kv_bytes = 10**8, [2 * 10**8] * blocks
+    return work
+
+
+def test_ring_collectives_cost_what_a_ring_moves():
+    link = Link(bandwidth=1e9, latency=1e-3)
+    assert link.all_reduce(1e9, 4) == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4)
+    assert link.all_gather(1e9, 4) == pytest.approx(3 * 1e-3 + 3 / 4)
+    assert link.all_reduce(1e9, 1) == 0.0
+
+
+def test_compute_is_three_forwards_and_full_checkpointing_adds_one():
+    layout = StepLayout(world_size=1)
+    plain = step_time(_work(), layout, RATES, rank_params=0)
+    assert plain.compute == pytest.approx(3 * 2 * 1.5)  # forward 1.5 s per block, backward twice that
+    full = step_time(_work(), StepLayout(world_size=1, activation_checkpointing="full"), RATES, rank_params=0)
+    assert full.recompute == pytest.approx(2 * 1.5)
+    selective = step_time(_work(), StepLayout(world_size=1, activation_checkpointing="selective"), RATES, rank_params=0)
+    assert selective.recompute == pytest.approx(2 * 0.5)  # the elementwise part only
+
+
+def test_zero_stages_communicate_what_fsdp_moves():
+    params = 1e8  # fp32: 0.4 GB gathered and reduced over 2 ranks: (n-1)/n = 1/2 of it per collective
+    times = {
+        stage: step_time(_work(), StepLayout(world_size=2, zero_stage=stage), RATES, rank_params=params).data_parallel
+        for stage in (0, 2, 3)
+    }
+    assert times[0] == pytest.approx(2 * 0.5 * 0.4)  # one all-reduce of the gradients
+    assert times[2] == pytest.approx(0.2 + 0.2)  # one all-gather, one reduce-scatter
+    assert times[3] == pytest.approx(2 * 0.2 + 0.2)  # all-gathered again for backward
+
+
+def test_a_pipeline_runs_m_plus_pp_minus_one_slots_of_its_slowest_stage():
+    layout = StepLayout(world_size=2, pp=2, micro_batches=4)
+    got = step_time(_work(), layout, RATES, rank_params=0)
+    stage_forward = 2 * 1.5 / 2  # half the blocks
+    assert got.compute == pytest.approx((4 + 1) * 3 * stage_forward)
+    assert got.pipeline == pytest.approx((4 + 1) * 2 * 0.1)  # the hidden states forward, their gradient back
+    interleaved = step_time(
+        _work(), StepLayout(world_size=2, pp=2, micro_batches=4, virtual_stages=2), RATES, rank_params=0
+    )
+    assert interleaved.compute == pytest.approx((4 + 0.5) * 3 * stage_forward)
+
+
+def test_context_parallelism_divides_compute_and_passes_keys_and_values_round_the_ring():
+    got = step_time(_work(), StepLayout(world_size=2, cp=2), RATES, rank_params=0)
+    assert got.compute == pytest.approx(3 * 2 * 1.5 / 2)
+    # per block: this rank's half of K/V (0.1 GB) passed cp - 1 = 1 time forward, twice in backward
+    assert got.context_parallel == pytest.approx(2 * 3 * 0.1)
+
+
+def test_tensor_parallel_collectives_are_priced_per_call():
+    work = _work()
+    work.collectives = [("forward", "all_reduce", 10**9, 0), ("backward", "all_gather", 10**9, 0)]
+    got = step_time(work, StepLayout(world_size=2, tp=2), RATES, rank_params=0)
+    assert got.tensor_parallel == pytest.approx(2 * 0.5 + 0.5)
+
+
+def test_overlapped_communication_is_exposed_only_beyond_compute():
+    overlapping = Rates(1e9, 1e9, 0.0, Link(1e9), overlap=True)
+    got = step_time(_work(), StepLayout(world_size=2, zero_stage=3), overlapping, rank_params=1e8)
+    assert got.data_parallel == 0.0  # 0.6 s of gathers behind 9 s of compute
+    huge = step_time(_work(), StepLayout(world_size=2, zero_stage=3), overlapping, rank_params=1e10)
+    assert huge.data_parallel == pytest.approx(60 - 9)
+
+
+def test_rates_fitted_to_two_timed_passes_recover_the_cost_per_op_and_the_slowdown():
+    from lightning_llm.planning.calibration import fitted_to_model
+
+    large, small = _work(), _work()  # the same 20 ops on twice and once the tokens: 3 and 1.5 s of work at RATES
+    for block in small.blocks:
+        block.matmul_flops, block.other_bytes = block.matmul_flops / 2, block.other_bytes / 2
+    per_op, slowdown = 2e-3, 1.7
+    seconds = tuple(3 * (20 * per_op + slowdown * work) for work in (1.5, 3.0))
+    fitted = fitted_to_model(RATES, (small, large), seconds)
+    assert fitted.op_overhead == pytest.approx(per_op)
+    assert fitted.matmul_flops == pytest.approx(1e9 / slowdown)
+    assert fitted.memory_bandwidth == pytest.approx(1e9 / slowdown)
+    # the fitted rates predict both passes back
+    for work, want in zip((small, large), seconds):
+        assert step_time(work, StepLayout(world_size=1), fitted, rank_params=0).compute == pytest.approx(want)
