@@ -159,8 +159,8 @@ def in_stream_links(mesh, tokens: int, hidden: int, width: int, device: torch.de
     Tensor parallelism: a column split then a row split (torch's ``ColwiseParallel``/``RowwiseParallel``) run forward
     and backward (two all-reduces) against the same layers whole on 1/n of the work. ZeRO: the same pair under FSDP2
     (``fully_shard`` each: per layer an all-gather forward, one backward and a reduce-scatter) against the pair
-    unsharded. The extra seconds per collective, less what the isolated all-reduce's bandwidth gives the bytes, are
-    the link's latency.
+    unsharded. The extra seconds per collective, less what the isolated all-reduce gives it, are the link's
+    ``call_latency``.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -175,15 +175,11 @@ def in_stream_links(mesh, tokens: int, hidden: int, width: int, device: torch.de
     plain = _seconds(lambda m=pair(): m(x).sum().backward(), device)
     split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     per_collective = (_seconds(lambda: split(x).sum().backward(), device) - plain / n) / 2
-    nbytes = tokens * hidden * x.element_size()
-    tp_latency = (per_collective - 2 * (n - 1) / n * nbytes / isolated.bandwidth) / (2 * (n - 1))
+    tp_call = per_collective - isolated.all_reduce(tokens * hidden * x.element_size(), n)
     sharded = pair()
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
     per_collective = (_seconds(lambda: sharded(x).sum().backward(), device) - plain) / 6
-    layer_bytes = hidden * width * x.element_size()
-    dp_latency = (per_collective - (n - 1) / n * layer_bytes / isolated.bandwidth) / (n - 1)
-    return Link(isolated.bandwidth, max(tp_latency, isolated.latency)), Link(
-        isolated.bandwidth, max(dp_latency, isolated.latency)
-    )
+    dp_call = per_collective - isolated.all_gather(hidden * width * x.element_size(), n)
+    return replace(isolated, call_latency=max(tp_call, 0.0)), replace(isolated, call_latency=max(dp_call, 0.0))

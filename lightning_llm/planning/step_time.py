@@ -13,8 +13,9 @@ on fake tensors with the rank's tensor-parallel share). The model, per rank and 
   splits all-gather under sequence parallelism, and their backward mirrors), on the critical path;
 * **context parallelism**: the ring passes each rank's keys and values ``cp - 1`` times per attention call, twice
   that in backward;
-* **ZeRO** (FSDP2 over ``dp x cp`` ranks): stage 3 all-gathers the parameters in forward and again in backward,
-  stage 2 once; stages 1-3 reduce-scatter the gradients, stage 0 all-reduces them; where the device overlaps
+* **ZeRO** (FSDP2 over ``dp x cp`` ranks, one collective per unit: each block and the root): stage 3 all-gathers the
+  parameters in forward and again in backward, stage 2 once; stages 1-3 reduce-scatter the gradients, stage 0
+  all-reduces them; where the device overlaps
   communication with compute (CUDA streams), only what exceeds the compute is exposed;
 * **pipeline**: ``(m + pp - 1) / v`` stage slots for ``m`` micro-batches, the slowest stage's time per slot (the last
   holds the head and loss), plus a send of the hidden states per micro-batch and boundary;
@@ -34,20 +35,27 @@ from lightning_llm.planning.work import ForwardWork, Work
 
 @dataclass(frozen=True)
 class Link:
-    """A process group's collectives: ``latency`` seconds per ring step and ``bandwidth`` bytes/s per rank."""
+    """A process group's collectives: ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring step, and
+    ``call_latency`` seconds per collective (what a collective inside a step costs whatever its size: the framework's
+    work around it and the wait for the slower rank)."""
 
     bandwidth: float
     latency: float = 0.0
+    call_latency: float = 0.0
 
     def all_reduce(self, nbytes: float, n: int) -> float:
-        return 0.0 if n == 1 else 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+        if n == 1:
+            return 0.0
+        return self.call_latency + 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
 
     def all_gather(self, nbytes: float, n: int) -> float:
         """Also a reduce-scatter's time: ``nbytes`` is the whole (gathered) tensor."""
-        return 0.0 if n == 1 else (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
+        if n == 1:
+            return 0.0
+        return self.call_latency + (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
 
     def send(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
+        return self.call_latency + self.latency + nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -171,7 +179,8 @@ def step_time(
     hidden_states = work.stream_bytes / cp / (layout.tp if layout.sequence_parallel else 1)
     send = rates.link_over(layout.world_size).send(hidden_states)
     sends = 0.0 if pp == 1 else slots * 2 * send  # the forward's output, and backward's gradient
-    data_parallel = _data_parallel(layout, rates, rank_params, gather_bytes, param_bytes)
+    units = len(work.blocks) / pp + 1  # FSDP2 wraps each block and the root: its collectives go unit by unit
+    data_parallel = _data_parallel(layout, rates, rank_params, gather_bytes, param_bytes, units)
     context_parallel = slots * cp_seconds
     if rates.overlap:  # FSDP's prefetch runs beside all compute, the ring's next hop beside this hop's attention
         attention = slots * 3 * sum(work.attention_flops) / cp / pp / rates.matmul_flops
@@ -218,14 +227,17 @@ def _context_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> fl
     return sum(3 * (layout.cp - 1) * link.send(kv / layout.cp) for kv in work.attention_kv_bytes if kv)
 
 
-def _data_parallel(layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int) -> float:
-    """Seconds of ZeRO's collectives per step over the ``dp x cp`` ranks sharding each parameter."""
+def _data_parallel(
+    layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int, units: float
+) -> float:
+    """Seconds of ZeRO's collectives per step over the ``dp x cp`` ranks sharding each parameter: the bytes of all
+    parameters, in ``units`` collectives of each kind (one per FSDP2 unit)."""
     n = layout.dp * layout.cp
     if n == 1:
         return 0.0
     gathered, grads = rank_params * gather_bytes, rank_params * param_bytes
     m, link = layout.micro_batches, rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp)
     if layout.zero_stage == 0:
-        return m * link.all_reduce(grads, n)
+        return m * units * link.all_reduce(grads / units, n)
     gathers = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m
-    return gathers * link.all_gather(gathered, n) + m * link.all_gather(grads, n)
+    return units * (gathers * link.all_gather(gathered / units, n) + m * link.all_gather(grads / units, n))

@@ -25,6 +25,9 @@ def test_ring_collectives_cost_what_a_ring_moves():
     assert link.all_reduce(1e9, 4) == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4)
     assert link.all_gather(1e9, 4) == pytest.approx(3 * 1e-3 + 3 / 4)
     assert link.all_reduce(1e9, 1) == 0.0
+    in_step = Link(bandwidth=1e9, call_latency=5e-3)  # a collective's fixed cost inside a step, once per call
+    assert in_step.all_reduce(1e9, 4) == pytest.approx(5e-3 + 2 * 3 / 4)
+    assert in_step.all_gather(1e9, 4) == pytest.approx(5e-3 + 3 / 4)
 
 
 def test_compute_is_three_forwards_and_full_checkpointing_adds_one():
@@ -46,6 +49,10 @@ def test_zero_stages_communicate_what_fsdp_moves():
     assert times[0] == pytest.approx(2 * 0.5 * 0.4)  # one all-reduce of the gradients
     assert times[2] == pytest.approx(0.2 + 0.2)  # one all-gather, one reduce-scatter
     assert times[3] == pytest.approx(2 * 0.2 + 0.2)  # all-gathered again for backward
+    # FSDP2 makes each collective once per unit (2 blocks and the root): a per-call cost counts 3 times per kind
+    per_call = Rates(1e9, 1e9, 0.0, Link(bandwidth=1e9, call_latency=1e-3))
+    zero3 = step_time(_work(), StepLayout(world_size=2, zero_stage=3), per_call, rank_params=params).data_parallel
+    assert zero3 == pytest.approx(times[3] + 3 * 3 * 1e-3)
 
 
 def test_a_pipeline_runs_m_plus_pp_minus_one_slots_of_its_slowest_stage():
