@@ -46,31 +46,6 @@ register(
 )
 
 
-def memory_trackers() -> tuple[type, type]:
-    """(``MemTracker``, ``FSDPMemTracker``) of ``torch.distributed._tools``: torch's per-category peak-bytes trackers of
-    a real step (FSDP2's buffers attributed by the second), the oracle of the planner's tests and benchmarks. No
-    public module exports them. Checked on torch 2.13.0."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    return MemTracker, FSDPMemTracker
-
-
-register(
-    Private(
-        name="torch.distributed._tools.{MemTracker,FSDPMemTracker}",
-        upstream="torch",
-        accessor="torch_distributed.memory_trackers",
-        used_by=("testing/memory.py",),
-        why="the measured peak of a real step that planned memory is checked against; no public tracker attributes "
-        "parameters, gradients, optimizer state and activations",
-        caught_by="`tests/planning/test_planned_totals.py`",
-        checked=CHECKED,
-        check=memory_trackers,
-    )
-)
-
-
 def functional_collective_ops(names: tuple[str, ...]) -> set:
     """The ``.default`` overloads of ``torch.ops._c10d_functional.<name>`` present in this torch (those of ``names``
     it lacks are left out): the ops a tensor-parallel forward records for its reductions. Their namespace is

@@ -12,6 +12,7 @@ micro-batch size, on fake tensors.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from lightning_llm.planning.step_time import Rates, StepLayout, StepTime, step_t
 from lightning_llm.planning.work import ForwardWork
 from lightning_llm.planning.zero import estimate_options
 from lightning_llm.strategies.zero_auto import model_footprint
+
+log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 2, 3)  # natively ZeRO 1 runs as 2
 CHECKPOINTING = ("none", "selective", "full")
@@ -121,16 +124,25 @@ def rank_candidates(
     margin: float = 0.1,
 ) -> list[Candidate]:
     """Every candidate, fitting ones first, each group fastest first (on a tie, the lower ZeRO stage, then the fewer
-    model-parallel ranks, the less checkpointing, the fewer micro-batches). Example::
+    model-parallel ranks, the less checkpointing, the fewer micro-batches). A tensor-parallel layout the model's plan
+    refuses (a refusal of :func:`planned_shares`) is left out, with its reason in the log. Example::
 
         ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
                                  rates=rates)
         ranked[0].line()
     """
     measured, usable, half = _Measured(module, seq_len, precision), device_memory * (1 - margin), "16" in precision
-    candidates = []
+    candidates, refused = [], {}
     for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, global_batch=global_batch):
-        footprint, work = measured(layout, micro_batch_size)
+        key = (layout.tp, layout.sequence_parallel, layout.cp)
+        if key in refused:
+            continue
+        try:
+            footprint, work = measured(layout, micro_batch_size)
+        except ValueError as error:  # a tensor-parallel plan (or CP layout) the model refuses: not a candidate
+            refused[key] = error
+            log.info("layout='auto': tp=%d cp=%d is not a candidate: %s", layout.tp, layout.cp, error)
+            continue
         rows = estimate_options(
             footprint.num_params,
             footprint.largest_block,

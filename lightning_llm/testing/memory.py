@@ -84,7 +84,7 @@ def step_peak(module: L.LightningModule, optimizer: torch.optim.Optimizer, batch
 
         peak = step_peak(module, torch.optim.AdamW(module.parameters()), batch)
     """
-    from lightning_llm._compat.torch_distributed import memory_trackers
+    from lightning_llm._compat.torch import memory_trackers
 
     MemTracker, FSDPMemTracker = memory_trackers()
 

@@ -73,3 +73,15 @@ def test_plan_layout_auto_refuses_rates_of_an_unknown_device(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--config", "configs/tiny.yaml", "--devices", "2", "--layout", "auto", "--rates", "B300"])
     assert "No rates for device 'B300'" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_layout_the_model_refuses_is_left_out(monkeypatch):
+    from lightning_llm.strategies import layout_auto
+
+    def refuse(module, *, tp, sequence_parallel, **kwargs):
+        raise ValueError(f"tensor parallelism refuses tp={tp}")
+
+    monkeypatch.setattr(layout_auto, "planned_shares", refuse)
+    rates = Rates(1e10, 1e10, 1e-5, Link(1e9, 1e-5))
+    ranked = rank_candidates(_model(), world_size=2, seq_len=64, global_batch=4, device_memory=2**30, rates=rates)
+    assert ranked and {c.layout.tp for c in ranked} == {1}
