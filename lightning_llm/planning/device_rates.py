@@ -19,6 +19,7 @@ _MEMORY_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s
 _NVLINK = {"H100": 450e9, "H200": 450e9, "A100": 300e9}  # bytes/s per direction
 _NETWORK = {"H100": 400e9 / 8, "H200": 400e9 / 8, "A100": 200e9 / 8}  # bytes/s per GPU
 _PEAK_KEY = {"H100": "H100 SXM", "H200": "H200", "A100": "A100"}
+KNOWN_DEVICES = tuple(_PEAK_KEY)  # the names device_rates() takes
 
 
 def device_rates(name: str, *, dtype: str = "bf16", node_size: int = 8) -> Rates:
@@ -29,7 +30,9 @@ def device_rates(name: str, *, dtype: str = "bf16", node_size: int = 8) -> Rates
     """
     key = name.upper().split("-")[0]
     if key not in _PEAK_KEY:
-        raise ValueError(f"No rates for device {name!r}; known: {', '.join(_PEAK_KEY)}. Use --rates calibrate on it.")
+        raise ValueError(
+            f"No rates for device {name!r}; known: {', '.join(_PEAK_KEY)}. Measure it on the device instead ('calibrate')."
+        )
     return Rates(
         matmul_flops=0.6 * PEAK_FLOPS[_PEAK_KEY[key]][dtype],
         memory_bandwidth=0.8 * _MEMORY_BANDWIDTH[key],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch import nn
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.op_work import forward_work
 from lightning_llm.parallel.tp.model_plan import planned_shares
+from lightning_llm.planning.calibration import calibrate
+from lightning_llm.planning.device_rates import KNOWN_DEVICES, device_rates
+from lightning_llm.planning.flops import precision_dtype
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.sizes import GiB
 from lightning_llm.planning.step_time import Rates, StepLayout, StepTime, step_time
@@ -44,16 +47,31 @@ class Candidate:
     memory: float
     time: StepTime
     fits: bool
+    ep: int = 1
+
+    @property
+    def samples(self) -> int:
+        """Sequences per optimizer step over the whole job."""
+        return self.micro_batch_size * self.layout.micro_batches * self.layout.dp
+
+    @property
+    def seconds_per_sample(self) -> float:
+        """What candidates are ranked by: the step time over the sequences the step trains."""
+        return self.time.total / self.samples
 
     def line(self) -> str:
         """``tp= pp= cp= zero= ac= micro_batches=`` with the predicted memory and time."""
         lay = self.layout
         sp = " sp" if lay.sequence_parallel else ""
         return (
-            f"tp={lay.tp}{sp} pp={lay.pp} cp={lay.cp} dp={lay.dp} zero={lay.zero_stage} "
+            f"tp={lay.tp}{sp} pp={lay.pp} cp={lay.cp} ep={self.ep} dp={lay.dp} zero={lay.zero_stage} "
             f"ac={lay.activation_checkpointing} micro_batches={lay.micro_batches} (micro-batch "
-            f"{self.micro_batch_size}): {self.memory / GiB:.2f} GiB, {self.time.total * 1e3:.1f} ms/step"
+            f"{self.micro_batch_size}): {_size(self.memory)}, {self.time.total * 1e3:.1f} ms/step"
         )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,22 +84,38 @@ def _heads(module: nn.Module) -> list[int]:
     return [h for h in (getattr(config, name, None) for name in names) if isinstance(h, int)]
 
 
-def layouts(module: nn.Module, *, world_size: int, seq_len: int, global_batch: int) -> Iterator[tuple[StepLayout, int]]:
+def layouts(
+    module: nn.Module,
+    *,
+    world_size: int,
+    seq_len: int,
+    global_batch: int | None = None,
+    per_replica_batch: int | None = None,
+    ep: int = 1,
+) -> Iterator[tuple[StepLayout, int]]:
     """(layout, micro-batch size) of every candidate: tp divides the heads, pp is at most the blocks (with at least pp
-    micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the global batch divides evenly."""
+    micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the data-parallel size divides by ``ep``.
+
+    Either the ``global_batch`` is kept (each data-parallel rank's share split into micro-batches, by accumulation or
+    the pipeline) or each data-parallel rank trains ``per_replica_batch`` sequences per step (a Trainer's dataloader
+    batch: the pipeline's micro-batches split it, the global batch grows with the data-parallel size)."""
+    if (global_batch is None) == (per_replica_batch is None):
+        raise ValueError("layouts() takes one of global_batch and per_replica_batch")
     blocks = len(find_blocks(module).blocks)
     for tp in (d for d in _divisors(world_size) if all(h % d == 0 for h in _heads(module))):
         for pp in (d for d in _divisors(world_size // tp) if d <= blocks):
             for cp in (d for d in _divisors(world_size // (tp * pp)) if seq_len % (2 * d) == 0):
                 dp = world_size // (tp * pp * cp)
-                if global_batch % dp:
+                if dp % ep or (global_batch is not None and global_batch % dp):
                     continue
-                for micro_batches in (m for m in _divisors(global_batch // dp) if m >= pp):
+                replica = global_batch // dp if global_batch is not None else per_replica_batch
+                counts = _divisors(replica) if global_batch is not None or pp > 1 else [1]
+                for micro_batches in (m for m in counts if m >= pp):
                     for sp in (False, True) if tp > 1 else (False,):
                         for zero in ZERO_STAGES if dp * cp > 1 else (0,):
                             for ac in CHECKPOINTING:
                                 layout = StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp)
-                                yield layout, global_batch // dp // micro_batches
+                                yield layout, replica // micro_batches
 
 
 class _Measured:
@@ -117,15 +151,19 @@ def rank_candidates(
     *,
     world_size: int,
     seq_len: int,
-    global_batch: int,
     device_memory: int,
     rates: Rates,
+    global_batch: int | None = None,
+    per_replica_batch: int | None = None,
     precision: str = "32-true",
     margin: float = 0.1,
+    ep: int = 1,
 ) -> list[Candidate]:
-    """Every candidate, fitting ones first, each group fastest first (on a tie, the lower ZeRO stage, then the fewer
-    model-parallel ranks, the less checkpointing, the fewer micro-batches). A tensor-parallel layout the model's plan
-    refuses (a refusal of :func:`planned_shares`) is left out, with its reason in the log. Example::
+    """Every candidate of :func:`layouts`, fitting ones first, each group fastest first: the least predicted time per
+    trained sequence (on a tie, the lower ZeRO stage, then the fewer model-parallel ranks, the less checkpointing,
+    the fewer micro-batches). A tensor-parallel layout the model's plan refuses (a refusal of :func:`planned_shares`)
+    is left out, with its reason in the log. ``ep``: the expert-parallel size, kept (it needs a data-parallel size
+    that divides by it). Example::
 
         ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
                                  rates=rates)
@@ -133,7 +171,8 @@ def rank_candidates(
     """
     measured, usable, half = _Measured(module, seq_len, precision), device_memory * (1 - margin), "16" in precision
     candidates, refused = [], {}
-    for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, global_batch=global_batch):
+    batches = {"global_batch": global_batch, "per_replica_batch": per_replica_batch}
+    for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, ep=ep, **batches):
         key = (layout.tp, layout.sequence_parallel, layout.cp)
         if key in refused:
             continue
@@ -156,6 +195,8 @@ def rank_candidates(
             allow_offload=False,
             optimizer_states=footprint.optimizer_states,
             activations_tp=footprint.activations_tp,
+            ep=ep,
+            expert_params=footprint.expert_params,
         )
         row = next(r for r in rows if r.zero_stage == layout.zero_stage)
         seconds = step_time(
@@ -165,17 +206,58 @@ def rank_candidates(
             rank_params=footprint.num_params / (layout.tp * layout.pp),
             gather_bytes=2 if half else 4,
         )
-        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable))
+        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable, ep))
     # On a tie (communication hidden behind compute), less communication and fewer model-parallel splits first.
     order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
     return sorted(
         candidates,
         key=lambda c: (
             not c.fits,
-            round(c.time.total, 9),
+            round(c.seconds_per_sample, 12),
             c.layout.zero_stage,
             c.layout.tp * c.layout.pp * c.layout.cp,
             order[c.layout.activation_checkpointing],
             c.layout.micro_batches,
         ),
     )
+
+
+def report_lines(ranked: list[Candidate], shown: int = 10) -> list[str]:
+    """The fastest ``shown`` fitting candidates, then ``Chosen:`` and ``Runner-up:`` (the best other parallel layout,
+    with how much slower it is predicted and the part of the step that differs most); ``Nothing fits`` where none
+    does."""
+    fitting = [c for c in ranked if c.fits]
+    lines = [f"  {c.line()}" for c in fitting[:shown]]
+    if not fitting:
+        smallest = min(ranked, key=lambda c: c.memory)
+        return [*lines, f"Nothing fits; the smallest is {smallest.line()}"]
+    chosen = fitting[0]
+    lines.append(f"Chosen: {chosen.line()}")
+    shape = lambda c: (c.layout.tp, c.layout.sequence_parallel, c.layout.pp, c.layout.cp)  # noqa: E731
+    runner_up = next((c for c in fitting if shape(c) != shape(chosen)), None)
+    if runner_up is not None:
+        lines.append(f"Runner-up: {runner_up.line()}; {_why(runner_up, chosen)}")
+    return lines
+
+
+def _why(runner_up: Candidate, chosen: Candidate) -> str:
+    """How much slower ``runner_up`` is predicted per sequence, and the part of the step time that differs most."""
+    parts = {f.name: getattr(runner_up.time, f.name) - getattr(chosen.time, f.name) for f in fields(chosen.time)}
+    name = max(parts, key=lambda k: abs(parts[k]))
+    more = "more" if parts[name] > 0 else "less"
+    slower = runner_up.seconds_per_sample / chosen.seconds_per_sample - 1
+    return f"{slower:+.1%} predicted: {abs(parts[name]) * 1e3:.1f} ms {more} {name.replace('_', ' ')}"
+
+
+def layout_rates(name: str, *, precision: str, device: torch.device, node_size: int = 8, tokens: int = 4096) -> Rates:
+    """The rates step times are predicted from: a known device's (``"H100"``, ``"H200"``, ``"A100"``), measured here
+    (``"calibrate"``: a matmul of ``tokens`` rows, memory, per-op costs and, with a process group, the all-reduce
+    between its ranks; every rank calls it), or ``"auto"``: the table's entry for this CUDA device where it has
+    one, else measured."""
+    if name == "auto":
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        name = next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
+    if name != "calibrate":
+        return device_rates(name, dtype=precision_dtype(precision), node_size=node_size)
+    dtype = torch.bfloat16 if precision.startswith("bf16") and device.type == "cuda" else torch.float32
+    return calibrate(tokens=tokens, hidden=1024, width=1024, dtype=dtype, device=device)

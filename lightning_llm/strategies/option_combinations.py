@@ -22,6 +22,8 @@ def check_combinations(options: StrategyOptions, given_ac_options) -> None:
     """Every check that spans several options, in one order (``given_ac_options``: the argument as given, for the
     warning about options a mode ignores)."""
     check_layout(options)
+    if options.planning.layout == "auto":
+        check_auto_layout(options)
     check_expert_parallel(options)
     ACOptions.from_dict(options.planning.activation_checkpointing, options.planning.ac_options)  # "auto": a budget
     if options.parallel.pipeline_parallel_size > 1:
@@ -45,6 +47,29 @@ def check_fault_tolerance(options: StrategyOptions) -> None:
             f"fault_tolerance=True with data_parallel_replicate_size={parallel.data_parallel_replicate_size}: the "
             "replica groups are the replicate axis (one launch each, NUM_REPLICA_GROUPS of them); keep "
             "data_parallel_replicate_size=1 inside a group."
+        )
+
+
+def check_auto_layout(options: StrategyOptions) -> None:
+    """``layout="auto"`` chooses the parallel sizes, sequence parallelism and the pipeline's micro-batches: refuse
+    any of them given."""
+    parallel, pipeline = options.parallel, options.pipeline
+    given = {
+        "tensor_parallel_size": (parallel.tensor_parallel_size, 1),
+        "pipeline_parallel_size": (parallel.pipeline_parallel_size, 1),
+        "context_parallel_size": (parallel.context_parallel_size, 1),
+        "data_parallel_size": (parallel.data_parallel_size, "auto"),
+        "data_parallel_replicate_size": (parallel.data_parallel_replicate_size, 1),
+        "sequence_parallel": (parallel.sequence_parallel, False),
+        "num_microbatches": (pipeline.num_microbatches, None),
+        "virtual_stages": (pipeline.virtual_stages, None),
+        "pipeline_split": (pipeline.split, None),
+    }
+    chosen = [f"{name}={value!r}" for name, (value, default) in given.items() if value != default]
+    if chosen:
+        raise ValueError(
+            f"layout='auto' chooses the layout, but {', '.join(chosen)} was given: leave it at its default, or drop "
+            "layout='auto' to set the layout by hand."
         )
 
 

@@ -34,7 +34,7 @@ from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_
 from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.init.meta_writes import MetaWrites
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
-from lightning_llm.strategies import applied_layouts, parallel_setup
+from lightning_llm.strategies import applied_layouts, layout_choice, parallel_setup
 from lightning_llm.strategies.checkpoint_hooks import CheckpointHooksMixin
 from lightning_llm.strategies.declarations import Forwarded, with_declared_options
 from lightning_llm.strategies.parallel_contract import ContractMembersMixin
@@ -97,6 +97,8 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         device_memory: int | str | None = None,
         micro_batch_size: int | None = None,
         seq_len: int | None = None,
+        layout: Literal["auto"] | None = None,
+        layout_rates: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = TRAINING_TIMEOUT,
@@ -141,8 +143,23 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
             self.options = dataclasses.replace(self.options, parallel=parallel)
         if self.options.fault_tolerance:  # before the first step: a launch without torchft's environment stops here
             self.run_state.replica_env = ReplicaGroupEnvironment.from_environ()
+        if self.options.planning.layout != "auto":  # else setup() builds it for the layout chosen from the model
+            self._build_mesh()
+
+    def _build_mesh(self) -> None:
         self.run_state.parallel_dims = dims = parallel_setup.parallel_dims(self.options, self.world_size)
         lightning_strategies.set_device_mesh(self, dims.build_mesh(self.root_device.type))
+
+    def _choose_layout(self, trainer) -> None:
+        """layout="auto": the layout chosen from the configured model (once per job), then its mesh."""
+        chosen, lines = layout_choice.choose_layout(
+            trainer, self.lightning_module, self.options, self.root_device, self.world_size
+        )
+        self.options = layout_choice.chosen_options(self.options, chosen)
+        state = self.run_state
+        state.layout, state.zero_stage, state.pipeline = chosen, chosen.layout.zero_stage, self.options.pipeline.spec()
+        layout_choice.report(trainer, chosen, lines, self.options.parallel.expert_parallel_size)
+        self._build_mesh()
 
     @contextmanager
     @override
@@ -189,6 +206,8 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         self.accelerator.setup(trainer)
         module, state = self.lightning_module, self.run_state
         applied_layouts.refuse_fsdp1(module)
+        if self.options.planning.layout == "auto":
+            self._choose_layout(trainer)
         # A second Trainer call finds the layout the first applied; a configure_model may have applied its own.
         reused = applied_layouts.reuse(module, self.options, state, self.world_size)
         if not reused and applied_layouts.adopt_user_layout(module, self.options, state):

@@ -19,6 +19,7 @@ from lightning_llm.modeling.blocks import BlocksOverride
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
 from lightning_llm.parallel.pipeline.stage_plan import PipelineSpec
+from lightning_llm.planning.device_rates import KNOWN_DEVICES
 from lightning_llm.strategies import option_checks as checks
 from lightning_llm.strategies.declarations import build, check_each, option
 from lightning_llm.strategies.option_combinations import check_combinations
@@ -192,7 +193,25 @@ class PipelineOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanningOptions:
-    """Activation checkpointing and the inputs of "auto" planning (ZeRO stage, checkpointed blocks)."""
+    """The layout "auto" chooses, activation checkpointing and the inputs of "auto" planning (layout, ZeRO stage,
+    checkpointed blocks)."""
+
+    layout: Literal["auto"] | None = option(
+        None,
+        '``"auto"``: the tensor, pipeline and context parallel sizes, sequence parallelism, ZeRO stage, activation '
+        "checkpointing and pipeline micro-batches chosen at setup, once for the job, as the layout of the fewest "
+        "predicted seconds per trained sequence whose planned memory fits (``device_memory``); each data-parallel "
+        "rank keeps the dataloader's batch. Logged with the runner-up. Leave the sizes it chooses at their defaults. "
+        "``expert_parallel_size`` is kept as given. See ``docs/plan.md``.",
+        check=checks.one_of(None, "auto"),
+    )
+    layout_rates: str = option(
+        "auto",
+        'with ``layout="auto"``: the rates step times are predicted from: ``"calibrate"`` (measured at setup on this '
+        "machine: a matmul, memory, per-op costs and the all-reduce between the ranks), a device's table entry "
+        '(``"H100"``, ``"H200"``, ``"A100"``), or ``"auto"``: the table\'s entry for a known GPU, else measured.',
+        check=checks.one_of("auto", "calibrate", *KNOWN_DEVICES),
+    )
 
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = option(
         "none",

@@ -27,6 +27,7 @@ class RunState:
     cpu_offload: bool
     pipeline: PipelineSpec  # the options' spec; setup fills its seq_len
     decision: Any = None  # the planner's ZeroDecision once zero_stage="auto" is resolved
+    layout: Any = None  # layout="auto": the chosen Candidate (strategies.layout_auto), from setup on
     parallel_dims: ParallelDims | None = None  # from setup_environment on
     report: ParallelizeReport | None = None  # from setup on
     pipelined: PipelinedSteps | None = None  # with pipeline parallelism, from setup on

@@ -56,7 +56,7 @@ def test_plan_layout_auto_prints_the_chosen_layout_and_the_runner_up(capsys):
     main(["plan", "--config", "configs/tiny.yaml", "--devices", "2", "--layout", "auto", "--rates", "H100"])
     out = capsys.readouterr().out
     chosen = re.search(
-        r"^Chosen: tp=(\d+)(?: sp)? pp=(\d+) cp=(\d+) dp=(\d+) zero=(\d) ac=(\w+) micro_batches=(\d+)", out, re.M
+        r"^Chosen: tp=(\d+)(?: sp)? pp=(\d+) cp=(\d+) ep=1 dp=(\d+) zero=(\d) ac=(\w+) micro_batches=(\d+)", out, re.M
     )
     assert chosen, out
     tp, pp, cp, dp = (int(g) for g in chosen.groups()[:4])

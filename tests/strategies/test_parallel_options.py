@@ -64,7 +64,8 @@ def test_options_are_built_by_keyword_only(group):
 def test_each_option_is_a_read_only_attribute_of_the_strategy():
     strategy = LLMParallelStrategy(fp8=False, tensor_parallel_replicate=["*.router"], blocks=["a", "b"])
     for name, declaration in DECLARED.items():
-        if name != "process_group_backend":  # Lightning's property: the backend the run uses
+        # Lightning's property: the backend the run uses; the contract's: the run's ParallelLayout ("auto" resolved)
+        if name not in ("process_group_backend", "layout"):
             assert getattr(strategy, name) == declaration.read(strategy.options), name
     assert strategy.tensor_parallel_replicate == ["*.router"] and strategy.blocks == ("a", "b")
     assert strategy.ac_options is strategy.options.planning.ac_options

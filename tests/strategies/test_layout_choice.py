@@ -1,0 +1,80 @@
+"""``LLMParallelStrategy(layout="auto")`` in a run: one layout for the job, applied, and training as one process does.
+
+Two gloo ranks, the tiny Llama, 3 steps, fp32, H100 table rates (so the choice does not depend on this host's timing).
+Oracles: the single-process run of the same global batch (losses and every parameter within 1e-5 relative, as the
+other parity tests), the ranks' own meshes, and the device memory given. Each data-parallel rank keeps the
+dataloader's batch (4 sequences), so the global batch is 4 x the chosen data-parallel size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_llm.testing import run_distributed
+from tests.strategies._parity import assert_parity, data, make_model, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
+
+STEPS, PER_RANK = 3, 4
+
+
+def _smallest_data_parallel_memory() -> float:
+    """The least planned memory of a candidate with two data-parallel ranks: a budget just under it leaves only
+    model-parallel layouts (tp, pp or cp over both ranks)."""
+    from lightning_llm.planning.device_rates import device_rates
+    from lightning_llm.strategies.layout_auto import rank_candidates
+
+    module = make_model("reference")
+    ranked = rank_candidates(
+        module, world_size=2, seq_len=32, per_replica_batch=PER_RANK, device_memory=2**40, rates=device_rates("H100")
+    )
+    return min(c.memory for c in ranked if c.layout.dp == 2)
+
+
+def _runs(budgets: list) -> list:
+    """Each budget's run on this rank: (losses, params, the chosen layout, the mesh's sizes) or the error's text."""
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    results = []
+    for budget in budgets:
+        strategy = LLMParallelStrategy(layout="auto", layout_rates="H100", device_memory=budget)
+        try:
+            losses, params = train("reference", strategy, devices=2, datamodule=data(PER_RANK), steps=STEPS)
+        except ValueError as error:
+            results.append(str(error))
+            continue
+        dims, chosen = strategy.parallel_dims, strategy.run_state.layout
+        mesh = (dims.tp, dims.pp, dims.cp, dims.dp, strategy.zero_stage, strategy.pipeline.num_microbatches)
+        results.append((losses, params, chosen, mesh))
+    return results
+
+
+def test_layout_auto_applies_one_layout_per_job_and_trains_as_one_process():
+    tight = int(_smallest_data_parallel_memory() / 0.9) - 1  # usable = 90%: no data-parallel candidate fits
+    budgets = ["80GB", tight, 10_000]
+    ranks = run_distributed(_runs, 2, budgets, timeout=400)
+    roomy, narrow, nothing = ranks[0]
+    for result, other in zip(ranks[0][:2], ranks[1][:2]):  # both ranks applied rank 0's choice
+        assert result[2] == other[2] and result[3] == other[3]
+    for (losses, params, chosen, mesh), budget in ((roomy, 80e9), (narrow, tight)):
+        lay = chosen.layout
+        assert mesh[:5] == (lay.tp, lay.pp, lay.cp, lay.dp, lay.zero_stage)
+        assert mesh[5] == (lay.micro_batches if lay.pp > 1 else None)
+        assert chosen.fits and chosen.memory <= 0.9 * budget
+        torch.manual_seed(0)
+        reference = train("reference", datamodule=data(PER_RANK * lay.dp), steps=STEPS)
+        assert_parity((losses, params), reference, f"layout='auto' chose {chosen.line()}")
+    assert roomy[2].layout.dp == 2  # with room, the least communication: data parallelism
+    assert narrow[2].layout.dp == 1  # without it, a model-parallel layout that fits
+    assert "found no layout of 2 ranks" in nothing and "0.0 GiB" in nothing and "Nothing fits" in nothing
+    assert nothing == ranks[1][2]  # every rank refuses, before the first step
+
+
+def test_layout_auto_refuses_a_layout_option_given_with_it():
+    from lightning_llm.strategies import LLMParallelStrategy
+
+    with pytest.raises(ValueError, match=r"layout='auto' chooses the layout, but tensor_parallel_size=2 was given"):
+        LLMParallelStrategy(layout="auto", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="layout_rates"):
+        LLMParallelStrategy(layout="auto", layout_rates="B300")
