@@ -82,7 +82,8 @@ def _measure(name: str, seq_len: int, steps: int) -> float:
 
 
 def _work(name: str, seq_len: int) -> tuple:
-    """(one micro-batch's recorded work on one rank, the layout, the rank's parameters) of a cell."""
+    """(one micro-batch's recorded work on one rank, the layout, the rank's parameters and parameter tensors) of a
+    cell."""
     from lightning_llm.modeling.op_work import forward_work
     from lightning_llm.parallel.tp.model_plan import planned_shares
     from lightning_llm.planning.step_time import StepLayout
@@ -107,7 +108,8 @@ def _work(name: str, seq_len: int) -> tuple:
         micro_batches=micro_batches,
         sequence_parallel=sp,
     )
-    return work, layout, sum(p.numel() for p in module.parameters()) / (tp * pp)
+    params = list(module.parameters())
+    return work, layout, sum(p.numel() for p in params) / (tp * pp), len(params) / pp
 
 
 def _fitted(rates):
@@ -129,16 +131,15 @@ def _fitted(rates):
 
 def _rates():
     """This machine's rates now: micro-benchmarks, fitted to the model's own passes, with in-step links."""
-    from dataclasses import replace
-
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_llm.planning.calibration import calibrate, in_stream_links
+    from lightning_llm.planning.calibration import calibrate
+    from lightning_llm.planning.in_step import in_step_rates
 
     cpu = torch.device("cpu")
     rates = _fitted(calibrate(tokens=GLOBAL_BATCH * 256, hidden=256, width=256, dtype=torch.float32, device=cpu))
-    tp_link, dp_link = in_stream_links(init_device_mesh("cpu", (2,)), GLOBAL_BATCH * 256, 256, 704, cpu)
-    return replace(rates, tp_link=tp_link, dp_link=dp_link)
+    mesh = init_device_mesh("cpu", (2,))
+    return in_step_rates(rates, mesh, tokens=GLOBAL_BATCH * 256, hidden=256, width=704, device=cpu)
 
 
 def _grid(rounds: int, steps: int) -> dict | None:
@@ -154,8 +155,9 @@ def _grid(rounds: int, steps: int) -> dict | None:
     for _ in range(rounds):  # alternated: each round calibrates, then runs every cell once
         rates = _rates()
         for cell in cells:
-            work, layout, params = works[cell]
-            results[cell].append((step_time(work, layout, rates, rank_params=params).total, _measure(*cell, steps)))
+            work, layout, params, tensors = works[cell]
+            predicted = step_time(work, layout, rates, rank_params=params, rank_tensors=tensors).total
+            results[cell].append((predicted, _measure(*cell, steps)))
     return results if dist.get_rank() == 0 else None
 
 

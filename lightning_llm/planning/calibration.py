@@ -3,7 +3,10 @@
 * the matmul rate at the model's own matmul shape (tokens x hidden by hidden x width), in the run's dtype;
 * the memory bandwidth of an elementwise op on a tensor the size of the hidden states;
 * the cost of one op beyond its work: a chain of tiny ops run forward and backward (dispatch, autograd, launch);
+* what selective checkpointing's dispatch mode adds per op: the chain checkpointed selectively against fully;
 * a process group's link: an all-reduce at two sizes, solved for latency and bandwidth (ranks call it together).
+
+What a step adds around the work (collectives through DTensor and FSDP2, the optimizer) is in :mod:`.in_step`.
 
 Each is the median of several timed repeats after a warm-up. On CUDA the device is synchronized around each timing.
 """
@@ -17,7 +20,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_llm.planning.step_time import Link, Rates, work_time
 from lightning_llm.planning.work import ForwardWork
@@ -72,25 +74,30 @@ def op_overhead(device: torch.device, length: int = 64) -> float:
     return _seconds(chain, device) / (3 * length)
 
 
-def dispatch_mode_overhead(device: torch.device, length: int = 64) -> float:
-    """Seconds a Python dispatch mode adds to each op (what selective checkpointing's policy costs per op)."""
-    from lightning_llm._compat.torch import TorchDispatchMode
+def selective_checkpoint_overhead(device: torch.device, length: int = 64) -> float:
+    """Seconds selective checkpointing's dispatch mode adds to each op, per pass (it sees every op of the forward and
+    of the recompute): a chain of ``length`` tiny ops checkpointed under torch's selective contexts (every op
+    recomputed) against the same chain fully checkpointed."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    class _Passing(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
+    x = torch.ones(8, device=device, requires_grad=True)
 
-    x = torch.ones(8, device=device)
-
-    def chain() -> None:
-        y = x
+    def chain(y: torch.Tensor) -> torch.Tensor:
         for _ in range(length):
             y = y * 1.0001
+        return y
 
-    plain = _seconds(chain, device)
-    with _Passing():
-        moded = _seconds(chain, device)
-    return max(moded - plain, 0.0) / length
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts():
+        return create_selective_checkpoint_contexts(recompute_all)
+
+    full = _seconds(lambda: checkpoint(chain, x, use_reentrant=False).sum().backward(), device)
+    selective = _seconds(
+        lambda: checkpoint(chain, x, use_reentrant=False, context_fn=contexts).sum().backward(), device
+    )
+    return max(selective - full, 0.0) / (2 * length)
 
 
 def link(group=None, device: torch.device | None = None, sizes: tuple[int, int] = (2**10, 2**22)) -> Link:
@@ -117,7 +124,7 @@ def calibrate(*, tokens: int, hidden: int, width: int, dtype: torch.dtype, devic
         memory_bandwidth=memory_bandwidth(tokens * hidden, dtype, device),
         op_overhead=op_overhead(device),
         link=measured_link,
-        mode_overhead=dispatch_mode_overhead(device),
+        mode_overhead=selective_checkpoint_overhead(device),
         overlap=device.type == "cuda",
     )
 
@@ -150,36 +157,3 @@ def fitted_to_model(rates: Rates, works: tuple[ForwardWork, ForwardWork], second
         memory_bandwidth=rates.memory_bandwidth / scale,
         op_overhead=per_op,
     )
-
-
-def in_stream_links(mesh, tokens: int, hidden: int, width: int, device: torch.device) -> tuple[Link, Link]:
-    """(tensor-parallel, data-parallel) links as a training step meets them: the cost of a collective between matmuls,
-    where each waits for the slower rank and goes through DTensor or FSDP2, over ``mesh`` (1-D, every rank calls).
-
-    Tensor parallelism: a column split then a row split (torch's ``ColwiseParallel``/``RowwiseParallel``) run forward
-    and backward (two all-reduces) against the same layers whole on 1/n of the work. ZeRO: the same pair under FSDP2
-    (``fully_shard`` each: per layer an all-gather forward, one backward and a reduce-scatter) against the pair
-    unsharded. The extra seconds per collective, less what the isolated all-reduce gives it, are the link's
-    ``call_latency``.
-    """
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    n, isolated = mesh.size(), link(mesh.get_group(), device)
-
-    def pair() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(hidden, width, bias=False), nn.Linear(width, hidden, bias=False)).to(device)
-
-    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    plain = _seconds(lambda m=pair(): m(x).sum().backward(), device)
-    split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    per_collective = (_seconds(lambda: split(x).sum().backward(), device) - plain / n) / 2
-    tp_call = per_collective - isolated.all_reduce(tokens * hidden * x.element_size(), n)
-    sharded = pair()
-    for layer in sharded:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    per_collective = (_seconds(lambda: sharded(x).sum().backward(), device) - plain) / 6
-    dp_call = per_collective - isolated.all_gather(hidden * width * x.element_size(), n)
-    return replace(isolated, call_latency=max(tp_call, 0.0)), replace(isolated, call_latency=max(dp_call, 0.0))

@@ -19,7 +19,8 @@ on fake tensors with the rank's tensor-parallel share). The model, per rank and 
   communication with compute (CUDA streams), only what exceeds the compute is exposed;
 * **pipeline**: ``(m + pp - 1) / v`` stage slots for ``m`` micro-batches, the slowest stage's time per slot (the last
   holds the head and loss), plus a send of the hidden states per micro-batch and boundary;
-* **optimizer**: AdamW reads and writes parameters, gradients and two moments once: memory-bound.
+* **optimizer**: AdamW reads and writes parameters, gradients and two moments once: memory-bound; where calibrated,
+  a measured cost per parameter tensor (a DTensor's dispatch per op) and per parameter instead.
 
 Collectives cost ``latency x steps + bytes x factor / bandwidth`` (ring: all-reduce ``2(n-1)/n``, all-gather and
 reduce-scatter ``(n-1)/n`` of the whole tensor). Not modelled: expert parallelism's all-to-alls, kernel fusion by
@@ -72,8 +73,12 @@ class Rates:
         tp_link, dp_link: tensor parallelism's and ZeRO's collectives as measured inside a step (DTensor's and FSDP2's
             own costs and the wait for the slower rank included), where calibrated; else ``link``/``network``.
             Context parallelism's ring hops run inside the step too and use ``tp_link``.
-        mode_overhead: seconds a Python dispatch mode adds per op (selective checkpointing's policy sees every op of
-            a block's forward and of its recompute).
+        mode_overhead: seconds selective checkpointing's dispatch mode adds per op and pass (it sees every op of a
+            block's forward and of its recompute).
+        zero_links: ZeRO stage -> its collectives as FSDP2 meets them in a step (per collective and per byte, the
+            gradient copies and divisions around them included), where calibrated; else ``dp_link``.
+        optimizer_per_tensor, optimizer_per_param: seconds of the optimizer step per parameter tensor and per
+            parameter, where calibrated (:mod:`.in_step`); else the step is priced as memory-bound.
     """
 
     matmul_flops: float
@@ -86,6 +91,9 @@ class Rates:
     tp_link: Link | None = None
     dp_link: Link | None = None
     mode_overhead: float = 0.0
+    zero_links: dict[int, Link] | None = None
+    optimizer_per_tensor: float = 0.0
+    optimizer_per_param: float | None = None
 
     def link_over(self, span: int) -> Link:
         """The link of a group whose ranks lie within ``span`` consecutive ranks (mesh order pp, dp, cp, tp)."""
@@ -155,12 +163,14 @@ def step_time(
     rank_params: float,
     param_bytes: int = 4,
     gather_bytes: int = 4,
+    rank_tensors: int = 0,
 ) -> StepTime:
     """Predicted seconds of one optimizer step of ``layout`` (see the module doc).
 
     ``work``: one micro-batch's forward on one rank, with the layout's tensor-parallel share (context parallelism is
     applied here). ``rank_params``: parameters this rank holds before ZeRO's sharding (the model over ``tp x pp``).
     ``param_bytes``: bytes per parameter of the optimizer's tensors; ``gather_bytes``: per gathered parameter.
+    ``rank_tensors``: parameter tensors this rank's optimizer steps (each costs ``rates.optimizer_per_tensor``).
 
     Example::
 
@@ -187,7 +197,11 @@ def step_time(
         data_parallel = max(0.0, data_parallel - compute - recompute)
         context_parallel = max(0.0, context_parallel - attention)
     shard = layout.dp * cp if layout.zero_stage > 0 else 1
-    optimizer = rank_params / shard * param_bytes * 4 * 2 / rates.memory_bandwidth  # param, grad, 2 moments; r + w
+    optimizer = rank_tensors * rates.optimizer_per_tensor
+    if rates.optimizer_per_param is not None:
+        optimizer += rank_params / shard * rates.optimizer_per_param
+    else:  # param, grad, 2 moments read and written once
+        optimizer += rank_params / shard * param_bytes * 4 * 2 / rates.memory_bandwidth
     return StepTime(compute, recompute, tensor_parallel, context_parallel, data_parallel, sends, optimizer)
 
 
@@ -237,6 +251,7 @@ def _data_parallel(
         return 0.0
     gathered, grads = rank_params * gather_bytes, rank_params * param_bytes
     m, link = layout.micro_batches, rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp)
+    link = (rates.zero_links or {}).get(layout.zero_stage, link)
     if layout.zero_stage == 0:
         return m * units * link.all_reduce(grads / units, n)
     gathers = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m

@@ -25,6 +25,7 @@ from lightning_llm.parallel.tp.model_plan import planned_shares
 from lightning_llm.planning.calibration import calibrate
 from lightning_llm.planning.device_rates import KNOWN_DEVICES, device_rates
 from lightning_llm.planning.flops import precision_dtype
+from lightning_llm.planning.in_step import in_step_rates
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.sizes import GiB
 from lightning_llm.planning.step_time import Rates, StepLayout, StepTime, step_time
@@ -123,6 +124,7 @@ class _Measured:
 
     def __init__(self, module: nn.Module, seq_len: int, precision: str) -> None:
         self.module, self.seq_len, self.precision = module, seq_len, precision
+        self.tensors = sum(1 for _ in module.parameters())
         self._cache: dict[tuple, tuple[ModelFootprint, ForwardWork]] = {}
 
     def __call__(self, layout: StepLayout, micro_batch_size: int) -> tuple[ModelFootprint, ForwardWork]:
@@ -204,6 +206,7 @@ def rank_candidates(
             layout,
             rates,
             rank_params=footprint.num_params / (layout.tp * layout.pp),
+            rank_tensors=measured.tensors / layout.pp,
             gather_bytes=2 if half else 4,
         )
         candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable, ep))
@@ -249,15 +252,20 @@ def _why(runner_up: Candidate, chosen: Candidate) -> str:
     return f"{slower:+.1%} predicted: {abs(parts[name]) * 1e3:.1f} ms {more} {name.replace('_', ' ')}"
 
 
-def layout_rates(name: str, *, precision: str, device: torch.device, node_size: int = 8, tokens: int = 4096) -> Rates:
+def layout_rates(name: str, *, precision: str, device: torch.device, node_size: int = 8, mesh=None) -> Rates:
     """The rates step times are predicted from: a known device's (``"H100"``, ``"H200"``, ``"A100"``), measured here
-    (``"calibrate"``: a matmul of ``tokens`` rows, memory, per-op costs and, with a process group, the all-reduce
-    between its ranks; every rank calls it), or ``"auto"``: the table's entry for this CUDA device where it has
-    one, else measured."""
+    (``"calibrate"``: a matmul, memory, per-op costs and, given a 1-D ``mesh`` over the job's ranks, every rank
+    calling, the collectives and the optimizer as a step meets them, :mod:`~lightning_llm.planning.in_step`), or
+    ``"auto"``: the table's entry for this CUDA device where it has one, else measured. The stand-in shapes are
+    small on a CPU (1,024 tokens, width 256 by 704), a layer's on a GPU (4,096 tokens, 1,024 by 4,096)."""
     if name == "auto":
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
         name = next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
     if name != "calibrate":
         return device_rates(name, dtype=precision_dtype(precision), node_size=node_size)
     dtype = torch.bfloat16 if precision.startswith("bf16") and device.type == "cuda" else torch.float32
-    return calibrate(tokens=tokens, hidden=1024, width=1024, dtype=dtype, device=device)
+    tokens, hidden, width = (4096, 1024, 4096) if device.type == "cuda" else (1024, 256, 704)
+    rates = calibrate(tokens=tokens, hidden=hidden, width=width, dtype=dtype, device=device)
+    if mesh is None or mesh.size() == 1:
+        return rates
+    return in_step_rates(rates, mesh, tokens=tokens, hidden=hidden, width=width, device=device)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.planning.sizes import GiB
@@ -32,8 +33,8 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
     planning = options.planning
     inputs = planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len)
     precision = str(trainer.precision)
-    tokens = min(4096, inputs["micro_batch_size"] * inputs["seq_len"])
-    rates = layout_rates(planning.layout_rates, precision=precision, device=device, tokens=tokens)
+    mesh = init_device_mesh(device.type, (world_size,)) if dist.is_initialized() and world_size > 1 else None
+    rates = layout_rates(planning.layout_rates, precision=precision, device=device, mesh=mesh)
     rank = dist.get_rank() if dist.is_initialized() else 0
     message: list[Any] = [None, None]
     if rank == 0:

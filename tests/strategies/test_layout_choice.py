@@ -1,6 +1,7 @@
 """``LLMParallelStrategy(layout="auto")`` in a run: one layout for the job, applied, and training as one process does.
 
-Two gloo ranks, the tiny Llama, 3 steps, fp32, H100 table rates (so the choice does not depend on this host's timing).
+Two gloo ranks, the tiny Llama, 3 steps, fp32, H100 table rates (so the choice does not depend on this host's timing)
+and once rates calibrated at setup (every rank measuring, rank 0 choosing).
 Oracles: the single-process run of the same global batch (losses and every parameter within 1e-5 relative, as the
 other parity tests), the ranks' own meshes, and the device memory given. Each data-parallel rank keeps the
 dataloader's batch (4 sequences), so the global batch is 4 x the chosen data-parallel size.
@@ -32,13 +33,14 @@ def _smallest_data_parallel_memory() -> float:
     return min(c.memory for c in ranked if c.layout.dp == 2)
 
 
-def _runs(budgets: list) -> list:
-    """Each budget's run on this rank: (losses, params, the chosen layout, the mesh's sizes) or the error's text."""
+def _runs(runs: list) -> list:
+    """Each (budget, rates) run on this rank: (losses, params, the chosen layout, the mesh's sizes) or the error's
+    text."""
     from lightning_llm.strategies import LLMParallelStrategy
 
     results = []
-    for budget in budgets:
-        strategy = LLMParallelStrategy(layout="auto", layout_rates="H100", device_memory=budget)
+    for budget, rates in runs:
+        strategy = LLMParallelStrategy(layout="auto", layout_rates=rates, device_memory=budget)
         try:
             losses, params = train("reference", strategy, devices=2, datamodule=data(PER_RANK), steps=STEPS)
         except ValueError as error:
@@ -52,12 +54,12 @@ def _runs(budgets: list) -> list:
 
 def test_layout_auto_applies_one_layout_per_job_and_trains_as_one_process():
     tight = int(_smallest_data_parallel_memory() / 0.9) - 1  # usable = 90%: no data-parallel candidate fits
-    budgets = ["80GB", tight, 10_000]
-    ranks = run_distributed(_runs, 2, budgets, timeout=400)
-    roomy, narrow, nothing = ranks[0]
-    for result, other in zip(ranks[0][:2], ranks[1][:2]):  # both ranks applied rank 0's choice
-        assert result[2] == other[2] and result[3] == other[3]
-    for (losses, params, chosen, mesh), budget in ((roomy, 80e9), (narrow, tight)):
+    runs = [("80GB", "H100"), (tight, "H100"), (10_000, "H100"), ("80GB", "calibrate")]
+    ranks = run_distributed(_runs, 2, runs, timeout=400)
+    roomy, narrow, nothing, measured = ranks[0]
+    for index in (0, 1, 3):  # both ranks applied rank 0's choice
+        assert ranks[0][index][2:] == ranks[1][index][2:]
+    for (losses, params, chosen, mesh), budget in ((roomy, 80e9), (narrow, tight), (measured, 80e9)):
         lay = chosen.layout
         assert mesh[:5] == (lay.tp, lay.pp, lay.cp, lay.dp, lay.zero_stage)
         assert mesh[5] == (lay.micro_batches if lay.pp > 1 else None)
