@@ -51,14 +51,17 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
-        if name in _VIEWS or not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
-            return out  # views move nothing; queries (a tensor's device) launch nothing
+        target = self.work.outside if self.block is None else self.work.blocks[self.block]
+        if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            return out  # queries (a tensor's device) launch nothing
+        target.dispatches += name != "detach"  # what selective checkpointing's policy is asked about: views too
+        if name in _VIEWS:
+            return out  # views move nothing
         packet = func._overloadpacket
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         share = self._share(args, out)
-        target = self.work.outside if self.block is None else self.work.blocks[self.block]
         target.add(flops * share, nbytes * share)
         if name.startswith(_ATTENTION) and self.block is not None:
             k, v = args[1], args[2]

@@ -89,7 +89,7 @@ def optimizer_costs(device: torch.device, mesh=None, count: int = 32, sizes: tup
             params.append(nn.Parameter(value if mesh is None else distribute_tensor(value, mesh, [Replicate()])))
         for p in params:
             p.grad = torch.ones_like(p)
-        seconds.append(_seconds(torch.optim.AdamW(params, lr=1e-4).step, device))
+        seconds.append(_seconds(torch.optim.AdamW(params, lr=1e-4).step, device, repeats=15))
     per_param = max(seconds[1] - seconds[0], 0.0) / (count * (sizes[1] - sizes[0]))
     return seconds[0] / count - per_param * sizes[0], per_param
 

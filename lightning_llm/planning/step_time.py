@@ -216,7 +216,7 @@ def _recompute(blocks: Work, policy: str, rates: Rates, share: float) -> float:
     if policy == "full":
         return work_time(blocks, rates, share)
     if policy == "selective":  # keeps the matmuls' and attention's outputs; its policy sees every op twice
-        return work_time(blocks, rates, share, part="others") + 2 * blocks.ops * rates.mode_overhead
+        return work_time(blocks, rates, share, part="others") + 2 * blocks.dispatches * rates.mode_overhead
     return 0.0
 
 

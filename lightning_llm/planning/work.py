@@ -15,12 +15,14 @@ class Work:
         matmuls: how many of those ops ran.
         other_bytes: bytes read and written by every other op (elementwise, norms, softmax: memory-bound).
         ops: ops launched.
+        dispatches: ops dispatched, views included (what a Python dispatch mode sees).
     """
 
     matmul_flops: float = 0.0
     matmuls: int = 0
     other_bytes: float = 0.0
     ops: int = 0
+    dispatches: int = 0
 
     def add(self, flops: float, nbytes: float) -> None:
         if flops:
@@ -35,6 +37,7 @@ class Work:
         self.matmuls += other.matmuls
         self.other_bytes += other.other_bytes
         self.ops += other.ops
+        self.dispatches += other.dispatches
         return self
 
 

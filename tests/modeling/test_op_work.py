@@ -43,6 +43,26 @@ def test_forward_flops_are_torchs_count_of_a_real_forward():
     assert _work().total.matmul_flops == counter.get_total_flops()
 
 
+def test_a_blocks_dispatches_are_the_ops_selective_checkpointings_policy_sees():
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    module, seen = _model(), []
+
+    def policy(ctx, op, *args, **kwargs):
+        if not ctx.is_recompute:
+            seen.append(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    block = module.model.layers[0]
+    forward = block.forward
+    block.forward = lambda *a, **k: checkpoint(
+        forward, *a, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy), **k
+    )
+    module.training_step(torch.randint(0, 256, (B, T + 1)), 0)
+    recorded = _work().blocks[0]
+    assert recorded.dispatches == len(seen) and recorded.ops < recorded.dispatches
+
+
 def test_under_tensor_parallelism_a_rank_does_half_of_every_blocks_matmuls():
     whole, split = _work(), _work(tp=2)
     for got, full in zip(split.blocks, whole.blocks):

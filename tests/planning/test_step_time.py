@@ -38,6 +38,11 @@ def test_compute_is_three_forwards_and_full_checkpointing_adds_one():
     assert full.recompute == pytest.approx(2 * 1.5)
     selective = step_time(_work(), StepLayout(world_size=1, activation_checkpointing="selective"), RATES, rank_params=0)
     assert selective.recompute == pytest.approx(2 * 0.5)  # the elementwise part only
+    work, moded = _work(), Rates(1e9, 1e9, 0.0, Link(1e9), mode_overhead=1e-3)
+    for block in work.blocks:
+        block.dispatches = 25  # its policy sees each op (views too) in forward and in the recompute
+    selective = step_time(work, StepLayout(world_size=1, activation_checkpointing="selective"), moded, rank_params=0)
+    assert selective.recompute == pytest.approx(2 * 0.5 + 2 * 2 * 25 * 1e-3)
 
 
 def test_zero_stages_communicate_what_fsdp_moves():
