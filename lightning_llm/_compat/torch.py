@@ -21,6 +21,14 @@ from lightning_llm._compat.registry import Private, register, resolve
 
 CHECKED = "torch 2.13.0"
 
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (no values: a model traced for planning). Example: ``is_fake(x)``."""
+    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
+
+    return torch_is_fake(tensor)
+
+
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 """The logger of torch's fake-tensor kernels (its private module's name), silenced while a real-forward fallback
 is there to take over."""
@@ -29,12 +37,15 @@ register(
     Private(
         name="torch._subclasses.fake_tensor.FakeTensorMode",
         upstream="torch",
-        accessor="torch.FakeTensorMode, torch.FAKE_TENSOR_LOGGER",
-        used_by=("modeling/fake.py", "modeling/activations.py"),
+        accessor="torch.FakeTensorMode, torch.FAKE_TENSOR_LOGGER, torch.is_fake",
+        used_by=("modeling/fake.py", "modeling/activations.py", "models/moe.py"),
         why="forward of a model without allocating (planning 70B on a laptop); no public equivalent",
         caught_by="`tests/planning/test_flops.py`, `tests/planning/test_zero.py`, `tests/parallel/test_activation_checkpointing.py`",
         checked=CHECKED,
-        check=lambda: resolve("torch._subclasses.fake_tensor:FakeTensorMode"),
+        check=lambda: (
+            resolve("torch._subclasses.fake_tensor:FakeTensorMode"),
+            resolve("torch._subclasses.fake_tensor:is_fake"),
+        ),
     )
 )
 register(

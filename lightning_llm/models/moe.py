@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_llm._compat.torch import is_fake
 from lightning_llm.models.grouped_experts import grouped_mm_supported, grouped_swiglu
 
 EXPERTS_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
@@ -65,16 +66,29 @@ class Experts(nn.Module):
         routes = top_k_index.flatten()
         tokens = torch.arange(hidden_states.shape[0], device=routes.device).repeat_interleave(top_k_index.shape[1])
         weights = top_k_weights.flatten()
-        # Only the experts that got a route run (one host sync); a loop of matmuls is what CPUs do best.
-        for expert in torch.unique(routes).tolist():
-            if expert >= self.gate_up_proj.shape[0]:
-                continue
-            hit = (routes == expert).nonzero().squeeze(-1)
+        for expert, hit in self._routed(routes):
             x = hidden_states[tokens[hit]]
             gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[hit, None].to(x.dtype)
             out.index_add_(0, tokens[hit], y)
         return out
+
+    def _routed(self, routes: torch.Tensor):
+        """(expert, positions of its routes) for each local expert that got a route: one host sync; a loop of matmuls
+        is what CPUs do best. On fake or meta tensors (planning memory and time before anything is allocated) the
+        routes have no values: each expert takes an even share of them, as uniform routing would on average."""
+        local = self.gate_up_proj.shape[0]
+        if is_fake(routes) or routes.is_meta:
+            share = -(-routes.numel() // local)
+            for expert in range(local):
+                yield (
+                    expert,
+                    torch.arange(expert * share, min((expert + 1) * share, routes.numel()), device=routes.device),
+                )
+            return
+        for expert in torch.unique(routes).tolist():
+            if expert < local:
+                yield expert, (routes == expert).nonzero().squeeze(-1)
 
 
 class Router(nn.Module):

@@ -181,3 +181,26 @@ def test_flops_per_token_count_active_experts_of_a_module_list_moe():
         ModelShape.of(model).flops_per_token(64),
         counted,
     )
+
+
+def test_a_moe_model_on_the_meta_device_is_planned_with_the_flops_of_a_real_forward():
+    """On fake tensors the routes have no values; each expert takes an even share (any routing runs the same matmul
+    FLOPs: every token through top_k experts), so planning a meta model's memory and time does not stop there."""
+    from lightning_llm.modeling.op_work import forward_work
+    from lightning_llm.strategies.zero_auto import model_footprint
+
+    config = LlamaConfig.from_name("tiny", n_layers=2, n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    real = CausalLM(config)
+    real.configure_model()
+    real.log = lambda *args, **kwargs: None
+    batch = torch.randint(0, 256, (2, 33))
+    with FlopCounterMode(display=False) as counter:
+        real.training_step(batch, 0)
+    with torch.device("meta"):
+        planned = CausalLM(config)
+        planned.configure_model()
+    planned.log = lambda *args, **kwargs: None
+    work = forward_work(planned, lambda: planned.training_step(batch, 0), device=torch.device("cpu"))
+    assert work.total.matmul_flops == counter.get_total_flops()
+    assert model_footprint(planned, micro_batch_size=2, seq_len=32).activations > 0
