@@ -12,6 +12,7 @@ of their bytes, the optimizer's per tensor and per parameter. Every rank of ``me
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 import torch
@@ -59,18 +60,24 @@ def tensor_parallel_link(mesh, tokens: int, hidden: int, width: int, device: tor
     return replace(isolated, call_latency=max(extra, 0.0))
 
 
-def zero_links(mesh, tokens: int, hidden: int, width: int, device: torch.device, isolated: Link) -> dict:
+def zero_links(
+    mesh, tokens: int, hidden: int, width: int, device: torch.device, isolated: Link, rounds: int = 3
+) -> dict:
     """ZeRO stage -> its :class:`Link` as FSDP2 meets it in a step: the pair wrapped as the stage is against the pair
-    unwrapped; the extra seconds per unit, beyond what ``isolated`` gives its collectives, are the stage's cost per
-    collective (``call_latency``). (Solving two widths for a per-byte cost as well was tried: on a shared 2-core host
-    the fitted bandwidth moved 20-fold between calibrations.)"""
-    n, links = mesh.size(), {}
+    unwrapped, timed in turn over ``rounds`` (a shared host drifts; each stage's median); the extra seconds per unit,
+    beyond what ``isolated`` gives its collectives, are the stage's cost per collective (``call_latency``). (Solving
+    two widths for a per-byte cost as well was tried: on a shared 2-core host the fitted bandwidth moved 20-fold
+    between calibrations.)"""
+    n = mesh.size()
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    plain = _seconds(lambda m=_pair(hidden, width, device): m(x).sum().backward(), device)
-    nbytes = hidden * width * x.element_size()
+    pairs = {None: _pair(hidden, width, device)} | {s: _wrapped(s, mesh, hidden, width, device) for s in _ZERO_CALLS}
+    times: dict = {stage: [] for stage in pairs}
+    for _ in range(rounds):
+        for stage, pair in pairs.items():
+            times[stage].append(_seconds(lambda m=pair: m(x).sum().backward(), device, repeats=3))
+    plain, nbytes, links = statistics.median(times[None]), hidden * width * x.element_size(), {}
     for stage, (calls, factor) in _ZERO_CALLS.items():
-        wrapped = _wrapped(stage, mesh, hidden, width, device)
-        extra = (_seconds(lambda m=wrapped: m(x).sum().backward(), device) - plain) / 2  # per layer
+        extra = (statistics.median(times[stage]) - plain) / 2  # per layer
         modelled = factor * (n - 1) / n * nbytes / isolated.bandwidth + calls * (n - 1) * isolated.latency
         links[stage] = replace(isolated, call_latency=max((extra - modelled) / calls, 0.0))
     return links
