@@ -60,6 +60,12 @@ CONSTRUCTOR_CASES = [
         {"layout": "auto", "pipeline_parallel_size": 2},
         "layout='auto' chooses the layout, but pipeline_parallel_size=2 was given",
     ),
+    (LLMParallelStrategy, {"layout": "auto", "zero_stage": 0}, "layout='auto' chooses the layout, but zero_stage=0"),
+    (
+        LLMParallelStrategy,
+        {"layout": "auto", "activation_checkpointing": "full"},
+        "layout='auto' chooses the layout, but activation_checkpointing='full'",
+    ),
     (LLMParallelStrategy, {"sequence_parallel": "yes", "tensor_parallel_size": 2}, "sequence_parallel='yes'"),
     (LLMParallelStrategy, {"num_microbatches": 0, "pipeline_parallel_size": 2}, "num_microbatches=0"),
     (LLMParallelStrategy, {"num_microbatches": "4", "pipeline_parallel_size": 2}, "num_microbatches='4'"),
@@ -479,6 +485,7 @@ def test_there_are_at_least_200_cases():
     "kwargs, named",
     [
         ({"num_microbatches": 4}, "num_microbatches=4 ignored: pipeline_parallel_size=1"),
+        ({"layout_rates": "H100"}, "layout_rates='H100' ignored: it applies to layout='auto'"),
         ({"pipeline_split": [["a"], ["b"]]}, "pipeline_split=[['a'], ['b']] ignored"),
         (
             {"activation_checkpointing": "full", "activation_checkpointing_options": {"selective": "layer"}},

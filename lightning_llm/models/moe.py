@@ -76,9 +76,10 @@ class Experts(nn.Module):
     def _routed(self, routes: torch.Tensor):
         """(expert, positions of its routes) for each local expert that got a route: one host sync; a loop of matmuls
         is what CPUs do best. On fake or meta tensors (planning memory and time before anything is allocated) the
-        routes have no values: each expert takes an even share of them, as uniform routing would on average."""
+        routes have no values: each expert takes an even share of them, as uniform routing would on average
+        (``torch.compile`` traces on fake tensors too, and must keep the real routes)."""
         local = self.gate_up_proj.shape[0]
-        if is_fake(routes) or routes.is_meta:
+        if (is_fake(routes) or routes.is_meta) and not torch.compiler.is_compiling():
             share = -(-routes.numel() // local)
             for expert in range(local):
                 yield (

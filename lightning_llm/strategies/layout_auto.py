@@ -252,15 +252,22 @@ def _why(runner_up: Candidate, chosen: Candidate) -> str:
     return f"{slower:+.1%} predicted: {abs(parts[name]) * 1e3:.1f} ms {more} {name.replace('_', ' ')}"
 
 
+def rates_source(name: str, device: torch.device) -> str:
+    """``name`` with ``"auto"`` resolved: the table's entry for this CUDA device where it has one, else
+    ``"calibrate"``."""
+    if name != "auto":
+        return name
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
+
+
 def layout_rates(name: str, *, precision: str, device: torch.device, node_size: int = 8, mesh=None) -> Rates:
     """The rates step times are predicted from: a known device's (``"H100"``, ``"H200"``, ``"A100"``), measured here
     (``"calibrate"``: a matmul, memory, per-op costs and, given a 1-D ``mesh`` over the job's ranks, every rank
     calling, the collectives and the optimizer as a step meets them, :mod:`~lightning_llm.planning.in_step`), or
     ``"auto"``: the table's entry for this CUDA device where it has one, else measured. The stand-in shapes are
     small on a CPU (1,024 tokens, width 256 by 704), a layer's on a GPU (4,096 tokens, 1,024 by 4,096)."""
-    if name == "auto":
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        name = next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
+    name = rates_source(name, device)
     if name != "calibrate":
         return device_rates(name, dtype=precision_dtype(precision), node_size=node_size)
     dtype = torch.bfloat16 if precision.startswith("bf16") and device.type == "cuda" else torch.float32

@@ -21,7 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.planning.sizes import GiB
-from lightning_llm.strategies.layout_auto import Candidate, layout_rates, rank_candidates, report_lines
+from lightning_llm.strategies.layout_auto import (
+    Candidate,
+    layout_rates,
+    rank_candidates,
+    rates_source,
+    report_lines,
+)
 from lightning_llm.strategies.option_combinations import check_combinations
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.zero_auto import planning_inputs
@@ -33,8 +39,10 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
     planning = options.planning
     inputs = planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len)
     precision = str(trainer.precision)
-    mesh = init_device_mesh(device.type, (world_size,)) if dist.is_initialized() and world_size > 1 else None
-    rates = layout_rates(planning.layout_rates, precision=precision, device=device, mesh=mesh)
+    source = rates_source(planning.layout_rates, device)
+    measured = source == "calibrate" and dist.is_initialized() and world_size > 1  # over the job's ranks
+    mesh = init_device_mesh(device.type, (world_size,)) if measured else None
+    rates = layout_rates(source, precision=precision, device=device, mesh=mesh)
     rank = dist.get_rank() if dist.is_initialized() else 0
     message: list[Any] = [None, None]
     if rank == 0:

@@ -51,8 +51,8 @@ def check_fault_tolerance(options: StrategyOptions) -> None:
 
 
 def check_auto_layout(options: StrategyOptions) -> None:
-    """``layout="auto"`` chooses the parallel sizes, sequence parallelism and the pipeline's micro-batches: refuse
-    any of them given."""
+    """``layout="auto"`` chooses the parallel sizes, sequence parallelism, the pipeline's micro-batches, the ZeRO stage
+    and activation checkpointing: refuse any of them given (rather than replace it silently)."""
     parallel, pipeline = options.parallel, options.pipeline
     given = {
         "tensor_parallel_size": (parallel.tensor_parallel_size, 1),
@@ -66,6 +66,10 @@ def check_auto_layout(options: StrategyOptions) -> None:
         "pipeline_split": (pipeline.split, None),
     }
     chosen = [f"{name}={value!r}" for name, (value, default) in given.items() if value != default]
+    if options.parallel.zero_stage not in (3, "auto"):  # 3 is the default; "auto" asks for a choice too
+        chosen.append(f"zero_stage={options.parallel.zero_stage!r}")
+    if options.planning.activation_checkpointing != "none":
+        chosen.append(f"activation_checkpointing={options.planning.activation_checkpointing!r}")
     if chosen:
         raise ValueError(
             f"layout='auto' chooses the layout, but {', '.join(chosen)} was given: leave it at its default, or drop "

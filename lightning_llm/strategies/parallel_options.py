@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_llm.modeling.blocks import BlocksOverride
 from lightning_llm.parallel.activation_checkpointing import ACOptions
 from lightning_llm.parallel.data_parallel import ACCUMULATION_SYNC, FSDP2_ZERO_STAGES
@@ -316,4 +318,6 @@ def build_options(**arguments) -> StrategyOptions:
     """
     options = build(StrategyOptions, check_each(StrategyOptions, arguments))
     check_combinations(options, given_ac_options=arguments["activation_checkpointing_options"])
+    if options.planning.layout is None and options.planning.layout_rates != "auto":
+        rank_zero_warn(f"layout_rates={options.planning.layout_rates!r} ignored: it applies to layout='auto'.")
     return options

@@ -204,3 +204,16 @@ def test_a_moe_model_on_the_meta_device_is_planned_with_the_flops_of_a_real_forw
     work = forward_work(planned, lambda: planned.training_step(batch, 0), device=torch.device("cpu"))
     assert work.total.matmul_flops == counter.get_total_flops()
     assert model_footprint(planned, micro_batch_size=2, seq_len=32).activations > 0
+
+
+def test_compiled_experts_follow_the_real_routes():
+    """torch.compile traces on fake tensors: the even share the planner uses must not reach a compiled step."""
+    torch.manual_seed(0)
+    experts = Experts(num_experts=4, dim=16, hidden_dim=32, implementation="loop")
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, weights = torch.randn(10, 16), torch.rand(10, 2)
+    routes = torch.stack([torch.zeros(10, dtype=torch.long), torch.ones(10, dtype=torch.long)], dim=1)  # skewed
+    torch.testing.assert_close(
+        torch.compile(experts, backend="aot_eager")(x, routes, weights), experts(x, routes, weights)
+    )
