@@ -203,7 +203,7 @@ class PlanningOptions:
         '``"auto"``: the tensor, pipeline and context parallel sizes, sequence parallelism, ZeRO stage, activation '
         "checkpointing and pipeline micro-batches chosen at setup, once for the job, as the layout of the fewest "
         "predicted seconds per trained sequence whose planned memory fits (``device_memory``); each data-parallel "
-        "rank keeps the dataloader's batch. Logged with the runner-up. Leave the sizes it chooses at their defaults. "
+        "rank keeps the dataloader's batch. Logged with the runner-up. Leave what it chooses at its defaults. "
         "``expert_parallel_size`` is kept as given. See ``docs/plan.md``.",
         check=checks.one_of(None, "auto"),
     )
