@@ -25,15 +25,16 @@ from lightning_llm.testing import run_distributed
 
 WORLD, GLOBAL_BATCH, SEQ_LEN = 4, 8, 256
 MODELS = {"dense": {}, "MoE": {"n_experts": 4, "top_k": 2}}
-GRID = [  # (tp, sequence parallel, pp, cp, zero stage, checkpointing, micro-batches per step)
-    (1, False, 1, 1, 0, "none", 1),
-    (1, False, 1, 1, 2, "none", 1),
-    (1, False, 1, 1, 3, "none", 1),
-    (2, False, 1, 1, 0, "none", 1),
-    (1, False, 2, 1, 0, "none", 2),
-    (1, False, 1, 2, 3, "none", 1),
-    (1, False, 1, 1, 3, "full", 1),
+GRID = [  # (tp, sequence parallel, pp, cp, zero stage, checkpointing, micro-batches per step, ep)
+    (1, False, 1, 1, 0, "none", 1, 1),
+    (1, False, 1, 1, 2, "none", 1, 1),
+    (1, False, 1, 1, 3, "none", 1, 1),
+    (2, False, 1, 1, 0, "none", 1, 1),
+    (1, False, 2, 1, 0, "none", 2, 1),
+    (1, False, 1, 2, 3, "none", 1, 1),
+    (1, False, 1, 1, 3, "full", 1, 1),
 ]
+EXPERT_GRID = [(1, False, 1, 1, 0, "none", 1, 2), (1, False, 1, 1, 0, "none", 1, 4)]  # the MoE model's besides
 
 
 def _model(name: str):
@@ -52,6 +53,7 @@ def _key(layout) -> tuple:
         layout.zero_stage,
         layout.activation_checkpointing,
         layout.micro_batches,
+        layout.ep,
     )
 
 
@@ -62,9 +64,10 @@ def _measure(name: str, cell: tuple, steps: int) -> float:
     from lightning_llm.strategies import LLMParallelStrategy
     from lightning_llm.testing.trainer import cpu_trainer
 
-    tp, sp, pp, cp, zero, ac, micro_batches = cell
+    tp, sp, pp, cp, zero, ac, micro_batches, ep = cell
     dp = WORLD // (tp * pp * cp)
     options = {"tensor_parallel_size": tp, "sequence_parallel": sp, "pipeline_parallel_size": pp}
+    options["expert_parallel_size"] = ep
     options |= {"context_parallel_size": cp, "zero_stage": zero, "activation_checkpointing": ac}
     if pp > 1:
         options["num_microbatches"] = micro_batches
@@ -121,7 +124,7 @@ def _grid(rounds: int, steps: int) -> dict | None:
         dist.broadcast_object_list(message, src=0)
         ranked = message[0]
         chosen, predicted = _key(ranked[0].layout), {_key(c.layout): c.time.total for c in ranked}
-        cells = list(dict.fromkeys([*GRID, chosen]))
+        cells = list(dict.fromkeys([*GRID, *(EXPERT_GRID if MODELS[name] else []), chosen]))
         measured: dict = {cell: [] for cell in cells}
         for _ in range(rounds):
             for cell in cells:
@@ -131,9 +134,10 @@ def _grid(rounds: int, steps: int) -> dict | None:
 
 
 def _label(cell: tuple) -> str:
-    tp, sp, pp, cp, zero, ac, micro_batches = cell
+    tp, sp, pp, cp, zero, ac, micro_batches, ep = cell
     dp = WORLD // (tp * pp * cp)
     parts = [f"tp{tp}" + (" SP" if sp else "")] if tp > 1 else []
+    parts += [f"ep{ep}"] if ep > 1 else []
     parts += [f"pp{pp} x {micro_batches} micro-batches"] if pp > 1 else []
     parts += [f"cp{cp}"] if cp > 1 else []
     parts += [f"dp{dp} ZeRO {zero}"] if dp > 1 else [f"ZeRO {zero}"]

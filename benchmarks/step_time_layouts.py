@@ -35,15 +35,18 @@ LAYOUTS = {  # name: (strategy arguments, micro-batches per step)
     "pp2, 2 micro-batches": ({"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 0}, 2),
     "pp2, 4 micro-batches": ({"pipeline_parallel_size": 2, "num_microbatches": 4, "zero_stage": 0}, 4),
     "cp2 ZeRO 3": ({"context_parallel_size": 2, "zero_stage": 3}, 1),
+    "MoE dp2 ZeRO 0": ({"zero_stage": 0}, 1),
+    "MoE ep2 ZeRO 0": ({"zero_stage": 0, "expert_parallel_size": 2}, 1),
 }
+MOE = {"n_experts": 4, "top_k": 2}  # the MoE cells' model: every block's MLP 4 experts, each token to 2
 SEQ_LENS = (128, 256)
 
 
-def _model(seq_len: int):
+def _model(seq_len: int, name: str = ""):
     from lightning_llm.models import CausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    return CausalLM(LlamaConfig.from_name("small", max_seq_len=seq_len))
+    return CausalLM(LlamaConfig.from_name("small", max_seq_len=seq_len, **(MOE if name.startswith("MoE") else {})))
 
 
 class _StepTimes:
@@ -77,13 +80,14 @@ def _measure(name: str, seq_len: int, steps: int) -> float:
     trainer = cpu_trainer(
         devices=2, strategy=LLMParallelStrategy(**kwargs), max_steps=steps, callbacks=[times.callback]
     )
-    trainer.fit(_model(seq_len), DataLoader(data, batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(_model(seq_len, name), DataLoader(data, batch_size=GLOBAL_BATCH // dp))
     return statistics.median(times.times[1:])
 
 
 def _work(name: str, seq_len: int) -> tuple:
     """(one micro-batch's recorded work on one rank, the layout, the rank's parameters and parameter tensors) of a
     cell."""
+    from lightning_llm.modeling.experts import expert_count
     from lightning_llm.modeling.op_work import forward_work
     from lightning_llm.parallel.tp.model_plan import planned_shares
     from lightning_llm.planning.step_time import StepLayout
@@ -92,7 +96,7 @@ def _work(name: str, seq_len: int) -> tuple:
     tp, pp, cp = (kwargs.get(f"{k}_parallel_size", 1) for k in ("tensor", "pipeline", "context"))
     dp = 2 // (tp * pp * cp)
     with torch.device("meta"):
-        module = _model(seq_len)
+        module = _model(seq_len, name)
         module.configure_model()
     sp = kwargs.get("sequence_parallel", False)
     shares = planned_shares(module, tp=tp, sequence_parallel=sp) if tp > 1 else None
@@ -107,9 +111,12 @@ def _work(name: str, seq_len: int) -> tuple:
         activation_checkpointing=kwargs.get("activation_checkpointing", "none"),
         micro_batches=micro_batches,
         sequence_parallel=sp,
+        ep=kwargs.get("expert_parallel_size", 1),
     )
     params = list(module.parameters())
-    return work, layout, sum(p.numel() for p in params) / (tp * pp), len(params) / pp
+    experts = sum(p.numel() for m in module.modules() if expert_count(m) for p in m.parameters())
+    held = sum(p.numel() for p in params) - experts * (1 - 1 / layout.ep)
+    return work, layout, held / (tp * pp), len(params) / pp
 
 
 def _fitted(rates):

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.experts import expert_count
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.repeated_blocks import measure_repeated
@@ -45,7 +46,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, work: ForwardWork, shares: TensorParallelShares | None) -> None:
         super().__init__()
-        self.work, self.shares, self.block = work, shares, None
+        self.work, self.shares, self.block, self.in_experts = work, shares, None, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -54,7 +55,9 @@ class _Recorder(TorchDispatchMode):
         target = self.work.outside if self.block is None else self.work.blocks[self.block]
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
             return out  # queries (a tensor's device) launch nothing
+        experts = self.work.experts[self.block] if self.in_experts and self.block is not None else Work()
         target.dispatches += name != "detach"  # what selective checkpointing's policy is asked about: views too
+        experts.dispatches += name != "detach"
         if name in _VIEWS:
             return out  # views move nothing
         packet = func._overloadpacket
@@ -63,6 +66,7 @@ class _Recorder(TorchDispatchMode):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         share = self._share(args, out)
         target.add(flops * share, nbytes * share)
+        experts.add(flops * share, nbytes * share)
         if name.startswith(_ATTENTION) and self.block is not None:
             k, v = args[1], args[2]
             self.work.attention_kv_bytes[self.block] += k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -109,12 +113,14 @@ def forward_work(
         sampled = measure_repeated(module, name, blocks, measure) or measure(blocks)
     work = recorded[-1]
     whole = ForwardWork(
-        [work.blocks[i] for i in sampled],
-        work.outside,
-        [c for c in work.collectives if c[3] is None],
-        [work.attention_kv_bytes[i] for i in sampled],
-        [work.attention_flops[i] for i in sampled],
-        work.stream_bytes,
+        blocks=[work.blocks[i] for i in sampled],
+        outside=work.outside,
+        collectives=[c for c in work.collectives if c[3] is None],
+        attention_kv_bytes=[work.attention_kv_bytes[i] for i in sampled],
+        attention_flops=[work.attention_flops[i] for i in sampled],
+        stream_bytes=work.stream_bytes,
+        experts=[work.experts[i] for i in sampled],
+        routed_bytes=[work.routed_bytes[i] for i in sampled],
     )
     for index, sample in enumerate(sampled):
         whole.collectives += [(phase, kind, size, index) for phase, kind, size, at in work.collectives if at == sample]
@@ -125,7 +131,8 @@ def _record(
     module: nn.Module, blocks: list[nn.Module], step: Callable, shares: TensorParallelShares | None, device
 ) -> ForwardWork:
     """One fake forward of ``module`` through ``blocks``, recorded."""
-    work = ForwardWork([Work() for _ in blocks], Work(), [], [0] * len(blocks), [0.0] * len(blocks))
+    n = len(blocks)
+    work = ForwardWork([Work() for _ in blocks], Work(), [], [0] * n, [0.0] * n, 0, [Work() for _ in blocks], [0] * n)
     recorder = _Recorder(work, shares)
 
     def run() -> None:
@@ -133,6 +140,13 @@ def _record(
             for index, block in enumerate(blocks):
                 pre = block.register_forward_pre_hook(partial(_entered, recorder, work, index), with_kwargs=True)
                 post = block.register_forward_hook(lambda *_: setattr(recorder, "block", None), always_call=True)
+                stack.callback(pre.remove)
+                stack.callback(post.remove)
+            for experts in (m for m in module.modules() if expert_count(m) is not None):
+                pre = experts.register_forward_pre_hook(partial(_routed, recorder, work), with_kwargs=True)
+                post = experts.register_forward_hook(
+                    lambda *_: setattr(recorder, "in_experts", False), always_call=True
+                )
                 stack.callback(pre.remove)
                 stack.callback(post.remove)
             if shares is not None:
@@ -155,6 +169,16 @@ def _entered(recorder: _Recorder, work: ForwardWork, index: int, module, args, k
     hidden = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
     if index == 0 and hidden is not None:
         work.stream_bytes = hidden.numel() * hidden.element_size()
+
+
+def _routed(recorder: _Recorder, work: ForwardWork, module, args, kwargs) -> None:
+    """An experts module's call: its rows (one per token and chosen expert, ``(tokens, dim)`` hidden states and
+    ``(tokens, k)`` expert ids, Hugging Face's and the reference model's order) are what expert parallelism moves."""
+    recorder.in_experts = True
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if recorder.block is not None and len(tensors) >= 2:
+        hidden, ids = tensors[:2]
+        work.routed_bytes[recorder.block] += ids.numel() * hidden.shape[-1] * hidden.element_size()
 
 
 def _collectives(work: ForwardWork, block, role: str, args, output, shares: TensorParallelShares) -> None:

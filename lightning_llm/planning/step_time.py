@@ -17,14 +17,19 @@ on fake tensors with the rank's tensor-parallel share). The model, per rank and 
   parameters in forward and again in backward, stage 2 once; stages 1-3 reduce-scatter the gradients, stage 0
   all-reduces them; where the device overlaps
   communication with compute (CUDA streams), only what exceeds the compute is exposed;
+* **expert parallelism** (``ep`` ranks of the data-parallel group share each MoE layer's experts): each MoE call
+  sends its routed rows (one per token and chosen expert) to their experts' ranks and back, ``(ep - 1) / ep`` of them
+  off the rank, by all-to-all (a small exchange of counts first); backward does the two data exchanges again, and a
+  fully checkpointed block's recompute the forward's. A rank launches ``1 / ep`` of the experts' ops (the experts'
+  FLOPs stay: ``ep`` ranks' rows reach its experts) and the dispatch's own ops;
 * **pipeline**: ``(m + pp - 1) / v`` stage slots for ``m`` micro-batches, the slowest stage's time per slot (the last
   holds the head and loss), plus a send of the hidden states per micro-batch and boundary;
 * **optimizer**: AdamW reads and writes parameters, gradients and two moments once: memory-bound; where calibrated,
   a measured cost per parameter tensor (a DTensor's dispatch per op) and per parameter instead.
 
 Collectives cost ``latency x steps + bytes x factor / bandwidth`` (ring: all-reduce ``2(n-1)/n``, all-gather and
-reduce-scatter ``(n-1)/n`` of the whole tensor). Not modelled: expert parallelism's all-to-alls, kernel fusion by
-``torch.compile``, and contention between ranks sharing a host's cores.
+reduce-scatter and all-to-all ``(n-1)/n`` of the whole tensor). Not modelled: uneven routing (each expert's rank is
+priced at the mean load), kernel fusion by ``torch.compile``, and contention between ranks sharing a host's cores.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class Link:
         if n == 1:
             return 0.0
         return self.call_latency + (n - 1) * self.latency + (n - 1) / n * nbytes / self.bandwidth
+
+    def all_to_all(self, nbytes: float, n: int) -> float:
+        """``nbytes``: a rank's whole buffer, of which ``(n - 1) / n`` leaves it."""
+        return self.all_gather(nbytes, n)
 
     def send(self, nbytes: float) -> float:
         return self.call_latency + self.latency + nbytes / self.bandwidth
@@ -105,6 +114,7 @@ class StepLayout:
     """One candidate: the parallel sizes, ZeRO stage, checkpointing and micro-batching of a step.
 
     ``micro_batches``: forwards per optimizer step on each rank (gradient accumulation, or the pipeline's micro-batches).
+    ``ep``: expert-parallel ranks, carved from the data-parallel ones.
     """
 
     world_size: int
@@ -116,6 +126,7 @@ class StepLayout:
     micro_batches: int = 1
     sequence_parallel: bool = False
     virtual_stages: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -133,11 +144,13 @@ class StepTime:
     data_parallel: float
     pipeline: float
     optimizer: float
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
         return (
-            self.compute
+            self.expert_parallel
+            + self.compute
             + self.recompute
             + self.tensor_parallel
             + self.context_parallel
@@ -171,6 +184,7 @@ def step_time(
     applied here). ``rank_params``: parameters this rank holds before ZeRO's sharding (the model over ``tp x pp``).
     ``param_bytes``: bytes per parameter of the optimizer's tensors; ``gather_bytes``: per gathered parameter.
     ``rank_tensors``: parameter tensors this rank's optimizer steps (each costs ``rates.optimizer_per_tensor``).
+    Under expert parallelism ``rank_params`` counts ``1 / ep`` of the experts' parameters.
 
     Example::
 
@@ -178,8 +192,10 @@ def step_time(
     """
     m, cp, pp = layout.micro_batches, layout.cp, layout.pp
     blocks, outside = _summed(work.blocks), work.outside
-    stage_forward = work_time(blocks, rates, 1 / cp) / pp + work_time(outside, rates, 1 / cp)
-    stage_recompute = _recompute(blocks, layout.activation_checkpointing, rates, 1 / cp) / pp
+    launches, ep_seconds = _expert_parallel(work, layout, rates)
+    stage_forward = (work_time(blocks, rates, 1 / cp) + launches) / pp + work_time(outside, rates, 1 / cp)
+    recomputed_launches = launches if layout.activation_checkpointing == "full" else 0.0
+    stage_recompute = (_recompute(blocks, layout.activation_checkpointing, rates, 1 / cp) + recomputed_launches) / pp
     tp_seconds = _tensor_parallel(work, layout, rates) / pp
     cp_seconds = _context_parallel(work, layout, rates) / pp
     slots = m + (pp - 1) / layout.virtual_stages  # 1F1B / GPipe: the bubble is pp - 1 slots (over v virtual stages)
@@ -189,7 +205,8 @@ def step_time(
     hidden_states = work.stream_bytes / cp / (layout.tp if layout.sequence_parallel else 1)
     send = rates.link_over(layout.world_size).send(hidden_states)
     sends = 0.0 if pp == 1 else slots * 2 * send  # the forward's output, and backward's gradient
-    units = len(work.blocks) / pp + 1  # FSDP2 wraps each block and the root: its collectives go unit by unit
+    moe_calls = sum(1 for b in work.routed_bytes if b) if layout.ep > 1 else 0
+    units = (len(work.blocks) + moe_calls) / pp + 1  # FSDP2 units: each block, the root, experts under EP
     data_parallel = _data_parallel(layout, rates, rank_params, gather_bytes, param_bytes, units)
     context_parallel = slots * cp_seconds
     if rates.overlap:  # FSDP's prefetch runs beside all compute, the ring's next hop beside this hop's attention
@@ -202,7 +219,10 @@ def step_time(
         optimizer += rank_params / shard * rates.optimizer_per_param
     else:  # param, grad, 2 moments read and written once
         optimizer += rank_params / shard * param_bytes * 4 * 2 / rates.memory_bandwidth
-    return StepTime(compute, recompute, tensor_parallel, context_parallel, data_parallel, sends, optimizer)
+    expert_parallel = slots * ep_seconds / pp
+    return StepTime(
+        compute, recompute, tensor_parallel, context_parallel, data_parallel, sends, optimizer, expert_parallel
+    )
 
 
 def _summed(parts: list[Work]) -> Work:
@@ -230,6 +250,24 @@ def _tensor_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> flo
         else:
             seconds += link.all_gather(size, layout.tp)
     return seconds
+
+
+DISPATCH_OPS = 20  # ops expert parallelism adds per MoE call and forward: sorting, counting, indexing, weighting
+
+
+def _expert_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> tuple[float, float]:
+    """(seconds one forward's launches change by, seconds of the all-to-alls of a forward and backward) of one
+    micro-batch's MoE calls on one rank under ``layout.ep``."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0, 0.0
+    calls = [b for b in work.routed_bytes if b]
+    fewer = (1 - 1 / ep) * _summed(work.experts).ops - DISPATCH_OPS * len(calls)
+    link = rates.tp_link or rates.link_over(ep * layout.tp * layout.cp)
+    exchanges = 4 + (2 if layout.activation_checkpointing == "full" else 0)  # data all-to-alls per call
+    counts = 1 + (layout.activation_checkpointing == "full")
+    seconds = sum(exchanges * link.all_to_all(b, ep) + counts * link.all_to_all(0, ep) for b in calls)
+    return -fewer * rates.op_overhead, seconds
 
 
 def _context_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> float:

@@ -53,6 +53,9 @@ class ForwardWork:
         attention_kv_bytes: per block, the bytes of the keys and values its attention calls read (whole sequence).
         attention_flops: per block, the FLOPs of its attention calls (what context parallelism's ring hides behind).
         stream_bytes: the bytes of the first block's input (the hidden states a pipeline stage sends on).
+        experts: per block, the part of its work done inside experts modules (what expert parallelism spreads).
+        routed_bytes: per block, the bytes of the routed token rows its experts modules receive (one row per token
+            and chosen expert: what expert parallelism's all-to-alls move).
     """
 
     blocks: list[Work] = field(default_factory=list)
@@ -61,6 +64,8 @@ class ForwardWork:
     attention_kv_bytes: list[int] = field(default_factory=list)
     attention_flops: list[float] = field(default_factory=list)
     stream_bytes: int = 0
+    experts: list[Work] = field(default_factory=list)
+    routed_bytes: list[int] = field(default_factory=list)
 
     @property
     def total(self) -> Work:

@@ -2,7 +2,7 @@
 the fastest is chosen.
 
 A candidate is tensor, pipeline and context parallel sizes (the rest data parallel), sequence parallelism with tp,
-a ZeRO stage, an activation-checkpointing mode and the micro-batches per step that keep the global batch. Its
+for a mixture-of-experts model an expert-parallel size carved from the data-parallel ranks, a ZeRO stage, an activation-checkpointing mode and the micro-batches per step that keep the global batch. Its
 memory is the planner's (:func:`~lightning_llm.strategies.zero_auto.model_footprint` under the candidate's tp,
 then :func:`~lightning_llm.planning.zero.estimate_options`); its step time is
 :func:`~lightning_llm.planning.step_time.step_time` of the work one rank does
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_llm.modeling.blocks import find_blocks
+from lightning_llm.modeling.experts import expert_count
 from lightning_llm.modeling.op_work import forward_work
 from lightning_llm.parallel.tp.model_plan import planned_shares
 from lightning_llm.planning.calibration import calibrate
@@ -48,7 +49,11 @@ class Candidate:
     memory: float
     time: StepTime
     fits: bool
-    ep: int = 1
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel size."""
+        return self.layout.ep
 
     @property
     def samples(self) -> int:
@@ -85,6 +90,16 @@ def _heads(module: nn.Module) -> list[int]:
     return [h for h in (getattr(config, name, None) for name in names) if isinstance(h, int)]
 
 
+def _expert_parallel_sizes(counts: set[int], dp: int, tp: int, cp: int, ep: int | None) -> list[int]:
+    """``[ep]`` when given (dividing ``dp``, without cp), else for experts ``counts`` without tp or cp every size
+    dividing ``dp`` and each count, else ``[1]``."""
+    if ep is not None:
+        return [ep] if dp % ep == 0 and (ep == 1 or cp == 1) else []
+    if not counts or tp * cp > 1:
+        return [1]
+    return [d for d in _divisors(dp) if all(c % d == 0 for c in counts)]
+
+
 def layouts(
     module: nn.Module,
     *,
@@ -92,10 +107,12 @@ def layouts(
     seq_len: int,
     global_batch: int | None = None,
     per_replica_batch: int | None = None,
-    ep: int = 1,
+    ep: int | None = None,
 ) -> Iterator[tuple[StepLayout, int]]:
     """(layout, micro-batch size) of every candidate: tp divides the heads, pp is at most the blocks (with at least pp
-    micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the data-parallel size divides by ``ep``.
+    micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the expert-parallel size (``ep`` when
+    given, else searched for an MoE model: dividing the data-parallel size and every layer's experts, without tp or
+    cp, with no selective checkpointing, as the strategy runs it) divides the data-parallel size.
 
     Either the ``global_batch`` is kept (each data-parallel rank's share split into micro-batches, by accumulation or
     the pipeline) or each data-parallel rank trains ``per_replica_batch`` sequences per step (a Trainer's dataloader
@@ -103,20 +120,29 @@ def layouts(
     if (global_batch is None) == (per_replica_batch is None):
         raise ValueError("layouts() takes one of global_batch and per_replica_batch")
     blocks = len(find_blocks(module).blocks)
+    experts = {c for c in (expert_count(m) for m in module.modules()) if c is not None}
     for tp in (d for d in _divisors(world_size) if all(h % d == 0 for h in _heads(module))):
         for pp in (d for d in _divisors(world_size // tp) if d <= blocks):
             for cp in (d for d in _divisors(world_size // (tp * pp)) if seq_len % (2 * d) == 0):
                 dp = world_size // (tp * pp * cp)
-                if dp % ep or (global_batch is not None and global_batch % dp):
+                if global_batch is not None and global_batch % dp:
                     continue
                 replica = global_batch // dp if global_batch is not None else per_replica_batch
                 counts = _divisors(replica) if global_batch is not None or pp > 1 else [1]
-                for micro_batches in (m for m in counts if m >= pp):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        for zero in ZERO_STAGES if dp * cp > 1 else (0,):
-                            for ac in CHECKPOINTING:
-                                layout = StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp)
-                                yield layout, replica // micro_batches
+                for expert_parallel in _expert_parallel_sizes(experts, dp, tp, cp, ep):
+                    for micro_batches in (m for m in counts if m >= pp):
+                        for layout in _variants(world_size, tp, pp, cp, expert_parallel, micro_batches):
+                            yield layout, replica // micro_batches
+
+
+def _variants(world_size: int, tp: int, pp: int, cp: int, ep: int, micro_batches: int) -> Iterator[StepLayout]:
+    """The sequence-parallel, ZeRO and checkpointing choices of one parallel shape (no selective checkpointing with
+    expert parallelism, which the strategy refuses)."""
+    dp = world_size // (tp * pp * cp)
+    for sp in (False, True) if tp > 1 else (False,):
+        for zero in ZERO_STAGES if dp * cp > 1 else (0,):
+            for ac in CHECKPOINTING if ep == 1 else ("none", "full"):
+                yield StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp, ep=ep)
 
 
 class _Measured:
@@ -159,13 +185,13 @@ def rank_candidates(
     per_replica_batch: int | None = None,
     precision: str = "32-true",
     margin: float = 0.1,
-    ep: int = 1,
+    ep: int | None = None,
 ) -> list[Candidate]:
     """Every candidate of :func:`layouts`, fitting ones first, each group fastest first: the least predicted time per
     trained sequence (on a tie, the lower ZeRO stage, then the fewer model-parallel ranks, the less checkpointing,
     the fewer micro-batches). A tensor-parallel layout the model's plan refuses (a refusal of :func:`planned_shares`)
-    is left out, with its reason in the log. ``ep``: the expert-parallel size, kept (it needs a data-parallel size
-    that divides by it). Example::
+    is left out, with its reason in the log. ``ep``: the expert-parallel size when given (it needs a data-parallel
+    size that divides by it), else searched for an MoE model. Example::
 
         ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
                                  rates=rates)
@@ -197,7 +223,7 @@ def rank_candidates(
             allow_offload=False,
             optimizer_states=footprint.optimizer_states,
             activations_tp=footprint.activations_tp,
-            ep=ep,
+            ep=layout.ep,
             expert_params=footprint.expert_params,
         )
         row = next(r for r in rows if r.zero_stage == layout.zero_stage)
@@ -205,11 +231,12 @@ def rank_candidates(
             work,
             layout,
             rates,
-            rank_params=footprint.num_params / (layout.tp * layout.pp),
+            rank_params=(footprint.num_params - footprint.expert_params * (1 - 1 / layout.ep))
+            / (layout.tp * layout.pp),
             rank_tensors=measured.tensors / layout.pp,
             gather_bytes=2 if half else 4,
         )
-        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable, ep))
+        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable))
     # On a tie (communication hidden behind compute), less communication and fewer model-parallel splits first.
     order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
     return sorted(
@@ -219,6 +246,7 @@ def rank_candidates(
             round(c.seconds_per_sample, 12),
             c.layout.zero_stage,
             c.layout.tp * c.layout.pp * c.layout.cp,
+            c.ep,
             order[c.layout.activation_checkpointing],
             c.layout.micro_batches,
         ),

@@ -4,7 +4,8 @@ Every rank measures the rates (a calibration's collectives need them all); rank 
 (:func:`~lightning_llm.strategies.layout_auto.rank_candidates`, each data-parallel rank keeping the dataloader's
 batch) and sends its choice to the others, so all ranks build the same mesh. The choice replaces the layout options
 (tensor, pipeline and context parallel sizes, sequence parallelism, ZeRO stage, activation checkpointing, pipeline
-micro-batches), which are then checked as if the user had given them.
+micro-batches, and for an MoE model the expert-parallel size unless one above 1 was given), which are then checked as
+if the user had given them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
                 device_memory=inputs["device_memory"],
                 rates=rates,
                 precision=precision,
-                ep=options.parallel.expert_parallel_size,
+                ep=options.parallel.expert_parallel_size if options.parallel.expert_parallel_size > 1 else None,
             )
         fitting = [c for c in ranked if c.fits]
         message = [fitting[0] if fitting else None, report_lines(ranked, shown=5)]
@@ -82,6 +83,7 @@ def chosen_options(options: StrategyOptions, chosen: Candidate) -> StrategyOptio
         context_parallel_size=lay.cp,
         sequence_parallel=lay.sequence_parallel,
         zero_stage=lay.zero_stage,
+        expert_parallel_size=lay.ep,
     )
     planning = dataclasses.replace(options.planning, activation_checkpointing=lay.activation_checkpointing, layout=None)
     pipeline = dataclasses.replace(options.pipeline, num_microbatches=lay.micro_batches if lay.pp > 1 else None)
@@ -90,7 +92,7 @@ def chosen_options(options: StrategyOptions, chosen: Candidate) -> StrategyOptio
     return resolved
 
 
-def report(trainer, chosen: Candidate, lines: list[str], ep: int) -> None:
+def report(trainer, chosen: Candidate, lines: list[str]) -> None:
     """The fastest candidates, the choice and the runner-up on rank 0; the choice in every logger's hyperparameters."""
     rank_zero_info("LLMParallelStrategy: layout='auto', fastest fitting layouts first:\n" + "\n".join(lines))
     lay = chosen.layout
@@ -98,7 +100,7 @@ def report(trainer, chosen: Candidate, lines: list[str], ep: int) -> None:
         "layout/tp": lay.tp,
         "layout/pp": lay.pp,
         "layout/cp": lay.cp,
-        "layout/ep": ep,
+        "layout/ep": chosen.ep,
         "layout/dp": lay.dp,
         "layout/sequence_parallel": lay.sequence_parallel,
         "layout/zero_stage": lay.zero_stage,

@@ -158,7 +158,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         self.options = layout_choice.chosen_options(self.options, chosen)
         state = self.run_state
         state.layout, state.zero_stage, state.pipeline = chosen, chosen.layout.zero_stage, self.options.pipeline.spec()
-        layout_choice.report(trainer, chosen, lines, self.options.parallel.expert_parallel_size)
+        layout_choice.report(trainer, chosen, lines)
         self._build_mesh()
 
     @contextmanager

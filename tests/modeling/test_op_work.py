@@ -152,3 +152,25 @@ def test_a_deep_stack_recorded_on_two_blocks_equals_recording_every_block():
     assert sampled.blocks == every.blocks and sampled.outside == every.outside
     assert Counter(sampled.collectives) == Counter(every.collectives)
     assert sampled.attention_kv_bytes == every.attention_kv_bytes and sampled.stream_bytes == every.stream_bytes
+
+
+def test_an_moe_blocks_routed_rows_and_expert_work_are_what_its_experts_do():
+    from lightning_llm.models import CausalLM, LlamaConfig
+    from lightning_llm.models.moe import Experts
+
+    torch.manual_seed(0)
+    module = CausalLM(LlamaConfig.from_name("tiny-moe", n_layers=2))
+    module.configure_model()
+    module.log = lambda *args, **kwargs: None
+    config = module.config
+    work = forward_work(module, lambda: module.training_step(torch.zeros(B, T + 1, dtype=torch.long), 0))
+    # one row per token and chosen expert, the model's width in fp32 (a count by hand)
+    assert work.routed_bytes == [B * T * config.top_k * config.dim * 4] * 2
+    # the experts' own matmuls are torch's count of a real call of an experts module on as many routes
+    experts = next(m for m in module.modules() if isinstance(m, Experts))
+    hidden = torch.randn(B * T, config.dim)
+    ids = torch.randint(0, config.n_experts, (B * T, config.top_k))
+    with FlopCounterMode(display=False) as counter:
+        experts(hidden, ids, torch.rand(B * T, config.top_k))
+    assert [part.matmul_flops for part in work.experts] == [counter.get_total_flops()] * 2
+    assert all(0 < part.ops < block.ops for part, block in zip(work.experts, work.blocks))

@@ -100,6 +100,22 @@ def test_context_parallelism_divides_compute_and_passes_keys_and_values_round_th
     assert got.context_parallel == pytest.approx(2 * 3 * 0.1)
 
 
+def test_expert_parallelism_moves_each_routed_row_by_all_to_all_and_launches_a_share_of_the_experts_ops():
+    work = _work()
+    work.experts = [Work(matmul_flops=5e8, matmuls=2, ops=8) for _ in work.blocks]  # part of each block's work
+    work.routed_bytes = [10**9, 10**9]  # each block's MoE call receives 1 GB of rows (tokens x k x width)
+    per_op = Rates(1e9, 1e9, 1e-3, Link(bandwidth=1e9, call_latency=1e-2))
+    dense = step_time(work, StepLayout(world_size=4, zero_stage=0), per_op, rank_params=0)
+    ep = step_time(work, StepLayout(world_size=4, zero_stage=0, ep=4), per_op, rank_params=0)
+    # per block and pass: 3/4 of the 8 expert ops fewer, 20 dispatch ops more, at 1 ms each (backward twice)
+    assert ep.compute - dense.compute == pytest.approx(2 * 3 * (20 - 0.75 * 8) * 1e-3)
+    # per block: 4 data all-to-alls (dispatch and combine, forward and backward) of 3/4 GB, one of the counts
+    assert ep.expert_parallel == pytest.approx(2 * (4 * (1e-2 + 0.75) + 1e-2))
+    full = step_time(work, StepLayout(world_size=4, ep=4, activation_checkpointing="full"), per_op, rank_params=0)
+    assert full.expert_parallel == pytest.approx(2 * (6 * (1e-2 + 0.75) + 2 * 1e-2))  # the recompute dispatches again
+    assert dense.expert_parallel == 0.0
+
+
 def test_tensor_parallel_collectives_are_priced_per_call():
     work = _work()
     work.collectives = [("forward", "all_reduce", 10**9, 0), ("backward", "all_gather", 10**9, 0)]

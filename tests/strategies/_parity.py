@@ -25,6 +25,10 @@ def make_model(arch: str, layers: int = 2) -> L.LightningModule:
         module = CausalLM(LlamaConfig.from_name("tiny", n_layers=layers), warmup_steps=2, max_steps=STEPS)
         module.configure_model()  # built now, from this seed, rather than inside fit()
         return module
+    if arch == "reference_moe":  # every block's MLP 4 experts (top 2) beside a shared expert
+        module = CausalLM(LlamaConfig.from_name("tiny-moe", n_layers=layers), warmup_steps=2, max_steps=STEPS)
+        module.configure_model()
+        return module
     if arch == "hf_llama":
         return HFCausalLM("llama", layers=layers)
     if arch == "hf_gpt2":

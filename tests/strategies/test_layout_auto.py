@@ -85,3 +85,21 @@ def test_a_tensor_parallel_layout_the_model_refuses_is_left_out(monkeypatch):
     rates = Rates(1e10, 1e10, 1e-5, Link(1e9, 1e-5))
     ranked = rank_candidates(_model(), world_size=2, seq_len=64, global_batch=4, device_memory=2**30, rates=rates)
     assert ranked and {c.layout.tp for c in ranked} == {1}
+
+
+def test_an_moe_models_candidates_search_the_expert_parallel_sizes_the_strategy_runs():
+    from lightning_llm.models import CausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        module = CausalLM(LlamaConfig.from_name("tiny-moe", n_layers=4, max_seq_len=64))  # 4 experts
+        module.configure_model()
+    got = {(lay.tp, lay.pp, lay.cp, lay.ep, lay.activation_checkpointing)
+           for lay, _ in layouts(module, world_size=8, seq_len=64, global_batch=8)}  # fmt: skip
+    want = set()
+    for tp, pp, cp, ep in itertools.product((1, 2, 4, 8), repeat=4):
+        dp = 8 // (tp * pp * cp) if 8 % (tp * pp * cp) == 0 else 0
+        if not dp or 2 % tp or pp > 4 or dp % ep or 4 % ep or (ep > 1 and tp * cp > 1):
+            continue
+        want |= {(tp, pp, cp, ep, ac) for ac in CHECKPOINTING if ep == 1 or ac != "selective"}
+    assert got == want
+    assert {lay.ep for lay, _ in layouts(module, world_size=8, seq_len=64, global_batch=8, ep=2)} == {2}
