@@ -114,7 +114,9 @@ class StepLayout:
     """One candidate: the parallel sizes, ZeRO stage, checkpointing and micro-batching of a step.
 
     ``micro_batches``: forwards per optimizer step on each rank (gradient accumulation, or the pipeline's micro-batches).
-    ``ep``: expert-parallel ranks, carved from the data-parallel ones.
+    ``ep``: expert-parallel ranks, carved from the data-parallel ones. ``pipeline_steps``: pipeline schedules run per
+    optimizer step (the Trainer's gradient accumulation over a pipeline; without one, accumulation is
+    ``micro_batches``).
     """
 
     world_size: int
@@ -127,6 +129,7 @@ class StepLayout:
     sequence_parallel: bool = False
     virtual_stages: int = 1
     ep: int = 1
+    pipeline_steps: int = 1
 
     @property
     def dp(self) -> int:
@@ -198,7 +201,7 @@ def step_time(
     stage_recompute = (_recompute(blocks, layout.activation_checkpointing, rates, 1 / cp) + recomputed_launches) / pp
     tp_seconds = _tensor_parallel(work, layout, rates) / pp
     cp_seconds = _context_parallel(work, layout, rates) / pp
-    slots = m + (pp - 1) / layout.virtual_stages  # 1F1B / GPipe: the bubble is pp - 1 slots (over v virtual stages)
+    slots = layout.pipeline_steps * (m + (pp - 1) / layout.virtual_stages)  # the bubble: pp - 1 slots over v stages
     compute = slots * 3 * stage_forward
     recompute = slots * stage_recompute
     tensor_parallel = slots * tp_seconds
@@ -283,7 +286,12 @@ def _data_parallel(
     layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int, units: float
 ) -> float:
     """Seconds of ZeRO's collectives per step over the ``dp x cp`` ranks sharding each parameter: the bytes of all
-    parameters, in ``units`` collectives of each kind (one per FSDP2 unit)."""
+    parameters, in ``units`` collectives of each kind (one per FSDP2 unit).
+
+    Gradients are reduced once per step where they are whole on every rank (ZeRO 0 accumulates locally and
+    all-reduces at the last micro-batch) and under a pipeline schedule (torch's reduces after its last micro-batch,
+    parameters kept gathered between micro-batches' backwards); at ZeRO 1-3 without a pipeline each micro-batch
+    reduce-scatters, to keep gradients sharded."""
     n = layout.dp * layout.cp
     if n == 1:
         return 0.0
@@ -291,6 +299,10 @@ def _data_parallel(
     m, link = layout.micro_batches, rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp)
     link = (rates.zero_links or {}).get(layout.zero_stage, link)
     if layout.zero_stage == 0:
-        return m * units * link.all_reduce(grads / units, n)
-    gathers = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m
-    return units * (gathers * link.all_gather(gathered / units, n) + m * link.all_gather(grads / units, n))
+        return (layout.pipeline_steps if layout.pp > 1 else 1) * units * link.all_reduce(grads / units, n)
+    if layout.pp > 1:  # per schedule run
+        gathers = layout.pipeline_steps * {1: 1, 2: 1, 3: m + 1}[layout.zero_stage]
+        reductions = layout.pipeline_steps
+    else:
+        gathers, reductions = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m, m
+    return units * (gathers * link.all_gather(gathered / units, n) + reductions * link.all_gather(grads / units, n))

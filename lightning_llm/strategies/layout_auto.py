@@ -58,7 +58,7 @@ class Candidate:
     @property
     def samples(self) -> int:
         """Sequences per optimizer step over the whole job."""
-        return self.micro_batch_size * self.layout.micro_batches * self.layout.dp
+        return self.micro_batch_size * self.layout.micro_batches * self.layout.pipeline_steps * self.layout.dp
 
     @property
     def seconds_per_sample(self) -> float:
@@ -108,6 +108,7 @@ def layouts(
     global_batch: int | None = None,
     per_replica_batch: int | None = None,
     ep: int | None = None,
+    accumulate: int = 1,
 ) -> Iterator[tuple[StepLayout, int]]:
     """(layout, micro-batch size) of every candidate: tp divides the heads, pp is at most the blocks (with at least pp
     micro-batches), cp splits the sequence into ``2 cp`` equal chunks, and the expert-parallel size (``ep`` when
@@ -116,7 +117,8 @@ def layouts(
 
     Either the ``global_batch`` is kept (each data-parallel rank's share split into micro-batches, by accumulation or
     the pipeline) or each data-parallel rank trains ``per_replica_batch`` sequences per step (a Trainer's dataloader
-    batch: the pipeline's micro-batches split it, the global batch grows with the data-parallel size)."""
+    batch: the pipeline's micro-batches split it, the global batch grows with the data-parallel size), ``accumulate``
+    such batches per optimizer step (the Trainer's ``accumulate_grad_batches``)."""
     if (global_batch is None) == (per_replica_batch is None):
         raise ValueError("layouts() takes one of global_batch and per_replica_batch")
     blocks = len(find_blocks(module).blocks)
@@ -128,21 +130,24 @@ def layouts(
                 if global_batch is not None and global_batch % dp:
                     continue
                 replica = global_batch // dp if global_batch is not None else per_replica_batch
-                counts = _divisors(replica) if global_batch is not None or pp > 1 else [1]
+                counts = _divisors(replica) if global_batch is not None or pp > 1 else [accumulate]
+                runs = accumulate if global_batch is None and pp > 1 else 1  # schedule runs per optimizer step
                 for expert_parallel in _expert_parallel_sizes(experts, dp, tp, cp, ep):
                     for micro_batches in (m for m in counts if m >= pp):
-                        for layout in _variants(world_size, tp, pp, cp, expert_parallel, micro_batches):
-                            yield layout, replica // micro_batches
+                        size = replica // micro_batches if pp > 1 or global_batch is not None else replica
+                        for layout in _variants(world_size, (tp, pp, cp, expert_parallel), micro_batches, runs):
+                            yield layout, size
 
 
-def _variants(world_size: int, tp: int, pp: int, cp: int, ep: int, micro_batches: int) -> Iterator[StepLayout]:
-    """The sequence-parallel, ZeRO and checkpointing choices of one parallel shape (no selective checkpointing with
-    expert parallelism, which the strategy refuses)."""
+def _variants(world_size: int, sizes: tuple, micro_batches: int, runs: int) -> Iterator[StepLayout]:
+    """The sequence-parallel, ZeRO and checkpointing choices of one parallel shape ``(tp, pp, cp, ep)`` (no
+    selective checkpointing with expert parallelism, which the strategy refuses)."""
+    tp, pp, cp, ep = sizes
     dp = world_size // (tp * pp * cp)
     for sp in (False, True) if tp > 1 else (False,):
         for zero in ZERO_STAGES if dp * cp > 1 else (0,):
             for ac in CHECKPOINTING if ep == 1 else ("none", "full"):
-                yield StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp, ep=ep)
+                yield StepLayout(world_size, tp, pp, cp, zero, ac, micro_batches, sp, ep=ep, pipeline_steps=runs)
 
 
 class _Measured:
@@ -186,12 +191,14 @@ def rank_candidates(
     precision: str = "32-true",
     margin: float = 0.1,
     ep: int | None = None,
+    accumulate: int = 1,
 ) -> list[Candidate]:
     """Every candidate of :func:`layouts`, fitting ones first, each group fastest first: the least predicted time per
     trained sequence (on a tie, the lower ZeRO stage, then the fewer model-parallel ranks, the less checkpointing,
     the fewer micro-batches). A tensor-parallel layout the model's plan refuses (a refusal of :func:`planned_shares`)
     is left out, with its reason in the log. ``ep``: the expert-parallel size when given (it needs a data-parallel
-    size that divides by it), else searched for an MoE model. Example::
+    size that divides by it), else searched for an MoE model. ``accumulate``: with ``per_replica_batch``, the
+    Trainer's ``accumulate_grad_batches``. Example::
 
         ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
                                  rates=rates)
@@ -199,7 +206,7 @@ def rank_candidates(
     """
     measured, usable, half = _Measured(module, seq_len, precision), device_memory * (1 - margin), "16" in precision
     candidates, refused = [], {}
-    batches = {"global_batch": global_batch, "per_replica_batch": per_replica_batch}
+    batches = {"global_batch": global_batch, "per_replica_batch": per_replica_batch, "accumulate": accumulate}
     for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, ep=ep, **batches):
         key = (layout.tp, layout.sequence_parallel, layout.cp)
         if key in refused:

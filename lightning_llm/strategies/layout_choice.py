@@ -53,6 +53,7 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
                 world_size=world_size,
                 seq_len=inputs["seq_len"],
                 per_replica_batch=inputs["micro_batch_size"],
+                accumulate=trainer.accumulate_grad_batches,
                 device_memory=inputs["device_memory"],
                 rates=rates,
                 precision=precision,

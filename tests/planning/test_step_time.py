@@ -60,6 +60,20 @@ def test_zero_stages_communicate_what_fsdp_moves():
     assert zero3 == pytest.approx(times[3] + 3 * 3 * 1e-3)
 
 
+def test_gradients_are_reduced_once_per_step_where_whole_or_pipelined_and_per_micro_batch_where_sharded():
+    params = 1e8  # fp32: 0.4 GB over 2 data-parallel ranks, (n-1)/n = 1/2 of it per collective
+
+    def data_parallel(**layout) -> float:
+        return step_time(_work(), StepLayout(**layout), RATES, rank_params=params).data_parallel
+
+    # accumulating 4 micro-batches: ZeRO 0 all-reduces once; ZeRO 3 gathers twice and reduce-scatters per micro-batch
+    assert data_parallel(world_size=2, zero_stage=0, micro_batches=4) == pytest.approx(2 * 0.5 * 0.4)
+    assert data_parallel(world_size=2, zero_stage=3, micro_batches=4) == pytest.approx(4 * (2 * 0.2 + 0.2))
+    # a pipeline schedule reduces after its last micro-batch; ZeRO 3 gathers per forward and once for the backwards
+    assert data_parallel(world_size=4, pp=2, zero_stage=0, micro_batches=4) == pytest.approx(2 * 0.5 * 0.4)
+    assert data_parallel(world_size=4, pp=2, zero_stage=3, micro_batches=4) == pytest.approx(5 * 0.2 + 0.2)
+
+
 def test_each_zero_stage_is_priced_at_its_own_in_step_link_where_calibrated():
     params, units = 1e8, 3  # 2 blocks and the root
     zero0, zero3 = Link(bandwidth=1e9, call_latency=4e-3), Link(bandwidth=1e9, call_latency=1e-3)
@@ -91,6 +105,10 @@ def test_a_pipeline_runs_m_plus_pp_minus_one_slots_of_its_slowest_stage():
         _work(), StepLayout(world_size=2, pp=2, micro_batches=4, virtual_stages=2), RATES, rank_params=0
     )
     assert interleaved.compute == pytest.approx((4 + 0.5) * 3 * stage_forward)
+    accumulated = step_time(
+        _work(), StepLayout(world_size=2, pp=2, micro_batches=4, pipeline_steps=3), RATES, rank_params=0
+    )
+    assert accumulated.compute == pytest.approx(3 * (4 + 1) * 3 * stage_forward)  # a bubble per schedule run
 
 
 def test_context_parallelism_divides_compute_and_passes_keys_and_values_round_the_ring():

@@ -103,3 +103,18 @@ def test_an_moe_models_candidates_search_the_expert_parallel_sizes_the_strategy_
         want |= {(tp, pp, cp, ep, ac) for ac in CHECKPOINTING if ep == 1 or ac != "selective"}
     assert got == want
     assert {lay.ep for lay, _ in layouts(module, world_size=8, seq_len=64, global_batch=8, ep=2)} == {2}
+
+
+def test_the_trainers_accumulation_runs_a_batch_per_micro_batch_or_a_schedule_per_batch():
+    from lightning_llm.planning.step_time import StepTime
+    from lightning_llm.strategies.layout_auto import Candidate
+
+    found = list(layouts(_model(), world_size=2, seq_len=64, per_replica_batch=4, accumulate=3))
+    assert {(lay.micro_batches, lay.pipeline_steps, size) for lay, size in found if lay.pp == 1} == {(3, 1, 4)}
+    assert {(lay.micro_batches, lay.pipeline_steps, size) for lay, size in found if lay.pp == 2} == {
+        (2, 3, 2),
+        (4, 3, 1),
+    }
+    no_time = StepTime(*[0.0] * 7)
+    # every candidate trains the dataloader's 4 sequences 3 times per data-parallel rank and step
+    assert {Candidate(lay, size, 0, no_time, True).samples // lay.dp for lay, size in found} == {12}
