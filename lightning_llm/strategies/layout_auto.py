@@ -271,7 +271,7 @@ def report_lines(ranked: list[Candidate], shown: int = 10) -> list[str]:
         return [*lines, f"Nothing fits; the smallest is {smallest.line()}"]
     chosen = fitting[0]
     lines.append(f"Chosen: {chosen.line()}")
-    shape = lambda c: (c.layout.tp, c.layout.sequence_parallel, c.layout.pp, c.layout.cp)  # noqa: E731
+    shape = lambda c: (c.layout.tp, c.layout.sequence_parallel, c.layout.pp, c.layout.cp, c.ep)  # noqa: E731
     runner_up = next((c for c in fitting if shape(c) != shape(chosen)), None)
     if runner_up is not None:
         lines.append(f"Runner-up: {runner_up.line()}; {_why(runner_up, chosen)}")
