@@ -100,15 +100,16 @@ def _ranked(name: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_llm.strategies.layout_auto import layout_rates, rank_candidates
+    from lightning_llm.strategies.layout_auto import block_unit, layout_rates, rank_candidates
 
     cpu = torch.device("cpu")
-    rates = layout_rates("calibrate", precision="32-true", device=cpu, mesh=init_device_mesh("cpu", (WORLD,)))
-    if dist.get_rank():
-        return None
     with torch.device("meta"):
         module = _model(name)
         module.configure_model()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rates = layout_rates("calibrate", precision="32-true", device=cpu, mesh=mesh, unit=block_unit(module))
+    if dist.get_rank():
+        return None
     module.log = lambda *args, **kwargs: None
     return rank_candidates(
         module, world_size=WORLD, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, device_memory=2**40, rates=rates

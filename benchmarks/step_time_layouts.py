@@ -142,11 +142,14 @@ def _rates():
 
     from lightning_llm.planning.calibration import calibrate
     from lightning_llm.planning.in_step import in_step_rates
+    from lightning_llm.strategies.layout_auto import block_unit
 
     cpu = torch.device("cpu")
     rates = _fitted(calibrate(tokens=GLOBAL_BATCH * 256, hidden=256, width=256, dtype=torch.float32, device=cpu))
     mesh = init_device_mesh("cpu", (2,))
-    return in_step_rates(rates, mesh, tokens=GLOBAL_BATCH * 256, hidden=256, width=704, device=cpu)
+    with torch.device("meta"):
+        unit = block_unit(_model(256))  # ZeRO's stand-in units shaped like the dense model's blocks
+    return in_step_rates(rates, mesh, tokens=GLOBAL_BATCH * 256, hidden=256, width=704, device=cpu, unit=unit)
 
 
 def _grid(rounds: int, steps: int) -> dict | None:

@@ -25,18 +25,32 @@ from lightning_llm.planning.step_time import Link, Rates
 # Collectives per FSDP2 unit and step (one micro-batch), and their ring factors' sum times n/(n-1): ZeRO 0
 # all-reduces the gradients (2); 2 all-gathers the parameters once and reduce-scatters (1 + 1); 3 all-gathers twice.
 _ZERO_CALLS = {0: (1, 2), 2: (2, 2), 3: (3, 3)}
+_MAX_UNIT_PARAMS = 2**26  # a stand-in unit's parameters at most (256 MiB in fp32): a 70B block's would not fit
 
 
-def _pair(hidden: int, width: int, device: torch.device) -> nn.Sequential:
+class _Parts(nn.Module):
+    """A ``inputs -> outputs`` linear layer held as ``parts`` weights (column blocks): a unit with a block's tensor count."""
+
+    def __init__(self, inputs: int, outputs: int, parts: int) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(nn.Linear(inputs, outputs // parts, bias=False) for _ in range(parts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _pair(hidden: int, width: int, device: torch.device, parts: int = 1) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(hidden, width, bias=False), nn.Linear(width, hidden, bias=False)).to(device)
+    if parts == 1:
+        return nn.Sequential(nn.Linear(hidden, width, bias=False), nn.Linear(width, hidden, bias=False)).to(device)
+    return nn.Sequential(_Parts(hidden, width, parts), _Parts(width, hidden - hidden % parts, parts)).to(device)
 
 
-def _wrapped(stage: int, mesh, hidden: int, width: int, device: torch.device) -> nn.Sequential:
+def _wrapped(stage: int, mesh, hidden: int, width: int, device: torch.device, parts: int = 1) -> nn.Sequential:
     """The pair data parallel as the strategy makes ZeRO ``stage``: each layer a unit, and the root."""
     from torch.distributed.fsdp import fully_shard
 
-    pair = _pair(hidden, width, device)
+    pair = _pair(hidden, width, device, parts)
     for module in (*pair, pair):
         if stage == 0:
             replicate_with_fsdp(module, mesh=mesh)
@@ -61,16 +75,32 @@ def tensor_parallel_link(mesh, tokens: int, hidden: int, width: int, device: tor
 
 
 def zero_links(
-    mesh, tokens: int, hidden: int, width: int, device: torch.device, isolated: Link, rounds: int = 3
+    mesh,
+    tokens: int,
+    hidden: int,
+    width: int,
+    device: torch.device,
+    isolated: Link,
+    rounds: int = 3,
+    unit: tuple[int, int] | None = None,
 ) -> dict:
     """ZeRO stage -> its :class:`Link` as FSDP2 meets it in a step: the pair wrapped as the stage is against the pair
     unwrapped, timed in turn over ``rounds`` (a shared host drifts; each stage's median); the extra seconds per unit,
-    beyond what ``isolated`` gives its collectives, are the stage's cost per collective (``call_latency``). (Solving
-    two widths for a per-byte cost as well was tried: on a shared 2-core host the fitted bandwidth moved 20-fold
-    between calibrations.)"""
-    n = mesh.size()
+    beyond what ``isolated`` gives its collectives, are the stage's cost per collective (``call_latency``).
+
+    FSDP2's work grows with a unit's tensors (each is copied into and out of the flat buffers, viewed and divided) and
+    bytes beyond what an isolated collective of those bytes costs, so ``unit`` (a block's parameter tensors and
+    parameters) makes each layer of the pair a unit like the model's: that many weights, that many parameters (on 64
+    tokens: the units' compute is not what is measured). Without it each layer is one ``hidden x width`` weight.
+    (Solving two sizes for a per-byte cost was tried: on a shared 2-core host the fitted bandwidth moved 20-fold.)"""
+    n, parts = mesh.size(), 1
+    if unit is not None:
+        params = min(unit[1], _MAX_UNIT_PARAMS)
+        parts, tokens = max(unit[0], 1), 64
+        width = max(params // hidden // parts, 1) * parts
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    pairs = {None: _pair(hidden, width, device)} | {s: _wrapped(s, mesh, hidden, width, device) for s in _ZERO_CALLS}
+    pairs = {None: _pair(hidden, width, device, parts)}
+    pairs |= {s: _wrapped(s, mesh, hidden, width, device, parts) for s in _ZERO_CALLS}
     times: dict = {stage: [] for stage in pairs}
     for _ in range(rounds):
         for stage, pair in pairs.items():
@@ -101,14 +131,24 @@ def optimizer_costs(device: torch.device, mesh=None, count: int = 32, sizes: tup
     return seconds[0] / count - per_param * sizes[0], per_param
 
 
-def in_step_rates(rates: Rates, mesh, *, tokens: int, hidden: int, width: int, device: torch.device) -> Rates:
-    """``rates`` with the links and optimizer costs a step on ``mesh`` (1-D, every rank calls) meets. Example::
+def in_step_rates(
+    rates: Rates,
+    mesh,
+    *,
+    tokens: int,
+    hidden: int,
+    width: int,
+    device: torch.device,
+    unit: tuple[int, int] | None = None,
+) -> Rates:
+    """``rates`` with the links and optimizer costs a step on ``mesh`` (1-D, every rank calls) meets; ``unit``: a
+    block's (parameter tensors, parameters), for ZeRO's units (:func:`zero_links`). Example::
 
     rates = in_step_rates(calibrate(...), init_device_mesh("cuda", (8,)), tokens=4096, hidden=1024, width=1024,
                           device=torch.device("cuda"))
     """
     isolated = link(mesh.get_group(), device)
-    zero = zero_links(mesh, tokens, hidden, width, device, isolated)
+    zero = zero_links(mesh, tokens, hidden, width, device, isolated, unit=unit)
     per_tensor, per_param = optimizer_costs(device, mesh)
     return replace(
         rates,

@@ -296,12 +296,27 @@ def rates_source(name: str, device: torch.device) -> str:
     return next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
 
 
-def layout_rates(name: str, *, precision: str, device: torch.device, node_size: int = 8, mesh=None) -> Rates:
+def block_unit(module: nn.Module) -> tuple[int, int]:
+    """(parameter tensors, parameters) of the model's first block: what one ZeRO unit holds."""
+    params = list(find_blocks(module).blocks[0].parameters())
+    return len(params), sum(p.numel() for p in params)
+
+
+def layout_rates(
+    name: str,
+    *,
+    precision: str,
+    device: torch.device,
+    node_size: int = 8,
+    mesh=None,
+    unit: tuple[int, int] | None = None,
+) -> Rates:
     """The rates step times are predicted from: a known device's (``"H100"``, ``"H200"``, ``"A100"``), measured here
     (``"calibrate"``: a matmul, memory, per-op costs and, given a 1-D ``mesh`` over the job's ranks, every rank
     calling, the collectives and the optimizer as a step meets them, :mod:`~lightning_llm.planning.in_step`), or
     ``"auto"``: the table's entry for this CUDA device where it has one, else measured. The stand-in shapes are
-    small on a CPU (1,024 tokens, width 256 by 704), a layer's on a GPU (4,096 tokens, 1,024 by 4,096)."""
+    small on a CPU (1,024 tokens, width 256 by 704), a layer's on a GPU (4,096 tokens, 1,024 by 4,096); ``unit`` (a
+    block's tensors and parameters, :func:`block_unit`) shapes ZeRO's stand-in units like the model's."""
     name = rates_source(name, device)
     if name != "calibrate":
         return device_rates(name, dtype=precision_dtype(precision), node_size=node_size)
@@ -310,4 +325,4 @@ def layout_rates(name: str, *, precision: str, device: torch.device, node_size: 
     rates = calibrate(tokens=tokens, hidden=hidden, width=width, dtype=dtype, device=device)
     if mesh is None or mesh.size() == 1:
         return rates
-    return in_step_rates(rates, mesh, tokens=tokens, hidden=hidden, width=width, device=device)
+    return in_step_rates(rates, mesh, tokens=tokens, hidden=hidden, width=width, device=device, unit=unit)

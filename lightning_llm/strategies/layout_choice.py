@@ -24,6 +24,7 @@ from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.planning.sizes import GiB
 from lightning_llm.strategies.layout_auto import (
     Candidate,
+    block_unit,
     layout_rates,
     rank_candidates,
     rates_source,
@@ -43,7 +44,7 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
     source = rates_source(planning.layout_rates, device)
     measured = source == "calibrate" and dist.is_initialized() and world_size > 1  # over the job's ranks
     mesh = init_device_mesh(device.type, (world_size,)) if measured else None
-    rates = layout_rates(source, precision=precision, device=device, mesh=mesh)
+    rates = layout_rates(source, precision=precision, device=device, mesh=mesh, unit=block_unit(module))
     rank = dist.get_rank() if dist.is_initialized() else 0
     message: list[Any] = [None, None]
     if rank == 0:
