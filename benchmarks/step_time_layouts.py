@@ -148,7 +148,9 @@ def _rates():
     rates = _fitted(calibrate(tokens=GLOBAL_BATCH * 256, hidden=256, width=256, dtype=torch.float32, device=cpu))
     mesh = init_device_mesh("cpu", (2,))
     with torch.device("meta"):
-        unit = block_unit(_model(256))  # ZeRO's stand-in units shaped like the dense model's blocks
+        module = _model(256)
+        module.configure_model()
+    unit = block_unit(module)  # ZeRO's stand-in units shaped like the dense model's blocks
     return in_step_rates(rates, mesh, tokens=GLOBAL_BATCH * 256, hidden=256, width=704, device=cpu, unit=unit)
 
 

@@ -39,6 +39,11 @@ _VIEWS = frozenset(
     }
 )  # fmt: skip
 _ATTENTION = ("_scaled_dot_product", "scaled_dot_product")
+_PARTS = frozenset({"select", "slice", "index", "embedding"})  # a part of a tensor: its backward fills a whole one
+
+
+def _is_parameter(tensor: object) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf
 
 
 class _Recorder(TorchDispatchMode):
@@ -58,6 +63,10 @@ class _Recorder(TorchDispatchMode):
         experts = self.work.experts[self.block] if self.in_experts and self.block is not None else Work()
         target.dispatches += name != "detach"  # what selective checkpointing's policy is asked about: views too
         experts.dispatches += name != "detach"
+        if name in _PARTS and _is_parameter(args[0]):  # its backward: a zero-filled whole, added to the gradient
+            whole = 2 * args[0].numel() * args[0].element_size()
+            target.backward_bytes += whole
+            experts.backward_bytes += whole
         if name in _VIEWS:
             return out  # views move nothing
         packet = func._overloadpacket

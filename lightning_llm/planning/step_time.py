@@ -8,6 +8,8 @@ on fake tensors with the rank's tensor-parallel share). The model, per rank and 
   twice the forward (a matmul's backward is two matmuls; an elementwise op's reads the saved input and the gradient
   and writes one); context parallelism divides the FLOPs and bytes by ``cp`` (each rank runs its share of the
   sequence, attention's queries included), not the ops each rank launches;
+  plus what only the backward moves: a parameter read in parts (an expert's slice of stacked weights, an embedding's
+  rows) gets each part's gradient as a zero-filled whole, added into its gradient;
 * **recompute**: "full" checkpointing runs every block's forward again; "selective" its ops other than matmuls;
 * **tensor parallelism**: the recorded collectives (torch's styles: row splits all-reduce or reduce-scatter, column
   splits all-gather under sequence parallelism, and their backward mirrors), on the critical path;
@@ -202,7 +204,7 @@ def step_time(
     tp_seconds = _tensor_parallel(work, layout, rates) / pp
     cp_seconds = _context_parallel(work, layout, rates) / pp
     slots = layout.pipeline_steps * (m + (pp - 1) / layout.virtual_stages)  # the bubble: pp - 1 slots over v stages
-    compute = slots * 3 * stage_forward
+    compute = slots * (3 * stage_forward + _backward_fills(work, layout) / rates.memory_bandwidth)
     recompute = slots * stage_recompute
     tensor_parallel = slots * tp_seconds
     hidden_states = work.stream_bytes / cp / (layout.tp if layout.sequence_parallel else 1)
@@ -253,6 +255,16 @@ def _tensor_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> flo
         else:
             seconds += link.all_gather(size, layout.tp)
     return seconds
+
+
+def _backward_fills(work: ForwardWork, layout: StepLayout) -> float:
+    """Bytes one micro-batch's backward on a stage fills and adds beyond twice the forward: each parameter read in
+    parts gets each part's gradient as a zero-filled whole (this rank's shard of it). An experts module's stacked
+    weights are split by expert under tp or ep: a rank reads ``1 / (tp ep)`` of the experts, each of a weight
+    ``1 / (tp ep)`` the size."""
+    blocks, experts = _summed(work.blocks).backward_bytes, _summed(work.experts).backward_bytes
+    split = layout.tp * layout.ep
+    return (experts / split**2 + (blocks - experts) / layout.tp) / layout.pp + work.outside.backward_bytes / layout.tp
 
 
 DISPATCH_OPS = 20  # ops expert parallelism adds per MoE call and forward: sorting, counting, indexing, weighting

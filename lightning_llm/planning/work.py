@@ -16,6 +16,8 @@ class Work:
         other_bytes: bytes read and written by every other op (elementwise, norms, softmax: memory-bound).
         ops: ops launched.
         dispatches: ops dispatched, views included (what a Python dispatch mode sees).
+        backward_bytes: bytes only the backward moves: a parameter read in parts (an expert's slice of stacked
+            experts' weights) gets each part's gradient as a zero-filled whole that is then added into its gradient.
     """
 
     matmul_flops: float = 0.0
@@ -23,6 +25,7 @@ class Work:
     other_bytes: float = 0.0
     ops: int = 0
     dispatches: int = 0
+    backward_bytes: float = 0.0
 
     def add(self, flops: float, nbytes: float) -> None:
         if flops:
@@ -38,6 +41,7 @@ class Work:
         self.other_bytes += other.other_bytes
         self.ops += other.ops
         self.dispatches += other.dispatches
+        self.backward_bytes += other.backward_bytes
         return self
 
 

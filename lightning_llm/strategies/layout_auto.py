@@ -296,10 +296,12 @@ def rates_source(name: str, device: torch.device) -> str:
     return next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
 
 
-def block_unit(module: nn.Module) -> tuple[int, int]:
-    """(parameter tensors, parameters) of the model's first block: what one ZeRO unit holds."""
-    params = list(find_blocks(module).blocks[0].parameters())
-    return len(params), sum(p.numel() for p in params)
+def block_unit(module: nn.Module) -> tuple[int, int] | None:
+    """(parameter tensors, parameters) of the model's first block: what one ZeRO unit holds (``None`` without
+    blocks)."""
+    blocks = list(find_blocks(module).blocks)
+    params = list(blocks[0].parameters()) if blocks else []
+    return (len(params), sum(p.numel() for p in params)) if params else None
 
 
 def layout_rates(

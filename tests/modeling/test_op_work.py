@@ -174,3 +174,7 @@ def test_an_moe_blocks_routed_rows_and_expert_work_are_what_its_experts_do():
         experts(hidden, ids, torch.rand(B * T, config.top_k))
     assert [part.matmul_flops for part in work.experts] == [counter.get_total_flops()] * 2
     assert all(0 < part.ops < block.ops for part, block in zip(work.experts, work.blocks))
+    # backward: each expert's slice of a stacked weight gets its gradient as a zero-filled whole, then added
+    stacked = sum(p.numel() * 4 for p in experts.parameters())
+    assert [part.backward_bytes for part in work.experts] == [2 * config.n_experts * stacked] * 2
+    assert [block.backward_bytes for block in work.blocks] == [2 * config.n_experts * stacked] * 2

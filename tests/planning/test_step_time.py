@@ -134,6 +134,18 @@ def test_expert_parallelism_moves_each_routed_row_by_all_to_all_and_launches_a_s
     assert dense.expert_parallel == 0.0
 
 
+def test_a_parameter_read_in_parts_fills_a_whole_gradient_per_part_in_backward():
+    work = _work()
+    for block in work.blocks:
+        block.backward_bytes = 1e9
+    work.experts = [Work(backward_bytes=6e8) for _ in work.blocks]  # 0.6 GB of it the experts' stacked weights
+    plain = step_time(_work(), StepLayout(world_size=2, zero_stage=0), RATES, rank_params=0).compute
+    dense = step_time(work, StepLayout(world_size=2, zero_stage=0), RATES, rank_params=0).compute
+    assert dense - plain == pytest.approx(2 * 1.0)  # 1 GB a block at 1 GB/s
+    ep = step_time(work, StepLayout(world_size=2, zero_stage=0, ep=2), RATES, rank_params=0).compute
+    assert ep - plain == pytest.approx(2 * (0.6 / 4 + 0.4))  # half the experts, each half the size
+
+
 def test_tensor_parallel_collectives_are_priced_per_call():
     work = _work()
     work.collectives = [("forward", "all_reduce", 10**9, 0), ("backward", "all_gather", 10**9, 0)]
