@@ -278,7 +278,8 @@ def _expert_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> tup
         return 0.0, 0.0
     calls = [b for b in work.routed_bytes if b]
     fewer = (1 - 1 / ep) * _summed(work.experts).ops - DISPATCH_OPS * len(calls)
-    link = rates.tp_link or rates.link_over(ep * layout.tp * layout.cp)
+    # Plain collectives (no DTensor redistribution around them, as tensor parallelism's): the isolated link's cost.
+    link = rates.link_over(ep * layout.tp * layout.cp)
     exchanges = 4 + (2 if layout.activation_checkpointing == "full" else 0)  # data all-to-alls per call
     counts = 1 + (layout.activation_checkpointing == "full")
     seconds = sum(exchanges * link.all_to_all(b, ep) + counts * link.all_to_all(0, ep) for b in calls)
