@@ -100,7 +100,8 @@ def _ranked(name: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_llm.strategies.layout_auto import block_unit, layout_rates, rank_candidates
+    from lightning_llm.strategies.layout_auto import rank_candidates
+    from lightning_llm.strategies.layout_rates import block_unit, layout_rates
 
     cpu = torch.device("cpu")
     with torch.device("meta"):

@@ -142,7 +142,7 @@ def _rates():
 
     from lightning_llm.planning.calibration import calibrate
     from lightning_llm.planning.in_step import in_step_rates
-    from lightning_llm.strategies.layout_auto import block_unit
+    from lightning_llm.strategies.layout_rates import block_unit
 
     cpu = torch.device("cpu")
     rates = _fitted(calibrate(tokens=GLOBAL_BATCH * 256, hidden=256, width=256, dtype=torch.float32, device=cpu))

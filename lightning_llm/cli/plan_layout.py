@@ -16,7 +16,8 @@ def layout_report(module, settings: dict[str, Any], *, rates_name: str, accumula
     """The ranked candidates (the fastest ``SHOWN``), the chosen one and why the runner-up lost."""
     import torch
 
-    from lightning_llm.strategies.layout_auto import layout_rates, rank_candidates, report_lines
+    from lightning_llm.strategies.layout_auto import rank_candidates, report_lines
+    from lightning_llm.strategies.layout_rates import layout_rates
 
     world = settings["world_size"]
     dp = world // (settings["tp"] * settings["pp"] * settings["cp"])

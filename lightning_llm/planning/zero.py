@@ -69,31 +69,16 @@ def estimate_options(
     dataflow, :mod:`lightning_llm.modeling.tp_shares`); for another ``tp`` (the refusal's hints) they are scaled.
     """
     dp = world_size // (tp * pp * cp)
-    share = _RankParameters.of(
-        num_params,
-        largest_block,
-        outside_blocks,
-        expert_params,
-        shard=max(dp // dp_replicate, 1) * cp,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        backend=backend,
-    )
+    shard = max(dp // dp_replicate, 1) * cp
+    share = _RankParameters.of(num_params, largest_block, outside_blocks, expert_params, shard=shard, tp=tp, pp=pp,
+                               ep=ep, backend=backend)  # fmt: skip
     rows = []
     for stage, offload in NATIVE_OPTIONS if backend == "native" else DEEPSPEED_OPTIONS:
         if offload != "none" and not allow_offload:
             continue
-        states = _state_bytes(
-            share,
-            stage,
-            offload,
-            fsdp2=backend == "native" and offload == "none" and dp * cp > 1,
-            precision=precision,
-            backend=backend,
-            whole_grads=whole_grads,
-            optimizer_states=optimizer_states,
-        )
+        fsdp2 = backend == "native" and offload == "none" and dp * cp > 1
+        states = _state_bytes(share, stage, offload, fsdp2=fsdp2, precision=precision, backend=backend,
+                              whole_grads=whole_grads, optimizer_states=optimizer_states)  # fmt: skip
         # 1F1B keeps up to pp micro-batches in flight on the first stage, each a 1/pp slice of the model.
         row = MemoryEstimate(stage, offload, *states, activations * activations_tp / (tp * cp))
         row.fits = usable is not None and row.total <= usable

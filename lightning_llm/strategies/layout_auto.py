@@ -23,10 +23,6 @@ from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.experts import expert_count
 from lightning_llm.modeling.op_work import forward_work
 from lightning_llm.parallel.tp.model_plan import planned_shares
-from lightning_llm.planning.calibration import calibrate
-from lightning_llm.planning.device_rates import KNOWN_DEVICES, device_rates
-from lightning_llm.planning.flops import precision_dtype
-from lightning_llm.planning.in_step import in_step_rates
 from lightning_llm.planning.memory import ModelFootprint
 from lightning_llm.planning.sizes import GiB
 from lightning_llm.planning.step_time import Rates, StepLayout, StepTime, step_time
@@ -204,7 +200,7 @@ def rank_candidates(
                                  rates=rates)
         ranked[0].line()
     """
-    measured, usable, half = _Measured(module, seq_len, precision), device_memory * (1 - margin), "16" in precision
+    measured, usable = _Measured(module, seq_len, precision), device_memory * (1 - margin)
     candidates, refused = [], {}
     batches = {"global_batch": global_batch, "per_replica_batch": per_replica_batch, "accumulate": accumulate}
     for layout, micro_batch_size in layouts(module, world_size=world_size, seq_len=seq_len, ep=ep, **batches):
@@ -217,33 +213,8 @@ def rank_candidates(
             refused[key] = error
             log.info("layout='auto': tp=%d cp=%d is not a candidate: %s", layout.tp, layout.cp, error)
             continue
-        rows = estimate_options(
-            footprint.num_params,
-            footprint.largest_block,
-            footprint.activations_for(layout.activation_checkpointing),
-            outside_blocks=footprint.outside_blocks,
-            world_size=world_size,
-            tp=layout.tp,
-            pp=layout.pp,
-            cp=layout.cp,
-            precision=precision,
-            allow_offload=False,
-            optimizer_states=footprint.optimizer_states,
-            activations_tp=footprint.activations_tp,
-            ep=layout.ep,
-            expert_params=footprint.expert_params,
-        )
-        row = next(r for r in rows if r.zero_stage == layout.zero_stage)
-        seconds = step_time(
-            work,
-            layout,
-            rates,
-            rank_params=(footprint.num_params - footprint.expert_params * (1 - 1 / layout.ep))
-            / (layout.tp * layout.pp),
-            rank_tensors=measured.tensors / layout.pp,
-            gather_bytes=2 if half else 4,
-        )
-        candidates.append(Candidate(layout, micro_batch_size, row.total, seconds, row.total <= usable))
+        memory, seconds = _priced(layout, footprint, work, rates, world_size, precision, measured.tensors)
+        candidates.append(Candidate(layout, micro_batch_size, memory, seconds, memory <= usable))
     # On a tie (communication hidden behind compute), less communication and fewer model-parallel splits first.
     order = {ac: i for i, ac in enumerate(CHECKPOINTING)}
     return sorted(
@@ -258,6 +229,45 @@ def rank_candidates(
             c.layout.micro_batches,
         ),
     )
+
+
+def _priced(
+    layout: StepLayout,
+    footprint: ModelFootprint,
+    work: ForwardWork,
+    rates: Rates,
+    world_size: int,
+    precision: str,
+    tensors: int,
+) -> tuple[float, StepTime]:
+    """A candidate's planned bytes per rank and predicted step time (``tensors``: the model's parameter tensors)."""
+    rows = estimate_options(
+        footprint.num_params,
+        footprint.largest_block,
+        footprint.activations_for(layout.activation_checkpointing),
+        outside_blocks=footprint.outside_blocks,
+        world_size=world_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        precision=precision,
+        allow_offload=False,
+        optimizer_states=footprint.optimizer_states,
+        activations_tp=footprint.activations_tp,
+        ep=layout.ep,
+        expert_params=footprint.expert_params,
+    )
+    memory = next(r for r in rows if r.zero_stage == layout.zero_stage).total
+    held = footprint.num_params - footprint.expert_params * (1 - 1 / layout.ep)  # experts split over ep ranks
+    seconds = step_time(
+        work,
+        layout,
+        rates,
+        rank_params=held / (layout.tp * layout.pp),
+        rank_tensors=tensors / layout.pp,
+        gather_bytes=2 if "16" in precision else 4,
+    )
+    return memory, seconds
 
 
 def report_lines(ranked: list[Candidate], shown: int = 10) -> list[str]:
@@ -285,46 +295,3 @@ def _why(runner_up: Candidate, chosen: Candidate) -> str:
     more = "more" if parts[name] > 0 else "less"
     slower = runner_up.seconds_per_sample / chosen.seconds_per_sample - 1
     return f"{slower:+.1%} predicted: {abs(parts[name]) * 1e3:.1f} ms {more} {name.replace('_', ' ')}"
-
-
-def rates_source(name: str, device: torch.device) -> str:
-    """``name`` with ``"auto"`` resolved: the table's entry for this CUDA device where it has one, else
-    ``"calibrate"``."""
-    if name != "auto":
-        return name
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((known for known in KNOWN_DEVICES if known in gpu), "calibrate")
-
-
-def block_unit(module: nn.Module) -> tuple[int, int] | None:
-    """(parameter tensors, parameters) of the model's first block: what one ZeRO unit holds (``None`` without
-    blocks)."""
-    blocks = list(find_blocks(module).blocks)
-    params = list(blocks[0].parameters()) if blocks else []
-    return (len(params), sum(p.numel() for p in params)) if params else None
-
-
-def layout_rates(
-    name: str,
-    *,
-    precision: str,
-    device: torch.device,
-    node_size: int = 8,
-    mesh=None,
-    unit: tuple[int, int] | None = None,
-) -> Rates:
-    """The rates step times are predicted from: a known device's (``"H100"``, ``"H200"``, ``"A100"``), measured here
-    (``"calibrate"``: a matmul, memory, per-op costs and, given a 1-D ``mesh`` over the job's ranks, every rank
-    calling, the collectives and the optimizer as a step meets them, :mod:`~lightning_llm.planning.in_step`), or
-    ``"auto"``: the table's entry for this CUDA device where it has one, else measured. The stand-in shapes are
-    small on a CPU (1,024 tokens, width 256 by 704), a layer's on a GPU (4,096 tokens, 1,024 by 4,096); ``unit`` (a
-    block's tensors and parameters, :func:`block_unit`) shapes ZeRO's stand-in units like the model's."""
-    name = rates_source(name, device)
-    if name != "calibrate":
-        return device_rates(name, dtype=precision_dtype(precision), node_size=node_size)
-    dtype = torch.bfloat16 if precision.startswith("bf16") and device.type == "cuda" else torch.float32
-    tokens, hidden, width = (4096, 1024, 4096) if device.type == "cuda" else (1024, 256, 704)
-    rates = calibrate(tokens=tokens, hidden=hidden, width=width, dtype=dtype, device=device)
-    if mesh is None or mesh.size() == 1:
-        return rates
-    return in_step_rates(rates, mesh, tokens=tokens, hidden=hidden, width=width, device=device, unit=unit)

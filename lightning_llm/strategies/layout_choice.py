@@ -22,14 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.planning.sizes import GiB
-from lightning_llm.strategies.layout_auto import (
-    Candidate,
-    block_unit,
-    layout_rates,
-    rank_candidates,
-    rates_source,
-    report_lines,
-)
+from lightning_llm.strategies.layout_auto import Candidate, rank_candidates, report_lines
+from lightning_llm.strategies.layout_rates import block_unit, layout_rates, rates_source
 from lightning_llm.strategies.option_combinations import check_combinations
 from lightning_llm.strategies.parallel_options import StrategyOptions
 from lightning_llm.strategies.zero_auto import planning_inputs

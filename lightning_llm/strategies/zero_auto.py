@@ -58,18 +58,8 @@ def model_footprint(
     (:mod:`lightning_llm.modeling.optimizer_state`); the MoE experts are found as expert parallelism finds them
     (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
-    The planner divides activations by the context-parallel size ``cp``; sequence mixers other than attention
-    (Mamba, gated delta-net, short convolutions), and blocks that run no attention at all, run on whole sequences
-    under CP, split by batch rows only when the micro-batch divides by ``cp``
-    (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
-    times, so that the division leaves them whole.
-
-    With ``tp > 1`` the activations are one tensor-parallel rank's, read from the model's dataflow under its plan
-    (the strategy's ``tensor_parallel_plan``/``tensor_parallel_replicate`` as given, the rest as parallelize finds
-    it): a head-sharded region's tensors count ``1/tp``, the residual stream whole (``1/tp`` with
-    ``sequence_parallel``), and each column split's input whole, once per split under sequence parallelism, where
-    each gathers its own copy (:mod:`lightning_llm.modeling.tp_shares`). A plan tensor parallelism refuses is refused
-    here, with parallelize()'s message.
+    Context parallelism (``cp``) and tensor parallelism (``tp``, ``sequence_parallel``, the plan's entries) are
+    planned per rank: see ``_activations_per_mode`` and ``_tp_shares``.
 
     Example::
 
@@ -78,17 +68,7 @@ def model_footprint(
         model_footprint(module, micro_batch_size=1, seq_len=4096, precision="bf16-mixed")
     """
     num_params, largest, outside = parameter_counts(module)
-    shares = (
-        planned_shares(
-            module,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            user_plan=tensor_parallel_plan,
-            replicate=tensor_parallel_replicate,
-        )
-        if tp > 1
-        else None
-    )
+    shares = _tp_shares(module, tp, sequence_parallel, tensor_parallel_plan, tensor_parallel_replicate)
     sizes = measure_model_activations(
         module,
         micro_batch_size=micro_batch_size,
@@ -97,24 +77,56 @@ def model_footprint(
         saves_output=saves_output,
         shares=shares,
     )
+    none, full, selective = _activations_per_mode(sizes, cp, micro_batch_size, ac_options or ACOptions())
+    return ModelFootprint(
+        num_params,
+        largest,
+        outside,
+        none,
+        full,
+        selective,
+        optimizer_states(module).states,
+        sum(p.numel() for _, experts in find_experts(module, expert_parallel_plan) for p in experts.parameters()),
+        activations_tp=tp,
+    )
+
+
+def _tp_shares(module: nn.Module, tp: int, sequence_parallel: bool, plan, replicate):
+    """One tensor-parallel rank's share of each tensor under the model's plan (``None`` without tp).
+
+    With ``tp > 1`` the activations are one tensor-parallel rank's, read from the model's dataflow under its plan
+    (the strategy's ``tensor_parallel_plan``/``tensor_parallel_replicate`` as given, the rest as parallelize finds
+    it): a head-sharded region's tensors count ``1/tp``, the residual stream whole (``1/tp`` with
+    ``sequence_parallel``), and each column split's input whole, once per split under sequence parallelism, where
+    each gathers its own copy (:mod:`lightning_llm.modeling.tp_shares`). A plan tensor parallelism refuses is refused
+    here, with parallelize()'s message.
+    """
+    if tp == 1:
+        return None
+    return planned_shares(module, tp=tp, sequence_parallel=sequence_parallel, user_plan=plan, replicate=replicate)
+
+
+def _activations_per_mode(sizes, cp: int, micro_batch_size: int, options: ACOptions) -> tuple[int, int, int]:
+    """Peak activation bytes without checkpointing, with full and with selective checkpointing (see
+    :func:`model_footprint`).
+
+    The planner divides activations by the context-parallel size ``cp``; sequence mixers other than attention
+    (Mamba, gated delta-net, short convolutions), and blocks that run no attention at all, run on whole sequences
+    under CP, split by batch rows only when the micro-batch divides by ``cp``
+    (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
+    times, so that the division leaves them whole.
+    """
     whole = cp - 1 if micro_batch_size % cp else 0  # the gathered part's extra copies, before the division by cp
     saved, inputs = [s.saved + whole * s.gathered for s in sizes], [s.input for s in sizes]
-    options = ac_options or ACOptions()
     policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
     op = [s.saved if s.op is None else s.op + whole * (s.op if not s.attends else s.mixers) for s in sizes]
     kept = {"none": saved, "full": inputs, "op": op}
     selective = [kept[policy][i] for i, policy in enumerate(policies)]
     around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
-    return ModelFootprint(
-        num_params,
-        largest,
-        outside,
+    return (
         around + predicted_peak(saved, saved),
         around + predicted_peak(saved, inputs),
         around + predicted_peak(saved, selective),
-        optimizer_states(module).states,
-        sum(p.numel() for _, experts in find_experts(module, expert_parallel_plan) for p in experts.parameters()),
-        activations_tp=tp,
     )
 
 
