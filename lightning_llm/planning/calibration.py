@@ -1,7 +1,8 @@
 """Measuring the rates :mod:`.step_time` prices work at, on the machine the run uses: seconds, nothing kept.
 
 * the matmul rate at the model's own matmul shape (tokens x hidden by hidden x width), in the run's dtype;
-* the memory bandwidth of an elementwise op on a tensor the size of the hidden states;
+* the memory bandwidth of an elementwise op on a tensor the size of the hidden states, and of zero-filling a fresh
+  weight-sized tensor and adding it into another (a parameter's gradient in parts);
 * the cost of one op beyond its work: a chain of tiny ops run forward and backward (dispatch, autograd, launch);
 * what selective checkpointing's dispatch mode adds per op: the chain checkpointed selectively against fully;
 * a process group's link: an all-reduce at two sizes, solved for latency and bandwidth (ranks call it together).
@@ -58,6 +59,14 @@ def memory_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> fl
     """Bytes/s of ``x * y`` (two reads and a write) on tensors of ``numel`` elements."""
     x, y = torch.randn(numel, dtype=dtype, device=device), torch.randn(numel, dtype=dtype, device=device)
     return 3 * x.numel() * x.element_size() / _seconds(lambda: x * y, device)
+
+
+def fill_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Bytes/s of a freshly allocated zero-filled tensor of ``numel`` elements added to another: what autograd does
+    for each part of a parameter read in parts (its gradient as a zero-filled whole). At a weight's size the fresh
+    allocation's first touch, not the cache, sets the rate (on a CPU often a fifth of :func:`memory_bandwidth`'s)."""
+    into = torch.zeros(numel, dtype=dtype, device=device)
+    return 2 * into.numel() * into.element_size() / _seconds(lambda: into.add_(torch.zeros_like(into)), device)
 
 
 def op_overhead(device: torch.device, length: int = 64) -> float:
@@ -125,6 +134,7 @@ def calibrate(*, tokens: int, hidden: int, width: int, dtype: torch.dtype, devic
         op_overhead=op_overhead(device),
         link=measured_link,
         mode_overhead=selective_checkpoint_overhead(device),
+        fill_bandwidth=fill_bandwidth(max(hidden * width * 8, 2**21), dtype, device),
         overlap=device.type == "cuda",
     )
 

@@ -90,6 +90,8 @@ class Rates:
             gradient copies and divisions around them included), where calibrated; else ``dp_link``.
         optimizer_per_tensor, optimizer_per_param: seconds of the optimizer step per parameter tensor and per
             parameter, where calibrated (:mod:`.in_step`); else the step is priced as memory-bound.
+        fill_bandwidth: bytes/s of zero-filling a fresh weight-sized gradient and adding it into another, where
+            calibrated; else ``memory_bandwidth``.
     """
 
     matmul_flops: float
@@ -105,6 +107,7 @@ class Rates:
     zero_links: dict[int, Link] | None = None
     optimizer_per_tensor: float = 0.0
     optimizer_per_param: float | None = None
+    fill_bandwidth: float | None = None
 
     def link_over(self, span: int) -> Link:
         """The link of a group whose ranks lie within ``span`` consecutive ranks (mesh order pp, dp, cp, tp)."""
@@ -204,7 +207,8 @@ def step_time(
     tp_seconds = _tensor_parallel(work, layout, rates) / pp
     cp_seconds = _context_parallel(work, layout, rates) / pp
     slots = layout.pipeline_steps * (m + (pp - 1) / layout.virtual_stages)  # the bubble: pp - 1 slots over v stages
-    compute = slots * (3 * stage_forward + _backward_fills(work, layout) / rates.memory_bandwidth)
+    fills = _backward_fills(work, layout) / (rates.fill_bandwidth or rates.memory_bandwidth)
+    compute = slots * (3 * stage_forward + fills)
     recompute = slots * stage_recompute
     tensor_parallel = slots * tp_seconds
     hidden_states = work.stream_bytes / cp / (layout.tp if layout.sequence_parallel else 1)

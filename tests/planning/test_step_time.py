@@ -144,6 +144,9 @@ def test_a_parameter_read_in_parts_fills_a_whole_gradient_per_part_in_backward()
     assert dense - plain == pytest.approx(2 * 1.0)  # 1 GB a block at 1 GB/s
     ep = step_time(work, StepLayout(world_size=2, zero_stage=0, ep=2), RATES, rank_params=0).compute
     assert ep - plain == pytest.approx(2 * (0.6 / 4 + 0.4))  # half the experts, each half the size
+    filling = Rates(1e9, 1e9, 0.0, Link(1e9), fill_bandwidth=5e8)  # fresh weight-sized tensors fill at half the rate
+    slow = step_time(work, StepLayout(world_size=2, zero_stage=0), filling, rank_params=0).compute
+    assert slow - plain == pytest.approx(2 * 2.0)
 
 
 def test_tensor_parallel_collectives_are_priced_per_call():
