@@ -64,7 +64,8 @@ class _Recorder(TorchDispatchMode):
         target.dispatches += name != "detach"  # what selective checkpointing's policy is asked about: views too
         experts.dispatches += name != "detach"
         if name in _PARTS and _is_parameter(args[0]):  # its backward: a zero-filled whole, added to the gradient
-            whole = 2 * args[0].numel() * args[0].element_size()
+            # (an embedding, read once, has nothing to add it to)
+            whole = (1 if name == "embedding" else 2) * args[0].numel() * args[0].element_size()
             target.backward_bytes += whole
             experts.backward_bytes += whole
         if name in _VIEWS:

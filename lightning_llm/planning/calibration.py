@@ -64,7 +64,8 @@ def memory_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> fl
 def fill_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> float:
     """Bytes/s of a freshly allocated zero-filled tensor of ``numel`` elements added to another: what autograd does
     for each part of a parameter read in parts (its gradient as a zero-filled whole). At a weight's size the fresh
-    allocation's first touch, not the cache, sets the rate (on a CPU often a fifth of :func:`memory_bandwidth`'s)."""
+    allocation's first touch, not the cache, sets the rate (on this project's 2-core CPU host about half of
+    :func:`memory_bandwidth`'s)."""
     into = torch.zeros(numel, dtype=dtype, device=device)
     return 2 * into.numel() * into.element_size() / _seconds(lambda: into.add_(torch.zeros_like(into)), device)
 

@@ -178,3 +178,5 @@ def test_an_moe_blocks_routed_rows_and_expert_work_are_what_its_experts_do():
     stacked = sum(p.numel() * 4 for p in experts.parameters())
     assert [part.backward_bytes for part in work.experts] == [2 * config.n_experts * stacked] * 2
     assert [block.backward_bytes for block in work.blocks] == [2 * config.n_experts * stacked] * 2
+    # outside the blocks, the embedding's one lookup fills a whole zero gradient (the head's matmul fills none)
+    assert work.outside.backward_bytes == module.model.tok_embeddings.weight.numel() * 4
