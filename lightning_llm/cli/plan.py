@@ -124,6 +124,7 @@ def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
         tp=strategy.tensor_parallel_size if native else 1,
         pp=strategy.pipeline_parallel_size if native else 1,
         cp=strategy.context_parallel_size if native else 1,
+        context_parallel_method=strategy.context_parallel_method if native else "ring",
         ep=strategy.expert_parallel_size if native else 1,
         expert_parallel_plan=strategy.expert_parallel_plan if native else None,
         sequence_parallel=native and strategy.sequence_parallel,

@@ -20,7 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_llm._compat.torch import TorchDispatchMode, tree_leaves
 from lightning_llm._compat.torch_distributed import local_tensor
-from lightning_llm.modeling.structure import AttentionCalls, sequence_mixers
+from lightning_llm.modeling.attention_saves import AttentionSaveCounter, AttentionSaves
+from lightning_llm.modeling.structure import sequence_mixers
 from lightning_llm.modeling.tp_shares import TensorParallelShares
 
 
@@ -40,6 +41,8 @@ class BlockActivations:
             (:mod:`lightning_llm.parallel.cp.gathered`).
         attends: whether the block ran an attention call; context parallelism runs a block that runs none whole,
             on whole sequences, like a mixer.
+        attention: of ``saved``, what each ``scaled_dot_product_attention`` call saved, in the parts context
+            parallelism divides differently (:mod:`~lightning_llm.modeling.attention_saves`).
     """
 
     saved: int
@@ -47,6 +50,7 @@ class BlockActivations:
     op: int | None = None
     mixers: int = 0
     attends: bool = True
+    attention: tuple[AttentionSaves, ...] = ()
 
     @property
     def gathered(self) -> int:
@@ -97,12 +101,17 @@ class BlockTally:
         self.saved, self.input, self.op = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
         self.mixers, self.in_mixer = [0] * num_blocks, 0  # bytes saved inside sequence mixers; how deep in them
         self.ran, self.attends = [False] * num_blocks, [False] * num_blocks
+        self.attention: list[list[AttentionSaves]] = [[] for _ in range(num_blocks)]
+        self._call: dict | None = None  # the running attention call's counts (see attention_call)
         self.outside = 0
         self._outside: dict[object, torch.Tensor] = {}
         self._shared: set[StorageWeakRef] = set()
         # Tensors counted in the running block, held so that their storages' weak refs stay unique.
         self._saved: dict[object, torch.Tensor] = {}
         self._op: dict[StorageWeakRef, torch.Tensor] = {}
+
+    def _fraction(self, t: torch.Tensor) -> float:
+        return self.shares.fraction(t) if self.shares is not None else 1.0
 
     def _bytes(self, t: torch.Tensor, fraction: float = 1.0) -> int:
         return int(_nbytes(t) * fraction)
@@ -115,8 +124,7 @@ class BlockTally:
         # Other inputs (rotary tables, masks) are the model's, shared by every block: counted in none.
         self._shared = {storage_of(t) for t in tensors[1:]} - ({storage_of(hidden)} if tensors else set())
         if hidden is not None:
-            share = self.shares.fraction(hidden) if self.shares is not None else 1.0
-            self.input[index] = int(_local(hidden).numel() * _local(hidden).element_size() * share)
+            self.input[index] = int(_local(hidden).numel() * _local(hidden).element_size() * self._fraction(hidden))
             self.op[index] = self.input[index]
             self._op[storage_of(hidden)] = hidden
 
@@ -127,6 +135,37 @@ class BlockTally:
     def leave(self) -> None:
         self.current, self._saved, self._op = None, {}, {}
 
+    @contextmanager
+    def attention_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None):
+        """Count what one attention call of the running block saves (:class:`AttentionSaves`)."""
+        if self.current is None:
+            yield
+            return
+        kv: dict[StorageWeakRef, int] = {}  # storage -> bytes of the keys and values on it (one fused storage: some)
+        for t in (key, value):
+            kv[storage_of(t)] = kv.get(storage_of(t), 0) + _local(t).numel() * _local(t).element_size()
+        shape = (query.shape[-2], key.shape[-2])
+        self._call = {"total": 0, "keys_values": 0, "mask": 0, "kv": kv, "shape": shape, "masked": mask is not None}
+        try:
+            yield
+        finally:
+            call, self._call = self._call, None
+            broadcast = mask is None or mask.dim() < 4 or mask.stride(0) == 0  # one mask for every batch row
+            rows = 1 if broadcast else mask.shape[0]
+            whole = rows * shape[0] * shape[1] * query.element_size() if mask is not None else 0
+            queries = int(_local(query).numel() * _local(query).element_size() * self._fraction(query))
+            groups = max(1, query.shape[-3] // key.shape[-3]) if query.dim() >= 3 else 1
+            saves = AttentionSaves(call["total"], call["keys_values"], call["mask"], whole, queries, groups)
+            self.attention[self.current].append(saves)
+
+    def _count_in_call(self, t: torch.Tensor, ref: StorageWeakRef, nbytes: int, fraction: float) -> None:
+        call = self._call
+        call["total"] += nbytes
+        if ref in call["kv"]:  # of a q|k|v storage, the keys' and values' part
+            call["keys_values"] += min(nbytes, int(call["kv"][ref] * fraction))
+        elif call["masked"] and t.dim() == 4 and t.shape[1] == 1 and tuple(t.shape[-2:]) == call["shape"]:
+            call["mask"] += nbytes
+
     def pack(self, t: torch.Tensor):
         ref = storage_of(t)
         fraction, key = self.shares.weigh(t, ref) if self.shares is not None else (1.0, ref)
@@ -136,21 +175,24 @@ class BlockTally:
                 self.outside += self._bytes(t, fraction)
         elif ref not in self.params and ref not in self._shared and key not in self._saved:
             self._saved[key] = t
-            self.saved[self.current] += self._bytes(t, fraction)
+            nbytes = self._bytes(t, fraction)
+            self.saved[self.current] += nbytes
             if self.in_mixer:
-                self.mixers[self.current] += self._bytes(t, fraction)
+                self.mixers[self.current] += nbytes
+            if self._call is not None:
+                self._count_in_call(t, ref, nbytes, fraction)
         return t if self.keep else _Dropped()
 
     def op_output(self, out) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and storage_of(t) not in self._op:
                 self._op[storage_of(t)] = t
-                self.op[self.current] += self._bytes(t, self.shares.fraction(t) if self.shares is not None else 1.0)
+                self.op[self.current] += self._bytes(t, self._fraction(t))
 
     def result(self, with_op: bool) -> MeasuredBlocks:
         blocks = MeasuredBlocks(
-            BlockActivations(s, i, o if with_op else None, m, a)
-            for s, i, o, m, a in zip(self.saved, self.input, self.op, self.mixers, self.attends)
+            BlockActivations(s, i, o if with_op else None, m, a, tuple(c))
+            for s, i, o, m, a, c in zip(self.saved, self.input, self.op, self.mixers, self.attends, self.attention)
         )
         blocks.outside = self.outside
         return blocks
@@ -197,7 +239,7 @@ def counting(blocks: Sequence[nn.Module], tally: BlockTally, saves_output: Calla
             torch.autograd.graph.saved_tensors_hooks(tally.pack, (lambda t: t) if tally.keep else _unpack)
         )
         stack.enter_context(torch.enable_grad())
-        stack.enter_context(AttentionCalls(tally.attended))
+        stack.enter_context(AttentionSaveCounter(tally.attended, tally.attention_call))
         if tally.shares is not None:  # before the selective count, which reads the marks it sets
             stack.enter_context(tally.shares.tracking())
         if saves_output is not None:

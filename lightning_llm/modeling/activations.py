@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import astuple, replace
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from lightning_llm.modeling.activation_tally import (
     counting,
     storage_of,
 )
+from lightning_llm.modeling.attention_saves import AttentionSaves
 from lightning_llm.modeling.blocks import find_blocks
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
@@ -179,14 +181,17 @@ def measure_model_activations(
         # the same as a shallow one.
         sizes = measure_repeated(module, name, blocks, measure) or measure(list(blocks))
     half = precision.startswith(("bf16", "16")) and next(module.parameters()).element_size() == 4
-    result = MeasuredBlocks(
-        BlockActivations(s.saved // 2, s.input // 2, None if s.op is None else s.op // 2, s.mixers // 2, s.attends)
-        if half
-        else s
-        for s in sizes
-    )
+    result = MeasuredBlocks(_halved(s) if half else s for s in sizes)
     result.outside = outside[-1] // 2 if half else outside[-1]
     return result
+
+
+def _halved(sizes: BlockActivations) -> BlockActivations:
+    """A block's bytes in 16 bits, from a forward run in 32."""
+    attention = tuple(AttentionSaves(*(n // 2 for n in astuple(call))) for call in sizes.attention)
+    op = None if sizes.op is None else sizes.op // 2
+    return replace(sizes, saved=sizes.saved // 2, input=sizes.input // 2, op=op, mixers=sizes.mixers // 2,
+                   attention=attention)  # fmt: skip
 
 
 def planning_device(module: nn.Module) -> torch.device:

@@ -230,6 +230,7 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         pp=dims.pp,
         dp_replicate=dims.dp_replicate,
         cp=dims.cp,
+        context_parallel_method=options.parallel.context_parallel_method,
         ep=options.parallel.expert_parallel_size,
         expert_parallel_plan=options.parallel.expert_parallel_plan,
         sequence_parallel=options.parallel.sequence_parallel,

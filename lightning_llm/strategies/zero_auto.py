@@ -41,6 +41,7 @@ def model_footprint(
     ac_options: ACOptions | None = None,
     expert_parallel_plan: dict[str, str] | None = None,
     cp: int = 1,
+    context_parallel_method: str = "ring",
     tp: int = 1,
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
@@ -58,7 +59,7 @@ def model_footprint(
     (:mod:`lightning_llm.modeling.optimizer_state`); the MoE experts are found as expert parallelism finds them
     (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
-    Context parallelism (``cp``) and tensor parallelism (``tp``, ``sequence_parallel``, the plan's entries) are
+    Context parallelism (``cp``, ``context_parallel_method``) and tensor parallelism (``tp``, ``sequence_parallel``, the plan's entries) are
     planned per rank: see ``_activations_per_mode`` and ``_tp_shares``.
 
     Example::
@@ -77,7 +78,9 @@ def model_footprint(
         saves_output=saves_output,
         shares=shares,
     )
-    none, full, selective = _activations_per_mode(sizes, cp, micro_batch_size, ac_options or ACOptions())
+    none, full, selective = _activations_per_mode(
+        sizes, cp, micro_batch_size, ac_options or ACOptions(), context_parallel_method
+    )
     return ModelFootprint(
         num_params,
         largest,
@@ -106,7 +109,9 @@ def _tp_shares(module: nn.Module, tp: int, sequence_parallel: bool, plan, replic
     return planned_shares(module, tp=tp, sequence_parallel=sequence_parallel, user_plan=plan, replicate=replicate)
 
 
-def _activations_per_mode(sizes, cp: int, micro_batch_size: int, options: ACOptions) -> tuple[int, int, int]:
+def _activations_per_mode(
+    sizes, cp: int, micro_batch_size: int, options: ACOptions, method: str = "ring"
+) -> tuple[int, int, int]:
     """Peak activation bytes without checkpointing, with full and with selective checkpointing (see
     :func:`model_footprint`).
 
@@ -114,20 +119,32 @@ def _activations_per_mode(sizes, cp: int, micro_batch_size: int, options: ACOpti
     (Mamba, gated delta-net, short convolutions), and blocks that run no attention at all, run on whole sequences
     under CP, split by batch rows only when the micro-batch divides by ``cp``
     (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
-    times, so that the division leaves them whole.
+    times, so that the division leaves them whole. An attention call with a mask keeps the keys and values whole
+    and a mask per query chunk (:meth:`~lightning_llm.modeling.attention_saves.AttentionSaves.per_rank`): counted
+    the same way, as ``cp`` times a rank's bytes, in every mode's block running backward and without checkpointing.
+    Under the ring (``method``), the buffers its backward allocates for one call (``ring_buffers``) are added to the
+    peak, once: one block's backward runs at a time. Ulysses' all-to-all buffers were not seen in the measured peak.
     """
     whole = cp - 1 if micro_batch_size % cp else 0  # the gathered part's extra copies, before the division by cp
-    saved, inputs = [s.saved + whole * s.gathered for s in sizes], [s.input for s in sizes]
+    saved = [s.saved + whole * s.gathered + _masked_attention(s, cp) for s in sizes]
+    inputs = [s.input for s in sizes]
     policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
     op = [s.saved if s.op is None else s.op + whole * (s.op if not s.attends else s.mixers) for s in sizes]
     kept = {"none": saved, "full": inputs, "op": op}
     selective = [kept[policy][i] for i, policy in enumerate(policies)]
     around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
+    if method == "ring":
+        around += cp * max((call.ring_buffers(cp) for s in sizes for call in s.attention), default=0)
     return (
         around + predicted_peak(saved, saved),
         around + predicted_peak(saved, inputs),
         around + predicted_peak(saved, selective),
     )
+
+
+def _masked_attention(sizes, cp: int) -> int:
+    """What a block's attention calls save under ``cp`` beyond ``1/cp`` of one process's, times ``cp``."""
+    return sum(cp * call.per_rank(cp) - call.total for call in sizes.attention) if cp > 1 else 0
 
 
 def choose_zero_stage(
@@ -141,6 +158,7 @@ def choose_zero_stage(
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | tuple[str, ...] = (),
+    context_parallel_method: str = "ring",
     **options: Any,
 ) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
@@ -157,6 +175,7 @@ def choose_zero_stage(
         ac_options=ac_options,
         expert_parallel_plan=expert_parallel_plan,
         cp=options.get("cp", 1),
+        context_parallel_method=context_parallel_method,
         tp=options.get("tp", 1),
         sequence_parallel=sequence_parallel,
         tensor_parallel_plan=tensor_parallel_plan,

@@ -18,7 +18,6 @@ where an attention call computes plain attention over the whole sequence.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -31,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_llm._compat.transformers import attention_implementation
+from lightning_llm.modeling.attention_saves import SDPA_PARAMS
 from lightning_llm.parallel.cp.attention import context_parallel_attention
 from lightning_llm.parallel.cp.gathered import in_gathered
 from lightning_llm.parallel.cp.layout import CPGroup
@@ -62,10 +62,6 @@ def block_call(cp: CPGroup) -> Iterator[BlockCall]:
         yield call
     finally:
         _CALL.reset(token)
-
-
-_SDPA_PARAMS = list(inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                      scale=None, enable_gqa=False: None).parameters)  # fmt: skip
 
 
 def attend(query, key, value, cp: CPGroup, *, is_causal: bool, scale: float | None, window: int | None = None):
@@ -150,7 +146,7 @@ class _SDPARouter(TorchFunctionMode):
             return multi_head_attention(args, kwargs, self.where, partial(attend, cp=self.cp))
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        call = dict(zip(_SDPA_PARAMS, args), **kwargs)
+        call = dict(zip(SDPA_PARAMS, args), **kwargs)
         if call.get("attn_mask") is not None or call.get("dropout_p", 0.0):
             raise ValueError(
                 f"context parallelism computes causal attention by global position; {self.where} passed "
