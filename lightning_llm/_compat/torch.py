@@ -144,8 +144,8 @@ register(
             "parallel/init/zero3_build.py",
             "parallel/lent_weights.py",
             "parallel/pipeline/stand_ins.py",
-            "parallel/tp/hf_styles.py",
-            "parallel/tp/per_head.py",
+            "parallel/tp/style_kinds.py",
+            "parallel/tp/attention_heads.py",
         ),
         why='a module\'s own slots with `None` entries (block signatures, "has parameters"), and swapping a '
         "parameter in place: lend an experts module its local shards for one forward (FSDP2's "

@@ -56,7 +56,7 @@ register(
         name="transformers `_is_hf_initialized`, `PreTrainedModel._tp_plan`",
         upstream="transformers",
         accessor="transformers.clear_hf_initialized, tp_plan",
-        used_by=("parallel/init/entry.py", "parallel/tp/hf_styles.py"),
+        used_by=("parallel/init/entry.py", "parallel/tp/style_kinds.py"),
         why="re-run HF's `init_weights` on a meta-built model; read HF's own TP plan. No public API for either",
         caught_by="`tests/hf/` TP-plan and init tests",
         checked=CHECKED,

@@ -109,17 +109,14 @@ def plan_layout(
         state.model_shape = ModelShape.of(module, found)
     except ValueError:  # not a shape FLOP accounting understands; parallelize() says what is wrong
         state.model_shape = None
-    check_pipeline_stages(found, options)  # the root cause first: too few blocks, before the micro-batch count
-    resolve_microbatches(trainer, options, state, device)
-    check_microbatches(
-        trainer, parallel.pipeline_parallel_size, state.pipeline.num_microbatches, options.pipeline.num_microbatches
-    )
+    pipelined = parallel.pipeline_parallel_size > 1
+    if pipelined:
+        plan_pipeline(trainer, found, options, state, device)
     if state.zero_stage == "auto":
         choose_zero_stage(trainer, module, options, state, device)
-    pipelined = parallel.pipeline_parallel_size > 1
-    if pipelined:  # attention's share of each stage's modelled FLOPs; without it blocks count their matmuls
-        hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
-        state.pipeline.seq_len = planning.seq_len or hparams.get("seq_len")
+    if planning.activation_checkpointing == "none":
+        state.ac_policies = ["none"] * len(found.blocks)
+        return None
     state.ac_policies, checkpointing = plan_checkpointing(
         trainer,
         module,
@@ -132,6 +129,21 @@ def plan_layout(
         device=device,
     )
     return checkpointing
+
+
+def plan_pipeline(trainer, found: FoundBlocks, options: StrategyOptions, state: RunState, device) -> None:
+    """With pipeline parallelism: stages against the blocks, the micro-batch count, and the sequence length the
+    stages' FLOPs are modelled at (attention's share; without it blocks count their matmuls)."""
+    check_pipeline_stages(found, options)  # the root cause first: too few blocks, before the micro-batch count
+    resolve_microbatches(trainer, options, state, device)
+    check_microbatches(
+        trainer,
+        options.parallel.pipeline_parallel_size,
+        state.pipeline.num_microbatches,
+        options.pipeline.num_microbatches,
+    )
+    hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
+    state.pipeline.seq_len = options.planning.seq_len or hparams.get("seq_len")
 
 
 def apply_layout(
@@ -160,7 +172,7 @@ def apply_layout(
         compile_blocks=parallel.compile_blocks,
         pipeline=state.pipeline if parallel.pipeline_parallel_size > 1 else None,
         activation_checkpointing=checkpointing,
-        fp8=check_fp8_device(parallel.fp8, device),
+        fp8=check_fp8_device(parallel.fp8, device) if parallel.fp8 else None,
         fp8_exclude=parallel.fp8_exclude,
         expert_parallel_size=parallel.expert_parallel_size,
         expert_parallel_plan=parallel.expert_parallel_plan,

@@ -221,7 +221,7 @@ def test_user_plan_wins_over_an_hf_plan_we_refuse():
 def test_every_hf_style_transformers_registers_is_mapped_or_refused():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from lightning_llm.parallel.tp.hf_styles import HF_REFUSED, HF_STYLES
+    from lightning_llm.parallel.tp.style_kinds import HF_REFUSED, HF_STYLES
 
     registered = (
         set(ALL_PARALLEL_STYLES.valid_keys())

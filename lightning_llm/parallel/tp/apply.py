@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism for any model: apply a resolved plan with ``parallelize_module``.
 
-Plan resolution lives in :mod:`.plan` (and HF style translation in :mod:`.hf_styles`, the entries
+Plan resolution lives in :mod:`.plan` (and HF style translation in :mod:`.style_kinds`, the entries
 sequence parallelism adds in :mod:`.sequence_parallel_plan`), style construction in :mod:`.styles`,
 head counts in :mod:`.heads`, and the replicated parameters of the head-sharded region in
 :mod:`.replicated_grads`. With sequence parallelism
@@ -18,15 +18,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names, entry_modules, has_own_forward
 from lightning_llm.modeling.tied import tied_parameter_names
-from lightning_llm.parallel.tp.attention_heads import shard_attention_heads, splits_heads
+from lightning_llm.parallel.tp.attention_heads import per_head_lists, shard_attention_heads, splits_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import coverage_lines
-from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, whole_copy
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
 from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
-from lightning_llm.parallel.tp.hf_styles import HF_STYLES, hf_plan
-from lightning_llm.parallel.tp.local_widths import explain_first_forward
-from lightning_llm.parallel.tp.patterns import matches
-from lightning_llm.parallel.tp.per_head import per_head_lists
 from lightning_llm.parallel.tp.plan import STYLES, infer_plan, resolve_plan, validate_plan
 from lightning_llm.parallel.tp.replicated_grads import (
     region_owners,
@@ -39,7 +35,7 @@ from lightning_llm.parallel.tp.sequence_parallel_plan import (
     add_sequence_parallel_norms,
 )
 from lightning_llm.parallel.tp.split_outputs import watch_first_forward
-from lightning_llm.parallel.tp.style_kinds import opens
+from lightning_llm.parallel.tp.style_kinds import HF_STYLES, hf_plan, matches, opens
 from lightning_llm.parallel.tp.styles import parallel_style
 
 __all__ = [

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_llm.modeling.attributes import attribute, int_attribute
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, KV_ATTRS, QUERY_ATTRS, projection_dims
+from lightning_llm.parallel.tp.heads import attribute, int_attribute
 
 # Config/module flags saying a fused q/k/v projection is laid out per KV group (HF Falcon's new decoder).
 GROUPED_FLAGS = ("new_decoder_architecture",)

@@ -13,13 +13,11 @@ each part's parameters a rank holds (``self_attn 50%/rank, mlp.experts 50%/rank,
 
 from __future__ import annotations
 
-import fnmatch
-
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
-from lightning_llm.parallel.tp.style_kinds import owns_subtree, whole
+from lightning_llm.parallel.tp.style_kinds import matches, owns_subtree, whole
 
 MAX_WHOLE_SHARE = 0.05
 
@@ -27,13 +25,9 @@ MAX_WHOLE_SHARE = 0.05
 def _styles_of(name: str, plan: dict[str, str]) -> list[str]:
     """The styles of the entries naming ``name`` itself, or an ancestor that owns its subtree."""
     parts = name.split(".")
-    direct = [s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)]
+    direct = [s for p, s in plan.items() if matches(name, p)]
     inherited = [
-        s
-        for p, s in plan.items()
-        if owns_subtree(s)
-        for k in range(1, len(parts))
-        if fnmatch.fnmatchcase(".".join(parts[:k]), p)
+        s for p, s in plan.items() if owns_subtree(s) for k in range(1, len(parts)) if matches(".".join(parts[:k]), p)
     ]
     return direct + inherited
 

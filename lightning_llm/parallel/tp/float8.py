@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
-from lightning_llm.parallel.tp.patterns import matches
+from lightning_llm.parallel.tp.style_kinds import matches
 
 FP8_TP_STYLES = ("colwise", "rowwise")
 FP8_TP_RECIPE = "tensorwise"
@@ -38,15 +38,6 @@ ROWWISE_REFUSAL = (
     "weight and of a column-split layer's output gradient between the tp ranks, so each rank scales its own part: "
     "2.4e-2 from one process after 5 steps, where tensorwise matches within 1e-6"
 )
-
-
-def is_float8_linear(module: nn.Module | None) -> bool:
-    """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
-    if module is None or type(module).__name__ != "Float8Linear":
-        return False
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, Float8Linear)
 
 
 def _tensorwise(module: nn.Module) -> bool:

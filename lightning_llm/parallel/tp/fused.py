@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_llm._compat.torch_distributed import all_to_all_single, apply_parallel_style
-from lightning_llm.modeling.attributes import int_attribute
+from lightning_llm.parallel.tp.heads import int_attribute
 from lightning_llm.parallel.tp.style_kinds import FUSED_PREFIX as FUSED_PREFIX  # the fused styles' prefix, re-exported
 
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")

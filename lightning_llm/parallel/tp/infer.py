@@ -18,7 +18,6 @@ and :mod:`.coverage` refuses it when it holds a real share of the block.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 from lightning_llm.modeling.experts import expert_count, is_expert_list
 from lightning_llm.parallel.tp.attention_variants import attention_plan, model_config
 from lightning_llm.parallel.tp.fused import projection_dims
+from lightning_llm.parallel.tp.style_kinds import matches
 
 # Fused projections whose layout is known: [all q | all k | all v] ("fused_qkv") or two equal halves (gate | up).
 # Keyed by (class of the owning module, attribute name); litgpt's class names are generic, so also by package.
@@ -137,7 +137,7 @@ def infer_plan(model: nn.Module, blocks_name: str, blocks: nn.ModuleList) -> dic
         infer_plan(model, "layers", model.layers)   # {"layers.*.attention.q_proj": "colwise", ...}
     """
     variants = variant_plan(model, blocks_name, blocks)
-    inferred = infer_styles(model, blocks_name, blocks, lambda n: any(fnmatch.fnmatchcase(n, p) for p in variants))
+    inferred = infer_styles(model, blocks_name, blocks, lambda n: any(matches(n, p) for p in variants))
     inferred.plan = {**variants, **inferred.plan}
     if inferred.unknown:
         raise ValueError(next(iter(inferred.unknown.values())))

@@ -22,8 +22,7 @@ from lightning_llm.parallel.tp.apply import (
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
-from lightning_llm.parallel.tp.patterns import matches
-from lightning_llm.parallel.tp.style_kinds import dataflow_role
+from lightning_llm.parallel.tp.style_kinds import dataflow_role, matches
 from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
 
 

@@ -5,7 +5,7 @@ A plan maps fnmatch patterns over module names (``"layers.*.attention.q_proj"``)
 
 1. the strategy's ``tensor_parallel_plan`` argument (and its ``tensor_parallel_replicate`` opt-outs);
 2. a ``tensor_parallel_plan()`` method on the LightningModule;
-3. a Hugging Face ``_tp_plan`` on a submodule (its styles translated, see :mod:`.hf_styles`);
+3. a Hugging Face ``_tp_plan`` on a submodule (its styles translated, see :mod:`.style_kinds`);
 4. inference from the model's structure (:mod:`.infer`), for every module the others leave out.
 
 A plan naming a module also owns what is inside it. HF plans often cover part of a model only (the
@@ -13,7 +13,7 @@ embedding and head; the experts), so taking the first plan found as the whole pl
 whole on every rank without a word: :mod:`.coverage` reports and refuses what stays whole.
 
 The entries sequence parallelism adds are in :mod:`.sequence_parallel_plan`, the pattern matching in
-:mod:`.patterns`.
+:mod:`.style_kinds`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ from torch import nn
 
 from lightning_llm.parallel.tp.experts import check_experts
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, parse_fused, projection_dims, qkv_style
-from lightning_llm.parallel.tp.hf_styles import hf_plan_entries, hf_refusal
 from lightning_llm.parallel.tp.infer import infer_plan, infer_styles, known_fused_style, variant_plan
 from lightning_llm.parallel.tp.multihead_attention import check_multihead_attention
-from lightning_llm.parallel.tp.patterns import coverer, matches
 from lightning_llm.parallel.tp.sequence_parallel_plan import (
     add_sequence_parallel_boundaries,
     add_sequence_parallel_norms,
 )
-from lightning_llm.parallel.tp.style_kinds import KINDS, kind_of
+from lightning_llm.parallel.tp.style_kinds import KINDS, coverer, hf_plan_entries, hf_refusal, kind_of, matches
 
 __all__ = [
     "STYLES",

@@ -26,7 +26,7 @@ from lightning_llm.parallel.tp.style_kinds import closes, opens
 
 
 def _lent_per_head(name: str, styles: dict[str, str]) -> bool:
-    """Whether ``name`` is inside a list the plan runs per head (each rank its own entries, see :mod:`.per_head`)."""
+    """Whether ``name`` is inside a list the plan runs per head (each rank its own entries, see :mod:`.attention_heads`)."""
     return any(s == "per_head" and name.startswith(n + ".") for n, s in styles.items())
 
 

@@ -15,8 +15,7 @@ from torch import nn
 
 from lightning_llm.modeling.blocks import block_names
 from lightning_llm.parallel.tp.infer import output_head
-from lightning_llm.parallel.tp.patterns import coverer, matches
-from lightning_llm.parallel.tp.style_kinds import back_to_shards, owns_subtree
+from lightning_llm.parallel.tp.style_kinds import back_to_shards, coverer, matches, owns_subtree
 from lightning_llm.parallel.tp.style_kinds import whole as is_whole
 
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_llm._compat.torch_distributed import apply_parallel_style
 from lightning_llm.parallel.tp.experts import ExpertsParallel, sum_grad
-from lightning_llm.parallel.tp.float8 import float8_parallel_style, is_float8_linear
+from lightning_llm.parallel.tp.float8 import float8_parallel_style
 from lightning_llm.parallel.tp.fused import (
     FUSED_PREFIX,
     Conv1DColwise,
@@ -187,6 +187,15 @@ class GatherSequence(ParallelStyle):
 
 def _plain_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def is_float8_linear(module: nn.Module | None) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
+    if module is None or type(module).__name__ != "Float8Linear":
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
 
 
 def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None = None) -> ParallelStyle | None:

@@ -43,11 +43,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_llm.modeling.attributes import attribute
 from lightning_llm.modeling.blocks import block_modules
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.parallel.tp.fused import KV_ATTRS, QUERY_ATTRS
+from lightning_llm.parallel.tp.heads import attribute
 from lightning_llm.parallel.tp.infer import FUSED_NAME, pattern_of
 
 log = logging.getLogger(__name__)
