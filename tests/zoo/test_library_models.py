@@ -27,10 +27,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 STEPS = 10
 CP = {"context_parallel_size": 2, "zero_stage": 3}
 EXTRA_LAYOUTS = {
+    "dp2_zero0": (2, {"zero_stage": 0}),
+    "dp2_zero2": (2, {"zero_stage": 2}),  # ZeRO 1 runs as ZeRO 2 natively
     "cp2_ring": (2, {**CP, "context_parallel_method": "ring"}),
     "cp2_ulysses": (2, {**CP, "context_parallel_method": "ulysses"}),
 }
-LAYOUTS = ["tp2", "tp2_sp", "dp2_zero3", "pp2", "cp2_ring", "cp2_ulysses"]
+LAYOUTS = ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero2", "dp2_zero3", "pp2", "cp2_ring", "cp2_ulysses"]
+ZERO = dict(dp2_zero0="parity", dp2_zero2="parity", dp2_zero3="parity")  # never refused, whatever holds the blocks
 # Under CP: positions read inside the forward are made global (torch_encoder's learned table looked up with
 # torch.arange(T), OLMo-core's rotary table built from torch.arange(T)); blocks whose parts the stack calls one by
 # one, or through another method, are refused at setup; a Mamba stack reading no positions at its first forward.
@@ -44,23 +47,23 @@ NOT_CALLED = r"does not call it as a module \(it runs another of its methods\)"
 SLOTS_FOR_PP = r"is entered through \d+ modules of its own"
 EXPECTED = {
     "torch_encoder": dict(
-        tp2="parity", tp2_sp="parity", dp2_zero3="parity", pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
+        tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
     ),
     "x_transformers": dict(
         tp2=HEADS_IN_PATTERN,
         tp2_sp=HEADS_IN_PATTERN,
-        dp2_zero3="parity",
+        **ZERO,
         pp2=SLOTS_FOR_PP,
         cp2_ring=CP_NOT_CALLED,
         cp2_ulysses=CP_NOT_CALLED,
     ),
     "olmo_core": dict(
-        tp2="parity", tp2_sp="parity", dp2_zero3="parity", pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
+        tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
     ),
     "mambapy": dict(
         tp2=NOTHING_SPLIT,
         tp2_sp=NOTHING_SPLIT,
-        dp2_zero3="parity",
+        **ZERO,
         pp2="parity",
         cp2_ring=NO_POSITIONS,
         cp2_ulysses=NO_POSITIONS,
@@ -68,7 +71,7 @@ EXPECTED = {
     "retnet": dict(
         tp2=NOT_CALLED,
         tp2_sp=NOT_CALLED,
-        dp2_zero3="parity",
+        **ZERO,
         pp2=SLOTS_FOR_PP,
         cp2_ring=CP_NOT_CALLED,
         cp2_ulysses=CP_NOT_CALLED,
