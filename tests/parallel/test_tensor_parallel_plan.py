@@ -280,7 +280,7 @@ def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
 
 
 def test_first_forward_stops_a_whole_parameter_module_on_sharded_heads():
-    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
+    from lightning_llm.parallel.tp.coverage import verify_on_first_forward
 
     class Attn(nn.Module):
         def __init__(self):
@@ -427,7 +427,7 @@ def test_a_router_inside_a_gate_module_beside_the_experts_stays_whole():
 def test_first_forward_stops_a_norm_over_all_heads_before_it_runs():
     # BitNet's attn_sub_norm: RMSNorm over all heads' outputs, between the split projections. On one rank's
     # half of the heads (emulated here by a q of half the width) it cannot run; the stop names the fix.
-    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
+    from lightning_llm.parallel.tp.coverage import verify_on_first_forward
 
     class Attn(nn.Module):
         def __init__(self):
@@ -445,7 +445,7 @@ def test_first_forward_stops_a_norm_over_all_heads_before_it_runs():
 
 def test_first_forward_stops_a_whole_layer_that_mixes_all_heads_before_it_runs():
     # Doge's dt_proj reads every value head to make one gate per head; on one rank's half it cannot run.
-    from lightning_llm.parallel.tp.replicated_grads import verify_on_first_forward
+    from lightning_llm.parallel.tp.coverage import verify_on_first_forward
 
     class Attn(nn.Module):
         def __init__(self):

@@ -46,9 +46,7 @@ NOTHING_SPLIT = r"nothing inside the blocks at 'model.mamba.layers' is split"
 NOT_CALLED = r"does not call it as a module \(it runs another of its methods\)"
 SLOTS_FOR_PP = r"is entered through \d+ modules of its own"
 EXPECTED = {
-    "torch_encoder": dict(
-        tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
-    ),
+    "torch_encoder": dict(tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"),
     "x_transformers": dict(
         tp2=HEADS_IN_PATTERN,
         tp2_sp=HEADS_IN_PATTERN,
@@ -57,9 +55,7 @@ EXPECTED = {
         cp2_ring=CP_NOT_CALLED,
         cp2_ulysses=CP_NOT_CALLED,
     ),
-    "olmo_core": dict(
-        tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"
-    ),
+    "olmo_core": dict(tp2="parity", tp2_sp="parity", **ZERO, pp2="parity", cp2_ring="parity", cp2_ulysses="parity"),
     "mambapy": dict(
         tp2=NOTHING_SPLIT,
         tp2_sp=NOTHING_SPLIT,

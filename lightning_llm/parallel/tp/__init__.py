@@ -9,7 +9,7 @@
 - The styles (:mod:`.styles`): fused projections (:mod:`.fused`), MoE experts (:mod:`.experts`), fp8 layers
   (:mod:`.float8`).
 - Applying it (:mod:`.apply`): what attention modules need once their heads are split (:mod:`.attention_heads`),
-  gradients of parameters left whole inside split regions (:mod:`.replicated_grads`), sequence-parallel boundaries
+  gradients of parameters left whole inside split regions (:mod:`.coverage`), sequence-parallel boundaries
   around block parts (:mod:`.sequence_boundaries`), and the first forward's checks (:mod:`.split_outputs`,
   :mod:`.first_forward_parity`).
 """

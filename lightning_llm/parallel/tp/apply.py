@@ -3,7 +3,7 @@
 Plan resolution lives in :mod:`.plan` (and HF style translation in :mod:`.style_kinds`, the entries
 sequence parallelism adds in :mod:`.sequence_parallel_plan`), style construction in :mod:`.styles`,
 head counts in :mod:`.heads`, and the replicated parameters of the head-sharded region in
-:mod:`.replicated_grads`. With sequence parallelism
+:mod:`.coverage`. With sequence parallelism
 the activations between blocks stay sequence-sharded DTensors, so model code that reads
 ``x.shape`` keeps seeing global shapes.
 """
@@ -20,15 +20,15 @@ from lightning_llm.modeling.blocks import block_kind, block_modules, block_names
 from lightning_llm.modeling.tied import tied_parameter_names
 from lightning_llm.parallel.tp.attention_heads import per_head_lists, shard_attention_heads, splits_heads
 from lightning_llm.parallel.tp.attention_variants import model_config
-from lightning_llm.parallel.tp.coverage import coverage_lines
-from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
-from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
-from lightning_llm.parallel.tp.plan import STYLES, infer_plan, resolve_plan, validate_plan
-from lightning_llm.parallel.tp.replicated_grads import (
+from lightning_llm.parallel.tp.coverage import (
+    coverage_lines,
     region_owners,
     sharded_region_modules,
     verify_on_first_forward,
 )
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
+from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
+from lightning_llm.parallel.tp.plan import STYLES, infer_plan, resolve_plan, validate_plan
 from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
 from lightning_llm.parallel.tp.sequence_parallel_plan import (
     add_sequence_parallel_boundaries,
@@ -110,7 +110,7 @@ def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks) -> di
     """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
 
     Found per distinct block class (hybrid stacks mix them); entries the plan already has win; the first
-    forward verifies the additions (see :mod:`.replicated_grads`).
+    forward verifies the additions (see :mod:`.coverage`).
     """
     plan = dict(plan)
     representatives = _class_representatives(blocks_name, blocks)

@@ -112,7 +112,7 @@ def divide_head_counts(
 
     Attention code that reshapes or slices with a stored head count must see the local count once
     q/k/v are split column-wise. ``owners`` names (inside a block) the modules whose projections are
-    split (see :func:`.replicated_grads.region_owners`); counts are divided on them, their
+    split (see :func:`.coverage.region_owners`); counts are divided on them, their
     submodules and the block itself, not where attention stays whole (a gathered plan). Counts are
     read from module attributes (``self.num_heads``), from a config object the module holds (litgpt's
     ``self.config.n_head``, Phi-3's ``self.config.num_attention_heads``: the module gets its own copy
