@@ -92,21 +92,22 @@ class _Hybrid(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-def _hybrid_peak_bytes(cp: int, micro_batch: int) -> int:
-    """Peak bytes (not parameters, buffers or gradients) of a forward, loss and backward on this rank."""
+def _step_peak_bytes(module: torch.nn.Module, tokens: torch.Tensor, cp: int, method: str = "ring") -> int:
+    """Peak bytes (not parameters, buffers or gradients) of a forward, loss and backward of ``module`` on this rank,
+    laid out under ``cp`` (1: as it is)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_llm.modeling.structure import traced_blocks
     from lightning_llm.parallel.mesh import ParallelDims
     from lightning_llm.parallel.parallelize import parallelize
 
-    module = _Hybrid()
-    tokens = torch.randint(0, 64, (micro_batch, HYBRID_SEQ + 1), generator=torch.Generator().manual_seed(0))
     if cp > 1:
         traced = traced_blocks(module, lambda move: module.training_step(move(tokens), 0))
         dims = ParallelDims.for_world(dist.get_world_size(), cp=cp, replicate_all=True)
         dims.build_mesh("cpu")
-        parallelize(module, dims, zero_stage=0, blocks=traced.override(module), traced=traced)
+        parallelize(
+            module, dims, zero_stage=0, blocks=traced.override(module), traced=traced, context_parallel_method=method
+        )
     tracker = MemTracker()
     tracker.track_external(module)
     with tracker:
@@ -114,6 +115,11 @@ def _hybrid_peak_bytes(cp: int, micro_batch: int) -> int:
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     held = {str(kind).split(".")[-1]: nbytes for kind, nbytes in peak.items()}
     return held["Total"] - sum(held.get(kind, 0) for kind in ("PARAM", "BUFFER", "GRAD"))
+
+
+def _hybrid_peak_bytes(cp: int, micro_batch: int) -> int:
+    tokens = torch.randint(0, 64, (micro_batch, HYBRID_SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return _step_peak_bytes(_Hybrid(), tokens, cp)
 
 
 def _hybrid_layouts() -> dict:
@@ -167,28 +173,8 @@ WINDOW_CASES = [(w, b, "ring") for w in (None, WINDOW) for b in (1, 2)] + [(None
 
 
 def _windowed_peak_bytes(window: int | None, micro_batch: int, method: str) -> int:
-    """Peak bytes (not parameters, buffers or gradients) of a forward, loss and backward on this rank, under cp2."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from lightning_llm.modeling.structure import traced_blocks
-    from lightning_llm.parallel.mesh import ParallelDims
-    from lightning_llm.parallel.parallelize import parallelize
-
-    module = _Windowed(window)
     tokens = torch.randint(0, 64, (micro_batch, WINDOW_SEQ + 1), generator=torch.Generator().manual_seed(0))
-    traced = traced_blocks(module, lambda move: module.training_step(move(tokens), 0))
-    dims = ParallelDims.for_world(dist.get_world_size(), cp=2, replicate_all=True)
-    dims.build_mesh("cpu")
-    parallelize(
-        module, dims, zero_stage=0, blocks=traced.override(module), traced=traced, context_parallel_method=method
-    )
-    tracker = MemTracker()
-    tracker.track_external(module)
-    with tracker:
-        module.training_step(tokens, 0).backward()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    held = {str(kind).split(".")[-1]: nbytes for kind, nbytes in peak.items()}
-    return held["Total"] - sum(held.get(kind, 0) for kind in ("PARAM", "BUFFER", "GRAD"))
+    return _step_peak_bytes(_Windowed(window), tokens, 2, method)
 
 
 def _windowed_layouts() -> dict:
