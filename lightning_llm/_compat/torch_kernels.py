@@ -39,6 +39,14 @@ def attention_with_lse(
     return out, lse[..., : query.shape[-2]], ("efficient", lse.shape[-1], seed, offset)
 
 
+def takes_grouped_heads(query: torch.Tensor) -> bool:
+    """Whether :func:`attention_with_lse`'s kernel for ``query`` takes keys and values with fewer heads than the
+    queries (grouped-query attention) as they are: CPU's flash kernel and CUDA's flash kernel do (they are what
+    ``scaled_dot_product_attention(enable_gqa=True)`` calls with unrepeated keys and values), the memory-efficient
+    kernel does not (SDPA repeats the heads for it). Checked on torch 2.13.0 (CPU, forward and backward)."""
+    return query.device.type == "cpu" or (query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256)
+
+
 def attention_with_lse_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -79,7 +87,8 @@ register(
     Private(
         name="aten._scaled_dot_product_{flash_attention_for_cpu,flash_attention,efficient_attention} (+ _backward)",
         upstream="torch",
-        accessor="torch_kernels.attention_with_lse, torch_kernels.attention_with_lse_backward",
+        accessor="torch_kernels.attention_with_lse, torch_kernels.attention_with_lse_backward, "
+        "torch_kernels.takes_grouped_heads",
         used_by=("parallel/cp/ring.py",),
         why="ring attention merges partial attentions over key blocks with each row's log-sum-exp and recomputes "
         "each block's gradient from the merged output; SDPA's kernels return the log-sum-exp, the public SDPA does "

@@ -154,8 +154,7 @@ class BlockTally:
             rows = 1 if broadcast else mask.shape[0]
             whole = rows * shape[0] * shape[1] * query.element_size() if mask is not None else 0
             queries = int(_local(query).numel() * _local(query).element_size() * self._fraction(query))
-            groups = max(1, query.shape[-3] // key.shape[-3]) if query.dim() >= 3 else 1
-            saves = AttentionSaves(call["total"], call["keys_values"], call["mask"], whole, queries, groups)
+            saves = AttentionSaves(call["total"], call["keys_values"], call["mask"], whole, queries)
             self.attention[self.current].append(saves)
 
     def _count_in_call(self, t: torch.Tensor, ref: StorageWeakRef, nbytes: int, fraction: float) -> None:

@@ -37,7 +37,6 @@ class AttentionSaves:
             rows, or one where it is broadcast over them, times queries times keys), whether or not the call saved it
             (a mask shared by every block is saved once, outside them).
         queries: the bytes of the call's queries.
-        groups: query heads per key/value head (grouped-query attention; 1 without).
     """
 
     total: int
@@ -45,7 +44,6 @@ class AttentionSaves:
     mask: int = 0
     masked: int = 0
     queries: int = 0
-    groups: int = 1
 
     def per_rank(self, cp: int) -> int:
         """Bytes one of ``cp`` context-parallel ranks saves for this call.
@@ -70,17 +68,19 @@ class AttentionSaves:
         """Bytes the ring's backward (:mod:`lightning_llm.parallel.cp.ring`) allocates for this call on one of ``cp``
         ranks while it runs, besides what the call saved: the query gradient and half a block's query gradient
         (1.5 queries), the travelling keys and values with their gradients (4 times the keys' or values' bytes), and
-        the keys and values repeated to the query heads with their gradients and half a block's (5 times that,
-        times ``groups``). A masked call does not run the ring: ``0``.
+        half a block's key and value gradients with the contiguous copies of a block's keys and values the kernel's
+        backward takes (once more). The kernels take grouped key/value heads as they are; CUDA's memory-efficient
+        kernel (fp32) does not, and the ring repeats them per step there, which this does not count. A masked call
+        does not run the ring: ``0``.
 
         Example::
 
-            AttentionSaves(total=0, keys_values=200, queries=400, groups=4).ring_buffers(2)  # (600 + 400 + 2000) / 2
+            AttentionSaves(total=0, keys_values=200, queries=400).ring_buffers(2)  # (600 + 400 + 100) / 2
         """
         if cp == 1 or self.masked:
             return 0
         key = self.keys_values // 2
-        return (3 * self.queries // 2 + 4 * key + 5 * key * self.groups) // cp
+        return (3 * self.queries // 2 + 5 * key) // cp
 
 
 class AttentionSaveCounter(TorchFunctionMode):

@@ -78,9 +78,9 @@ def test_per_rank_bytes_of_a_masked_call_by_hand():
 
 
 def test_the_rings_backward_buffers_by_hand():
-    # Per rank, 1/cp of: dq and half a block's dq (1.5 q), the travelling k, v, dk, dv (4 x k), the keys and values
-    # repeated to the query heads with their gradients and half a block's (5 x k x groups).
-    call = AttentionSaves(total=0, keys_values=200, queries=400, groups=4)
+    # Per rank, 1/cp of: dq and half a block's dq (1.5 q), the travelling k, v, dk, dv (4 x k), half a block's dk, dv
+    # and the kernel's contiguous copies of a block's k, v (1 x k); grouped heads are never repeated.
+    call = AttentionSaves(total=0, keys_values=200, queries=400)
     assert call.ring_buffers(1) == 0
-    assert call.ring_buffers(2) == (600 + 4 * 100 + 5 * 100 * 4) // 2
+    assert call.ring_buffers(2) == (600 + 4 * 100 + 100) // 2
     assert AttentionSaves(total=0, keys_values=200, masked=64, queries=400).ring_buffers(2) == 0  # no ring: gathered

@@ -189,9 +189,10 @@ def test_planned_attention_under_cp_counts_gathered_keys_chunk_masks_and_the_rin
     (``model_footprint(cp=2, context_parallel_method=...)``, divided by 2 as the planner divides) against torch's
     MemTracker on 2 gloo ranks (the larger rank). Measured here: with the window 0.99-1.01 (dividing one process's
     attention by 2 said 1.05-1.13: the whole-sequence mask halved, where the chunks' masks are 5/16 of it, and the
-    keys and values halved, where they stay whole); the ring without it 1.07 (its buffers partly take the place of
-    the backward's other temporaries, which no plan counts: one process is 0.93 of measured), where dividing by 2
-    said 0.87; Ulysses 0.87, nothing added."""
+    keys and values halved, where they stay whole); the ring without it 0.96, Ulysses 0.87 (nothing added). Both
+    measure the same peak here (10.80 and 10.86 MiB at micro-batch 1): the step's peak is the backward's other
+    temporaries, which no plan counts (one process is 0.93 of measured), and the ring's buffers, which the plan adds
+    once, stay under it; dividing by 2 said 0.87."""
     from lightning_llm.strategies.zero_auto import model_footprint
 
     ranks = run_distributed(_windowed_layouts, 2, timeout=280)
@@ -205,6 +206,6 @@ def test_planned_attention_under_cp_counts_gathered_keys_chunk_masks_and_the_rin
         if window is not None:
             assert abs(ratio - 1) < 0.05, (window, micro_batch, ratio)
         elif method == "ring":
-            assert 0.97 < ratio < 1.12, (micro_batch, ratio)
+            assert 0.92 < ratio < 1.05, (micro_batch, ratio)
         else:  # as one process's plan: the backward's temporaries are not planned
             assert 0.82 < ratio < 0.95, (micro_batch, ratio)

@@ -163,9 +163,9 @@ def test_context_parallel_matches_single_process(layout, name):
         whole = model_footprint(ZooLM(name), micro_batch_size=_harness.GLOBAL_BATCH, seq_len=_harness.SEQ_LEN)
         # and the ring's backward buffers for one attention call, by hand: fp32 queries (batch 4, 4 heads, the
         # planning batch's 17 tokens, which this model's forward takes whole, head dim 8) and keys (2 key/value
-        # heads, so 2 query heads each): (1.5 q + 4 k + 5 k x 2) / 2.
+        # heads, which the CPU kernel takes grouped, never repeated): (1.5 q + 4 k + k) / 2.
         q, k = 4 * 4 * 17 * 8 * 4, 4 * 2 * 17 * 8 * 4
-        ring = (1.5 * q + 4 * k + 5 * k * 2) / 2
+        ring = (1.5 * q + 4 * k + k) / 2
         assert planned == (0, pytest.approx(whole.activations / 2 + ring)), (planned, whole.activations)
     seq = REFERENCE_SEQ if name.startswith("reference") else _harness.SEQ_LEN
     tp = LAYOUTS[layout][1].get("tensor_parallel_size", 1)

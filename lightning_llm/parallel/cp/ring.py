@@ -10,7 +10,8 @@ The backward (an ``autograd.Function``) walks the ring again: each key block's g
 kernel's backward from the *merged* output and log-sum-exp (which makes each block's share exact), and the block's
 dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. The blocks run
 SDPA's own kernels (CPU flash; CUDA flash for fp16/bf16, memory-efficient for fp32), which return the log-sum-exp;
-GQA by repeating key/value heads per block. Those kernels need one head size for queries, keys and values; latent
+GQA with the key/value heads as they are where the kernel takes them grouped (CPU flash, CUDA flash), else
+repeated to the query heads per block (CUDA's memory-efficient kernel). Those kernels need one head size for queries, keys and values; latent
 attention (DeepSeek's MLA: value heads narrower than query/key heads) is run with the narrower side zero-padded,
 which changes no score and no output column that is kept.
 """
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_llm._compat.torch_kernels import attention_with_lse, attention_with_lse_backward
+from lightning_llm._compat.torch_kernels import attention_with_lse, attention_with_lse_backward, takes_grouped_heads
 from lightning_llm.parallel.cp.attention import observe_queries
 from lightning_llm.parallel.cp.layout import CPGroup, chunk_indices
 
@@ -57,17 +58,31 @@ def _half(t: torch.Tensor, h: int) -> torch.Tensor:
     return t[..., h * c : (h + 1) * c, :]
 
 
+def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many times the kernel needs each key/value head repeated: ``1`` where it takes them grouped."""
+    return 1 if takes_grouped_heads(q) else q.shape[-3] // k.shape[-3]
+
+
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`: the repeated heads' gradients summed."""
+    return t.unflatten(-3, (-1, groups)).sum(-3)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, causal: bool, scale: float | None):
-        groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
+        groups, acc = _groups(q, k), torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = [k, v]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             nxt = _rotate(kv, cp) if step < cp.size - 1 else None  # posted before computing (gloo runs it anyway)
-            ks, vs = (t.repeat_interleave(groups, dim=-3) for t in kv)
+            ks, vs = (_repeat(t, groups) for t in kv)
             for qh, kh, diagonal in _pairs(cp, source, causal):
                 part, part_lse, ctx.kernel = attention_with_lse(
                     _half(q, qh), _half(ks, kh), _half(vs, kh), is_causal=diagonal, scale=scale
@@ -92,7 +107,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
-        groups, acc = q.shape[-3] // k.shape[-3], torch.promote_types(q.dtype, torch.float32)
+        groups, acc = _groups(q, k), torch.promote_types(q.dtype, torch.float32)
         c = q.shape[-2] // 2
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         held = [
@@ -103,8 +118,9 @@ class _RingAttention(torch.autograd.Function):
         ]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
-            ks, vs = (t.repeat_interleave(groups, dim=-3) for t in held[:2])
-            dks, dvs = torch.zeros_like(ks, dtype=acc), torch.zeros_like(vs, dtype=acc)
+            ks, vs = (_repeat(t, groups) for t in held[:2])
+            # Gradients of grouped heads go straight into the travelling ones; repeated heads' are summed after.
+            grads = held[2:] if groups == 1 else [torch.zeros_like(t, dtype=acc) for t in (ks, vs)]
             for qh, kh, diagonal in _pairs(cp, source, causal):
                 rows, keys = slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c)
                 dqi, dki, dvi = attention_with_lse_backward(
@@ -112,10 +128,11 @@ class _RingAttention(torch.autograd.Function):
                     lse[..., rows], ctx.kernel, is_causal=diagonal, scale=scale,
                 )  # fmt: skip
                 dq[..., rows, :] += dqi
-                dks[..., keys, :] += dki
-                dvs[..., keys, :] += dvi
-            held[2] += dks.unflatten(-3, (-1, groups)).sum(-3)  # GQA: the repeated heads' gradients summed
-            held[3] += dvs.unflatten(-3, (-1, groups)).sum(-3)
+                grads[0][..., keys, :] += dki
+                grads[1][..., keys, :] += dvi
+            if groups > 1:
+                held[2] += _fold(grads[0], groups)
+                held[3] += _fold(grads[1], groups)
             held = _rotate(held, cp) if step < cp.size - 1 else [*held[:2], *_rotate(held[2:], cp)]
         return dq.to(q.dtype), held[-2].to(k.dtype), held[-1].to(v.dtype), None, None, None
 
