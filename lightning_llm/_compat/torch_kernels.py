@@ -92,7 +92,7 @@ register(
         used_by=("parallel/cp/ring.py",),
         why="ring attention merges partial attentions over key blocks with each row's log-sum-exp and recomputes "
         "each block's gradient from the merged output; SDPA's kernels return the log-sum-exp, the public SDPA does "
-        "not",
+        "not (the flash kernels also take grouped key/value heads as they are)",
         caught_by="`tests/parallel/test_context_parallel.py`, `tests/gpu/test_ring_kernels.py`",
         checked=CHECKED,
         check=lambda: (
