@@ -132,6 +132,7 @@ def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
         tensor_parallel_replicate=strategy.tensor_parallel_replicate if native else (),
         micro_batch_size=hparams.get("batch_size", 1),
         seq_len=hparams.get("seq_len", 2048),
+        documents=bool(hparams.get("return_document_ids", False)),
         precision=str(cli.trainer.precision),
         activation_checkpointing=strategy.activation_checkpointing if native else "none",
         ac_options=strategy.ac_options if native else None,

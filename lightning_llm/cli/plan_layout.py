@@ -34,6 +34,7 @@ def layout_report(module, settings: dict[str, Any], *, rates_name: str, accumula
         precision=settings["precision"],
         margin=settings["margin"],
         context_parallel_method=settings["context_parallel_method"],
+        documents=settings["documents"],
     )
     fitting = sum(c.fits for c in ranked)
     head = (f"layout='auto': {len(ranked)} layouts of {world} devices for {global_batch} sequences per step, "

@@ -150,12 +150,15 @@ def measure_model_activations(
     precision: str = "32-true",
     saves_output: Callable | None = None,
     shares: TensorParallelShares | None = None,
+    documents: bool = False,
 ) -> MeasuredBlocks:
     """Per-block bytes of one micro-batch (:class:`BlockActivations`), and those outside the blocks, from one fake
     forward of ``module``.
 
     ``saves_output(op)``: the selective policy's choice of ops to keep, to measure ``op`` too. ``shares``: count one
-    tensor-parallel rank's share of each tensor (:mod:`.tp_shares`) instead of all of it. For 16-bit
+    tensor-parallel rank's share of each tensor (:mod:`.tp_shares`) instead of all of it. ``documents``: the batch
+    carries packed documents' ids (``{"input_ids", "document_ids"}``, as ``LLMDataModule(return_document_ids=True)``
+    gives them), so the model's attention runs with a document mask, as in the run. For 16-bit
     precisions the bytes are halved (the forward runs in the parameters' dtype; autocast keeps nearly every
     saved activation in 16 bits). Example::
 
@@ -167,6 +170,8 @@ def measure_model_activations(
         if batch_fn
         else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
     )
+    if documents and not batch_fn:
+        batch = {"input_ids": batch, "document_ids": torch.zeros_like(batch)}
     name, blocks = find_blocks(module)
     step = lambda: module.training_step(batch, 0)  # noqa: E731
     outside = []

@@ -51,18 +51,20 @@ class AttentionSaves:
         Without a mask, ``1/cp`` of everything. With one: ``1/cp`` of the queries, output and log-sum-exp, the keys
         and values whole, and the masks of the rank's two zig-zag chunks of ``c = T / 2cp`` queries, over ``(r + 1) c``
         and ``(2cp - r) c`` keys: ``(2cp + 1) c^2``, that is ``(2cp + 1) / 4cp^2`` of the whole mask on every rank (a
-        sliding window lets the kernel skip keys left of it: an upper bound then).
+        sliding window lets the kernel skip keys left of it: an upper bound then), and the two chunks' outputs beside
+        their concatenation, the rank's output once more (taken as the queries' bytes).
 
         Example::
 
-            AttentionSaves(total=100, keys_values=40, mask=0, masked=64).per_rank(2)  # 30 + 40 + 20 = 90
+            AttentionSaves(total=100, keys_values=40, masked=64, queries=20).per_rank(2)  # 30 + 40 + 20 + 10 = 100
         """
         if cp == 1:
             return self.total
         if not self.masked:
             return self.total // cp
         rest = self.total - self.keys_values - self.mask
-        return rest // cp + self.keys_values + self.masked * (2 * cp + 1) // (4 * cp * cp)
+        chunks = self.masked * (2 * cp + 1) // (4 * cp * cp)
+        return rest // cp + self.keys_values + chunks + self.queries // cp
 
     def ring_buffers(self, cp: int) -> int:
         """Bytes the ring's backward (:mod:`lightning_llm.parallel.cp.ring`) allocates for this call on one of ``cp``

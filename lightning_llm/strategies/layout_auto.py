@@ -149,8 +149,9 @@ def _variants(world_size: int, sizes: tuple, micro_batches: int, runs: int) -> I
 class _Measured:
     """The model's footprint and one rank's work per (tp, sequence parallel, cp, micro-batch), measured once."""
 
-    def __init__(self, module: nn.Module, seq_len: int, precision: str, cp_method: str) -> None:
+    def __init__(self, module: nn.Module, seq_len: int, precision: str, cp_method: str, documents: bool) -> None:
         self.module, self.seq_len, self.precision, self.cp_method = module, seq_len, precision, cp_method
+        self.documents = documents
         self.tensors = sum(1 for _ in module.parameters())
         self._cache: dict[tuple, tuple[ModelFootprint, ForwardWork]] = {}
 
@@ -167,6 +168,7 @@ class _Measured:
                 sequence_parallel=sp,
                 cp=layout.cp,
                 context_parallel_method=self.cp_method,
+                documents=self.documents,
             )
             shares = planned_shares(self.module, tp=tp, sequence_parallel=sp) if tp > 1 else None
             batch = torch.zeros(micro_batch_size, self.seq_len + 1, dtype=torch.long)
@@ -190,6 +192,7 @@ def rank_candidates(
     ep: int | None = None,
     accumulate: int = 1,
     context_parallel_method: str = "ring",
+    documents: bool = False,
 ) -> list[Candidate]:
     """Every candidate of :func:`layouts`, fitting ones first, each group fastest first: the least predicted time per
     trained sequence (on a tie, the lower ZeRO stage, then the fewer model-parallel ranks, the less checkpointing,
@@ -197,13 +200,14 @@ def rank_candidates(
     is left out, with its reason in the log. ``ep``: the expert-parallel size when given (it needs a data-parallel
     size that divides by it), else searched for an MoE model. ``accumulate``: with ``per_replica_batch``, the
     Trainer's ``accumulate_grad_batches``. ``context_parallel_method``: the strategy's (what CP layouts' attention
-    holds, :func:`~lightning_llm.strategies.zero_auto.model_footprint`). Example::
+    holds, :func:`~lightning_llm.strategies.zero_auto.model_footprint`); ``documents``: whether batches carry packed
+    documents' ids (what it holds then). Example::
 
         ranked = rank_candidates(module, world_size=8, seq_len=4096, global_batch=8, device_memory=80 * 2**30,
                                  rates=rates)
         ranked[0].line()
     """
-    measured = _Measured(module, seq_len, precision, context_parallel_method)
+    measured = _Measured(module, seq_len, precision, context_parallel_method, documents)
     usable = device_memory * (1 - margin)
     candidates, refused = [], {}
     batches = {"global_batch": global_batch, "per_replica_batch": per_replica_batch, "accumulate": accumulate}

@@ -54,6 +54,7 @@ def choose_layout(trainer, module: nn.Module, options: StrategyOptions, device: 
                 precision=precision,
                 ep=options.parallel.expert_parallel_size if options.parallel.expert_parallel_size > 1 else None,
                 context_parallel_method=options.parallel.context_parallel_method,
+                documents=inputs["documents"],
             )
         fitting = [c for c in ranked if c.fits]
         message = [fitting[0] if fitting else None, report_lines(ranked, shown=5)]

@@ -46,6 +46,7 @@ def model_footprint(
     sequence_parallel: bool = False,
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | tuple[str, ...] = (),
+    documents: bool = False,
 ) -> ModelFootprint:
     """Parameter counts and activation bytes of ``module`` under each checkpointing mode, on fake tensors.
 
@@ -60,7 +61,8 @@ def model_footprint(
     (``expert_parallel_plan`` as the strategy's), so their parameters can be divided by ``ep``.
 
     Context parallelism (``cp``, ``context_parallel_method``) and tensor parallelism (``tp``, ``sequence_parallel``, the plan's entries) are
-    planned per rank: see ``_activations_per_mode`` and ``_tp_shares``.
+    planned per rank: see ``_activations_per_mode`` and ``_tp_shares``. ``documents``: the run's batches carry packed
+    documents' ids, so its attention calls are masked (under CP each rank then gathers the keys and values whole).
 
     Example::
 
@@ -77,6 +79,7 @@ def model_footprint(
         precision=precision,
         saves_output=saves_output,
         shares=shares,
+        documents=documents,
     )
     none, full, selective = _activations_per_mode(
         sizes, cp, micro_batch_size, ac_options or ACOptions(), context_parallel_method
@@ -159,6 +162,7 @@ def choose_zero_stage(
     tensor_parallel_plan: dict[str, str] | None = None,
     tensor_parallel_replicate: list[str] | tuple[str, ...] = (),
     context_parallel_method: str = "ring",
+    documents: bool = False,
     **options: Any,
 ) -> ZeroDecision:
     """Measure ``model`` (meta device is fine) and plan: :func:`~lightning_llm.planning.zero.plan_zero_stage`'s options.
@@ -176,6 +180,7 @@ def choose_zero_stage(
         expert_parallel_plan=expert_parallel_plan,
         cp=options.get("cp", 1),
         context_parallel_method=context_parallel_method,
+        documents=documents,
         tp=options.get("tp", 1),
         sequence_parallel=sequence_parallel,
         tensor_parallel_plan=tensor_parallel_plan,
@@ -191,12 +196,13 @@ def planning_inputs(
     micro_batch_size: int | None,
     seq_len: int | None,
 ) -> dict[str, int]:
-    """Device memory and micro-batch shape for planning inside a strategy: given, or read off the run.
+    """Device memory, micro-batch shape and packed documents for planning inside a strategy: given, or read off the run.
 
     The shape comes from, in order: the strategy's arguments, the datamodule's ``batch_size``/``seq_len``
     hyperparameters, and the first training batch (its first tensor of two or more dims, read as
     (batch, sequence)): a plain DataLoader passed to ``fit`` or a datamodule without those hparams. The device
     memory is the smallest over all ranks (when a process group is initialized), so the job decides once.
+    ``documents``: the datamodule's ``return_document_ids`` (its batches then mask attention by document).
     """
     hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
     micro_batch_size = micro_batch_size or hparams.get("batch_size")
@@ -206,7 +212,8 @@ def planning_inputs(
         micro_batch_size, seq_len = micro_batch_size or batch_size, seq_len or batch_seq_len
     memory = device_memory_bytes(device_memory) if device_memory is not None else total_device_memory(device)
     memory = min_over_ranks(memory)  # every rank plans from the same memory, so all choose the same stage
-    return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    documents = bool(hparams.get("return_document_ids", False))
+    return {"device_memory": memory, "micro_batch_size": micro_batch_size, "seq_len": seq_len, "documents": documents}
 
 
 def first_batch_shape(trainer: L.Trainer, device: torch.device) -> tuple[int, int]:

@@ -68,12 +68,13 @@ def test_a_masked_call_counts_the_mask_it_saves_and_one_row_for_a_broadcast_mask
 
 def test_per_rank_bytes_of_a_masked_call_by_hand():
     # cp=2: chunks of c = T/4 queries; rank 0 holds chunks 0 and 3 (keys c and 4c), rank 1 chunks 1 and 2 (2c, 3c):
-    # 5c^2 mask entries each, 5/16 of T^2. The keys and values stay whole; the rest is halved.
-    call = AttentionSaves(total=1000, keys_values=300, mask=400, masked=1600)
+    # 5c^2 mask entries each, 5/16 of T^2. The keys and values stay whole; the rest is halved; the chunks' outputs
+    # are concatenated into a copy of the rank's output (the queries' bytes / C).
+    call = AttentionSaves(total=1000, keys_values=300, mask=400, masked=1600, queries=120)
     assert call.per_rank(1) == 1000
-    assert call.per_rank(2) == (1000 - 300 - 400) // 2 + 300 + 1600 * 5 // 16
+    assert call.per_rank(2) == (1000 - 300 - 400) // 2 + 300 + 1600 * 5 // 16 + 120 // 2
     # cp=4: chunk pairs (r, 7 - r) over (r + 1) c and (8 - r) c keys: 9c^2 of the (8c)^2 = 64c^2 whole.
-    assert call.per_rank(4) == 300 // 4 + 300 + 1600 * 9 // 64
+    assert call.per_rank(4) == 300 // 4 + 300 + 1600 * 9 // 64 + 120 // 4
     assert AttentionSaves(total=1000, keys_values=300).per_rank(4) == 250
 
 

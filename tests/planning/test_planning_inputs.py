@@ -26,7 +26,18 @@ def test_a_plain_dataloader_gives_the_shape_of_its_first_batch():
         "device_memory": 2**30,
         "micro_batch_size": 3,
         "seq_len": 33,
+        "documents": False,
     }
+
+
+def test_a_datamodule_returning_document_ids_plans_document_masked_attention():
+    class Packed(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"batch_size": 2, "seq_len": 8, "return_document_ids": True})
+
+    inputs = planning_inputs(_trainer(datamodule=Packed()), CPU, 2**30, None, None)
+    assert (inputs["micro_batch_size"], inputs["seq_len"], inputs["documents"]) == (2, 8, True)
 
 
 def test_dict_batches_and_datamodules_without_hparams_are_read_too():
