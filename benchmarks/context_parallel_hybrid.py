@@ -13,7 +13,7 @@ otherwise.
 - **Memory** (the longest length): torch's ``MemTracker`` around forward, loss and backward of one micro-batch; the
   peak of the bytes that are not parameters, buffers, gradients or optimizer state, per rank. C = 1 (each rank the
   whole micro-batch, no parallelism), then C = 2 by the ring, at micro-batches of 2 (mixers by batch rows) and 1
-  (mixers on the gathered sequence).
+  (mixers on the gathered sequence), and at 1 again with every block fully checkpointed.
 - **Time** (each length, micro-batch 2): one training step (forward, loss, backward, AdamW) for C = 1, C = 2 ring and
   C = 2 Ulysses, alternated in a shuffled order per round after a warm-up step; seconds per step and the ratios
   to C = 1 as median (min, max).
@@ -50,22 +50,27 @@ class _LM(L.LightningModule):
         self.model = BambaForCausalLM(config)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch[:, :-1]).logits
+        logits = self.model(batch[:, :-1], use_cache=False).logits  # a cache would be filled twice when recomputed
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-def _model(side: str, batch: torch.Tensor) -> _LM:
+def _model(side: str, batch: torch.Tensor, checkpointing: str = "none") -> _LM:
+    from lightning_llm.modeling.blocks import find_blocks
     from lightning_llm.modeling.structure import traced_blocks
+    from lightning_llm.parallel.activation_checkpointing import apply_activation_checkpointing
     from lightning_llm.parallel.mesh import ParallelDims
     from lightning_llm.parallel.parallelize import parallelize
 
     module = _LM(batch.shape[1] - 1)
-    if side != "C=1":
-        traced = traced_blocks(module, lambda move: module.training_step(move(batch), 0))
-        dims = ParallelDims.for_world(dist.get_world_size(), cp=dist.get_world_size(), replicate_all=True)
-        dims.build_mesh("cpu")
-        parallelize(module, dims, zero_stage=0, blocks=traced.override(module), traced=traced,
-                    context_parallel_method=side)  # fmt: skip
+    checkpoint = lambda blocks, entries: apply_activation_checkpointing(blocks, mode=checkpointing, entries=entries)  # noqa: E731
+    if side == "C=1":
+        checkpoint(find_blocks(module)[1], None)
+        return module
+    traced = traced_blocks(module, lambda move: module.training_step(move(batch), 0))
+    dims = ParallelDims.for_world(dist.get_world_size(), cp=dist.get_world_size(), replicate_all=True)
+    dims.build_mesh("cpu")
+    parallelize(module, dims, zero_stage=0, blocks=traced.override(module), traced=traced,
+                context_parallel_method=side, activation_checkpointing=checkpoint)  # fmt: skip
     return module
 
 
@@ -73,11 +78,11 @@ def _tokens(micro_batch: int, seq_len: int) -> torch.Tensor:
     return torch.randint(0, 64, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
 
 
-def _peak_activation_bytes(side: str, micro_batch: int, seq_len: int) -> int:
+def _peak_activation_bytes(side: str, micro_batch: int, seq_len: int, checkpointing: str = "none") -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     batch = _tokens(micro_batch, seq_len)
-    module = _model(side, batch)
+    module = _model(side, batch, checkpointing)
     tracker = MemTracker()
     tracker.track_external(module)
     with tracker:
@@ -110,8 +115,9 @@ def _measure(seq_lens: list[int], rounds: int) -> tuple[dict, dict]:
     dist.init_process_group("gloo")
     longest = max(seq_lens)
     memory = {
-        (side, micro_batch): _peak_activation_bytes(side, micro_batch, longest)
-        for side, micro_batch in (("C=1", 2), ("ring", 2), ("C=1", 1), ("ring", 1))
+        (side, micro_batch, checkpointing): _peak_activation_bytes(side, micro_batch, longest, checkpointing)
+        for side in ("C=1", "ring")
+        for micro_batch, checkpointing in ((2, "none"), (1, "none"), (1, "full"))
     }
     return memory, {seq_len: _step_times(seq_len, rounds) for seq_len in seq_lens}
 
@@ -122,12 +128,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     ranks = run_distributed(_measure, 2, args.seq_lens, args.rounds, timeout=3600)
-    for micro_batch in (2, 1):
-        whole = [memory[("C=1", micro_batch)] for memory, _ in ranks]
-        split = [memory[("ring", micro_batch)] for memory, _ in ranks]
+    for micro_batch, checkpointing in ((2, "none"), (1, "none"), (1, "full")):
+        whole = [memory[("C=1", micro_batch, checkpointing)] for memory, _ in ranks]
+        split = [memory[("ring", micro_batch, checkpointing)] for memory, _ in ranks]
         per_rank = ", ".join(f"{s / MiB:.0f} MiB ({s / w:.2f})" for s, w in zip(split, whole))
-        print(f"seq {max(args.seq_lens)}, micro-batch {micro_batch}: C=1 {whole[0] / MiB:.0f} MiB per rank; "
-              f"C=2 ring {per_rank} per rank (of C=1)")  # fmt: skip
+        print(f"seq {max(args.seq_lens)}, micro-batch {micro_batch}, checkpointing {checkpointing}: C=1 "
+              f"{whole[0] / MiB:.0f} MiB per rank; C=2 ring {per_rank} per rank (of C=1)")  # fmt: skip
     for seq_len, times in ranks[0][1].items():
         for side in SIDES:
             print(f"seq {seq_len:>6} {side:>8}: {spread(times[side])} s per training step")
