@@ -3,6 +3,8 @@ sequence (forward and every gradient), on 2 gloo ranks."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -245,7 +247,9 @@ def _mixers_match_one_process(cases):
         handles = gather_mixers([GatheredMixer("mixer", module, whole_block=False)], cp)
         local = x[:, pos].clone().requires_grad_()
         shard = lambda t: t[:, pos] if t.shape[1] == seq else t  # noqa: E731
-        got, _ = module(local, **{k: shard(v) for k, v in kwargs.items()})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, _ = module(local, **{k: shard(v) for k, v in kwargs.items()})
         got.backward(grad_out[:, pos])
         for handle in handles:
             handle.remove()
@@ -254,7 +258,7 @@ def _mixers_match_one_process(cases):
             dist.all_reduce(grad)  # each rank's part of the parameter gradients (what data parallelism sums)
         errors = [(got - want[:, pos]).abs().max(), (local.grad - full.grad[:, pos]).abs().max()]
         errors += [(g - r).abs().max() for g, r in zip(grads, ref_grads)]
-        results.append((max(e.item() for e in errors), module.seen[-1]))
+        results.append((max(e.item() for e in errors), module.seen[-1], [str(w.message) for w in caught]))
     return results
 
 
@@ -263,9 +267,13 @@ def _mixers_match_one_process(cases):
 def test_a_mixer_on_whole_sequences_matches_one_process():
     """Other sequence mixers under CP (:mod:`lightning_llm.parallel.cp.gathered`): outputs, input gradients and the
     parameter gradients summed over the ranks equal one process on the whole batch (float64, 1e-12); with the batch
-    divisible by C each rank computes whole sequences of its own rows (batch / C), else the whole gathered batch."""
+    divisible by C each rank computes whole sequences of its own rows (batch / C), else the whole gathered batch,
+    with a warning naming the module and why (its compute and activations are not divided)."""
     for rank, (_, _, mixers, _) in enumerate(_results()):
-        for (batch, extras), (error, seen) in zip(MIXER_CASES, mixers):
+        for (batch, extras), (error, seen, said) in zip(MIXER_CASES, mixers):
             assert error < 1e-12, (rank, batch, extras, error)
             split = batch % 2 == 0 and "scale" not in extras
             assert seen == ((batch // 2 if split else batch), 16), (rank, batch, extras, seen)
+            warned = [w for w in said if "runs _Recurrent on the whole gathered micro-batch on each of the 2" in w]
+            why = "does not divide by cp=2" if batch % 2 else "an input besides its (batch, sequence, ...) ones"
+            assert len(warned) == (0 if split else 1) and all(why in w for w in warned), (rank, batch, extras, said)

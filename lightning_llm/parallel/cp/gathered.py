@@ -13,7 +13,8 @@ brought there by hooks on it (nothing on the module changes) in one of two ways,
 - **all-gathered** otherwise (a micro-batch of one, or an input with the batch dimension but no sequence): every
   rank runs the module on the whole batch and keeps its zig-zag positions of the output; gradients reach each input
   position from every rank's outputs (:func:`~.collectives.gather_sequence`). That costs C times the module's compute
-  and the whole sequence's activations inside it; the rest of the model keeps 1/C.
+  and the whole sequence's activations inside it; the rest of the model keeps 1/C. A warning says so at its first
+  forward (once per module type and micro-batch).
 
 Inputs shaped like the block's hidden states (batch, seq / C, ...) are brought to whole sequences (one with a
 batch of 1 is broadcast, so it is gathered); outputs of the whole length go back to this rank's shard.
@@ -31,6 +32,7 @@ then refused at its first forward, as before (:mod:`.interception`).
 
 from __future__ import annotations
 
+import warnings
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -121,6 +123,8 @@ class _WholeSequences:
             )
         batch, local = hidden.shape[:2]
         split = _splits_by_batch(batch, local, self.cp.size, (args, kwargs))
+        if not split:
+            _warn_gathered(type(module).__name__, batch, self.cp.size)
         # Under sequence parallelism the hidden states are DTensors over the TP ranks: the module runs whole there
         # too (tensor parallelism keeps these mixers whole), and its outputs go back to the input's placements.
         layout = (hidden.device_mesh, hidden.placements) if isinstance(hidden, DTensor) else None
@@ -161,6 +165,20 @@ class _WholeSequences:
             )
 
         return apply_to_collection(output, torch.Tensor, back)
+
+
+def _warn_gathered(kind: str, batch: int, cp: int) -> None:
+    reason = (
+        f"the micro-batch of {batch} does not divide by cp={cp}"
+        if batch % cp
+        else "an input besides its (batch, sequence, ...) ones has the batch dimension"
+    )
+    warnings.warn(
+        f"context parallelism runs {kind} on the whole gathered micro-batch on each of the {cp} ranks ({reason}): "
+        f"exact, but its compute and the activations inside it are not divided by {cp}. With a micro-batch "
+        f"divisible by {cp} (and only (batch, sequence, ...) inputs) each rank runs it on batch / {cp} whole rows.",
+        stacklevel=3,
+    )
 
 
 def _seq(tensor: torch.Tensor, length: int) -> bool:
