@@ -10,6 +10,11 @@ from lightning_llm._compat.registry import Private, register
 CHECKED = "torch 2.13.0"
 
 
+def _cuda_flash(query: torch.Tensor) -> bool:
+    """Whether CUDA's flash kernel runs ``query`` (fp16/bf16, head dim up to 256); else memory-efficient attention."""
+    return query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+
+
 def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -28,7 +33,7 @@ def attention_with_lse(
             query, key, value, 0.0, is_causal, attn_mask=None, scale=scale
         )
         return out, lse, ()
-    if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+    if _cuda_flash(query):
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, is_causal, False, scale=scale
         )
@@ -44,7 +49,7 @@ def takes_grouped_heads(query: torch.Tensor) -> bool:
     queries (grouped-query attention) as they are: CPU's flash kernel and CUDA's flash kernel do (they are what
     ``scaled_dot_product_attention(enable_gqa=True)`` calls with unrepeated keys and values), the memory-efficient
     kernel does not (SDPA repeats the heads for it). Checked on torch 2.13.0 (CPU, forward and backward)."""
-    return query.device.type == "cpu" or (query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256)
+    return query.device.type == "cpu" or _cuda_flash(query)
 
 
 def attention_with_lse_backward(

@@ -170,7 +170,10 @@ def measure_model_activations(
         if batch_fn
         else torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long, device=device)
     )
-    if documents and not batch_fn:
+    if documents and batch_fn:
+        raise ValueError("measure_model_activations: give documents=True or a batch_fn, not both (batch_fn's batch "
+                         "is used as it is; put the document ids in it).")  # fmt: skip
+    if documents:
         batch = {"input_ids": batch, "document_ids": torch.zeros_like(batch)}
     name, blocks = find_blocks(module)
     step = lambda: module.training_step(batch, 0)  # noqa: E731

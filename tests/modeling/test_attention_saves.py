@@ -85,3 +85,10 @@ def test_the_rings_backward_buffers_by_hand():
     assert call.ring_buffers(1) == 0
     assert call.ring_buffers(2) == (600 + 4 * 100 + 100) // 2
     assert AttentionSaves(total=0, keys_values=200, masked=64, queries=400).ring_buffers(2) == 0  # no ring: gathered
+
+
+def test_documents_and_a_batch_of_ones_own_are_refused_together():
+    from lightning_llm.modeling.activations import measure_model_activations
+
+    with pytest.raises(ValueError, match="documents=True or a batch_fn, not both"):
+        measure_model_activations(nn.Linear(2, 2), micro_batch_size=1, seq_len=8, batch_fn=torch.zeros, documents=True)

@@ -11,9 +11,9 @@ kernel's backward from the *merged* output and log-sum-exp (which makes each blo
 dk/dv travel with it, so after ``C`` hops every rank holds the full gradient of its own keys/values. The blocks run
 SDPA's own kernels (CPU flash; CUDA flash for fp16/bf16, memory-efficient for fp32), which return the log-sum-exp;
 GQA with the key/value heads as they are where the kernel takes them grouped (CPU flash, CUDA flash), else
-repeated to the query heads per block (CUDA's memory-efficient kernel). Those kernels need one head size for queries, keys and values; latent
-attention (DeepSeek's MLA: value heads narrower than query/key heads) is run with the narrower side zero-padded,
-which changes no score and no output column that is kept.
+repeated to the query heads per block (CUDA's memory-efficient kernel). Those kernels need one head size for
+queries, keys and values; latent attention (DeepSeek's MLA: value heads narrower than query/key heads) is run with
+the narrower side zero-padded, which changes no score and no output column that is kept.
 """
 
 from __future__ import annotations
