@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import fields
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -125,7 +126,7 @@ def _grid(rounds: int, steps: int) -> dict | None:
         message = [_ranked(name)]
         dist.broadcast_object_list(message, src=0)
         ranked = message[0]
-        chosen, predicted = _key(ranked[0].layout), {_key(c.layout): c.time.total for c in ranked}
+        chosen, predicted = _key(ranked[0].layout), {_key(c.layout): c.time for c in ranked}
         cells = list(dict.fromkeys([*GRID, *(EXPERT_GRID if MODELS[name] else []), chosen]))
         measured: dict = {cell: [] for cell in cells}
         for _ in range(rounds):
@@ -161,11 +162,15 @@ def main() -> None:
         medians = {cell: statistics.median(times) for cell, (_, times) in cells.items()}
         for cell, (predicted, times) in cells.items():
             mark = " (chosen)" if cell == chosen else ""
-            shown = f"{predicted * 1e3:.0f}" if predicted is not None else "-"
+            shown = f"{predicted.total * 1e3:.0f}" if predicted is not None else "-"
             print(
                 f"| {_label(cell)}{mark} | {shown} | {medians[cell] * 1e3:.0f} "
                 f"({min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}) |"
             )
+        for cell, (predicted, _) in cells.items():
+            if predicted is not None:
+                parts = ", ".join(f"{f.name} {getattr(predicted, f.name) * 1e3:.0f}" for f in fields(predicted))
+                print(f"  {_label(cell)}: {parts}")
         fastest = min(medians, key=medians.get)
         print(f"chosen / fastest measured ({_label(fastest)}): {medians[chosen] / medians[fastest]:.2f}")
 

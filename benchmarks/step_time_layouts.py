@@ -85,8 +85,8 @@ def _measure(name: str, seq_len: int, steps: int) -> float:
 
 
 def _work(name: str, seq_len: int) -> tuple:
-    """(one micro-batch's recorded work on one rank, the layout, the rank's parameters and parameter tensors) of a
-    cell."""
+    """(one micro-batch's recorded work on one rank, the layout, the rank's parameters, parameter tensors and, under
+    expert parallelism, expert parameters) of a cell."""
     from lightning_llm.modeling.experts import expert_count
     from lightning_llm.modeling.op_work import forward_work
     from lightning_llm.parallel.tp.model_plan import planned_shares
@@ -116,7 +116,8 @@ def _work(name: str, seq_len: int) -> tuple:
     params = list(module.parameters())
     experts = sum(p.numel() for m in module.modules() if expert_count(m) for p in m.parameters())
     held = sum(p.numel() for p in params) - experts * (1 - 1 / layout.ep)
-    return work, layout, held / (tp * pp), len(params) / pp
+    rank_experts = experts / layout.ep / (tp * pp) if layout.ep > 1 else 0.0
+    return work, layout, held / (tp * pp), len(params) / pp, rank_experts
 
 
 def _fitted(rates):
@@ -167,8 +168,10 @@ def _grid(rounds: int, steps: int) -> dict | None:
     for _ in range(rounds):  # alternated: each round calibrates, then runs every cell once
         rates = _rates()
         for cell in cells:
-            work, layout, params, tensors = works[cell]
-            predicted = step_time(work, layout, rates, rank_params=params, rank_tensors=tensors).total
+            work, layout, params, tensors, experts = works[cell]
+            predicted = step_time(
+                work, layout, rates, rank_params=params, rank_tensors=tensors, rank_expert_params=experts
+            ).total
             results[cell].append((predicted, _measure(*cell, steps)))
     return results if dist.get_rank() == 0 else None
 

@@ -9,11 +9,14 @@
 
 What a step adds around the work (collectives through DTensor and FSDP2, the optimizer) is in :mod:`.in_step`.
 
-Each is the median of several timed repeats after a warm-up. On CUDA the device is synchronized around each timing.
+Each is the median of several timed repeats after a warm-up; with the ranks of a process group, the mean over a window
+in which every rank runs it. On CUDA the device is synchronized around each timing.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from lightning_llm.planning.step_time import Link, Rates, work_time
 from lightning_llm.planning.work import ForwardWork
 
 _REPEATS = 7
+Timer = Callable[[Callable[[], object], torch.device], float]
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = _REPEATS) -> float:
@@ -43,34 +47,58 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = _REP
     return statistics.median(times)
 
 
+def _concurrent_seconds(fn: Callable[[], object], device: torch.device, group=None, window: float = 0.3) -> float:
+    """Mean seconds of ``fn()`` while every rank of ``group`` runs it too, back to back for about ``window`` seconds
+    after a barrier: what a rank gets of a machine its ranks share. Where ranks outnumber cores (CPU processes) a
+    rank's quickest repeats, timed alone, ran while the others waited, and credited it with cores it does not
+    have in a step; on one device per rank the two agree. Every rank makes the same number of calls (the most any
+    rank's first call asks for), so ``fn`` may hold collectives."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    calls = torch.tensor([max(3, math.ceil(window / max(time.perf_counter() - start, 1e-6)))], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(int(calls.item())):
+        fn()
+        sync()
+    return (time.perf_counter() - start) / int(calls.item())
+
+
 def time_passes(fn: Callable[[], object], device: torch.device) -> float:
     """Median seconds of ``fn()`` (a forward and backward of the model) over a few repeats after warm-up."""
     return _seconds(fn, device, repeats=5)
 
 
-def matmul_rate(tokens: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device) -> float:
+def matmul_rate(
+    tokens: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device, timer: Timer = _seconds
+) -> float:
     """FLOP/s of a ``(tokens, hidden) @ (hidden, width)`` matmul."""
     a = torch.randn(tokens, hidden, dtype=dtype, device=device)
     b = torch.randn(hidden, width, dtype=dtype, device=device)
-    return 2 * tokens * hidden * width / _seconds(lambda: a @ b, device)
+    return 2 * tokens * hidden * width / timer(lambda: a @ b, device)
 
 
-def memory_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> float:
+def memory_bandwidth(numel: int, dtype: torch.dtype, device: torch.device, timer: Timer = _seconds) -> float:
     """Bytes/s of ``x * y`` (two reads and a write) on tensors of ``numel`` elements."""
     x, y = torch.randn(numel, dtype=dtype, device=device), torch.randn(numel, dtype=dtype, device=device)
-    return 3 * x.numel() * x.element_size() / _seconds(lambda: x * y, device)
+    return 3 * x.numel() * x.element_size() / timer(lambda: x * y, device)
 
 
-def fill_bandwidth(numel: int, dtype: torch.dtype, device: torch.device) -> float:
+def fill_bandwidth(numel: int, dtype: torch.dtype, device: torch.device, timer: Timer = _seconds) -> float:
     """Bytes/s of a freshly allocated zero-filled tensor of ``numel`` elements added to another: what autograd does
     for each part of a parameter read in parts (its gradient as a zero-filled whole). At a weight's size the fresh
     allocation's first touch, not the cache, sets the rate (on this project's 2-core CPU host about half of
     :func:`memory_bandwidth`'s)."""
     into = torch.zeros(numel, dtype=dtype, device=device)
-    return 2 * into.numel() * into.element_size() / _seconds(lambda: into.add_(torch.zeros_like(into)), device)
+    return 2 * into.numel() * into.element_size() / timer(lambda: into.add_(torch.zeros_like(into)), device)
 
 
-def op_overhead(device: torch.device, length: int = 64) -> float:
+def op_overhead(device: torch.device, length: int = 64, timer: Timer = _seconds) -> float:
     """Seconds per op of a chain of ``length`` tiny ops run forward and backward, per forward op and its backward
     (3 units: :mod:`.step_time` prices a backward as two forwards)."""
     x = torch.ones(8, device=device, requires_grad=True)
@@ -81,10 +109,10 @@ def op_overhead(device: torch.device, length: int = 64) -> float:
             y = y * 1.0001
         y.sum().backward()
 
-    return _seconds(chain, device) / (3 * length)
+    return timer(chain, device) / (3 * length)
 
 
-def selective_checkpoint_overhead(device: torch.device, length: int = 64) -> float:
+def selective_checkpoint_overhead(device: torch.device, length: int = 64, timer: Timer = _seconds) -> float:
     """Seconds selective checkpointing's dispatch mode adds to each op, per pass (it sees every op of the forward and
     of the recompute): a chain of ``length`` tiny ops checkpointed under torch's selective contexts (every op
     recomputed) against the same chain fully checkpointed."""
@@ -103,10 +131,8 @@ def selective_checkpoint_overhead(device: torch.device, length: int = 64) -> flo
     def contexts():
         return create_selective_checkpoint_contexts(recompute_all)
 
-    full = _seconds(lambda: checkpoint(chain, x, use_reentrant=False).sum().backward(), device)
-    selective = _seconds(
-        lambda: checkpoint(chain, x, use_reentrant=False, context_fn=contexts).sum().backward(), device
-    )
+    full = timer(lambda: checkpoint(chain, x, use_reentrant=False).sum().backward(), device)
+    selective = timer(lambda: checkpoint(chain, x, use_reentrant=False, context_fn=contexts).sum().backward(), device)
     return max(selective - full, 0.0) / (2 * length)
 
 
@@ -124,18 +150,20 @@ def link(group=None, device: torch.device | None = None, sizes: tuple[int, int] 
 
 def calibrate(*, tokens: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device, group=None) -> Rates:
     """Every rate on this machine; ``group`` (an initialized process group, or ``None`` for the default one when
-    initialized) gives the link. Example::
+    initialized) gives the link, and its ranks time the work together (:func:`_concurrent_seconds`). Example::
 
         rates = calibrate(tokens=2048, hidden=4096, width=4096, dtype=torch.bfloat16, device=torch.device("cuda"))
     """
+    shared = dist.is_initialized() and dist.get_world_size(group) > 1
     measured_link = link(group, device) if dist.is_initialized() else Link(float("inf"))
+    timer = functools.partial(_concurrent_seconds, group=group) if shared else _seconds
     return Rates(
-        matmul_flops=matmul_rate(tokens, hidden, width, dtype, device),
-        memory_bandwidth=memory_bandwidth(tokens * hidden, dtype, device),
-        op_overhead=op_overhead(device),
+        matmul_flops=matmul_rate(tokens, hidden, width, dtype, device, timer),
+        memory_bandwidth=memory_bandwidth(tokens * hidden, dtype, device, timer),
+        op_overhead=op_overhead(device, timer=timer),
         link=measured_link,
-        mode_overhead=selective_checkpoint_overhead(device),
-        fill_bandwidth=fill_bandwidth(max(hidden * width * 8, 2**21), dtype, device),
+        mode_overhead=selective_checkpoint_overhead(device, timer=timer),
+        fill_bandwidth=fill_bandwidth(max(hidden * width * 8, 2**21), dtype, device, timer),
         overlap=device.type == "cuda",
     )
 

@@ -7,11 +7,13 @@ more than their collectives: copying gradients into and out of the flat reduce b
 And an optimizer over DTensor parameters pays a subclass dispatch per parameter and op (AdamW over the 39 tensors
 of a 3M-parameter model: 28 ms on CPU, 25 of them with 8-element tensors). Each is timed on a small stand-in (a pair
 of linear layers; AdamW over tensors of two sizes): the collectives' cost per call beyond an isolated collective
-of their bytes, the optimizer's per tensor and per parameter. Every rank of ``mesh`` calls these together.
+of their bytes, the optimizer's per tensor and per parameter. Every rank of ``mesh`` calls these together, and each
+is timed while every rank runs it (``calibration._concurrent_seconds``), as in a step.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import replace
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_llm._compat.torch_distributed import replicate_with_fsdp
-from lightning_llm.planning.calibration import _seconds, link
+from lightning_llm.planning.calibration import _concurrent_seconds, _seconds, link
 from lightning_llm.planning.step_time import Link, Rates
 
 # Collectives per FSDP2 unit and step (one micro-batch), and their ring factors' sum times n/(n-1): ZeRO 0
@@ -67,9 +69,10 @@ def tensor_parallel_link(mesh, tokens: int, hidden: int, width: int, device: tor
 
     n = mesh.size()
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    plain = _seconds(lambda m=_pair(hidden, width, device): m(x).sum().backward(), device)
+    timed = functools.partial(_concurrent_seconds, group=mesh.get_group())
+    plain = timed(lambda m=_pair(hidden, width, device): m(x).sum().backward(), device)
     split = parallelize_module(_pair(hidden, width, device), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    per_collective = (_seconds(lambda: split(x).sum().backward(), device) - plain / n) / 2
+    per_collective = (timed(lambda: split(x).sum().backward(), device) - plain / n) / 2
     extra = per_collective - isolated.all_reduce(tokens * hidden * x.element_size(), n)
     return replace(isolated, call_latency=max(extra, 0.0))
 
@@ -102,9 +105,10 @@ def zero_links(
     pairs = {None: _pair(hidden, width, device, parts)}
     pairs |= {s: _wrapped(s, mesh, hidden, width, device, parts) for s in _ZERO_CALLS}
     times: dict = {stage: [] for stage in pairs}
+    timed = functools.partial(_concurrent_seconds, group=mesh.get_group(), window=0.15)
     for _ in range(rounds):
         for stage, pair in pairs.items():
-            times[stage].append(_seconds(lambda m=pair: m(x).sum().backward(), device, repeats=3))
+            times[stage].append(timed(lambda m=pair: m(x).sum().backward(), device))
     plain, nbytes, links = statistics.median(times[None]), hidden * width * x.element_size(), {}
     for stage, (calls, factor) in _ZERO_CALLS.items():
         extra = (statistics.median(times[stage]) - plain) / 2  # per layer
@@ -126,7 +130,10 @@ def optimizer_costs(device: torch.device, mesh=None, count: int = 32, sizes: tup
             params.append(nn.Parameter(value if mesh is None else distribute_tensor(value, mesh, [Replicate()])))
         for p in params:
             p.grad = torch.ones_like(p)
-        seconds.append(_seconds(torch.optim.AdamW(params, lr=1e-4).step, device, repeats=15))
+        step = torch.optim.AdamW(params, lr=1e-4).step
+        seconds.append(
+            _seconds(step, device, 15) if mesh is None else _concurrent_seconds(step, device, mesh.get_group())
+        )
     per_param = max(seconds[1] - seconds[0], 0.0) / (count * (sizes[1] - sizes[0]))
     return seconds[0] / count - per_param * sizes[0], per_param
 

@@ -185,6 +185,7 @@ def step_time(
     param_bytes: int = 4,
     gather_bytes: int = 4,
     rank_tensors: int = 0,
+    rank_expert_params: float = 0.0,
 ) -> StepTime:
     """Predicted seconds of one optimizer step of ``layout`` (see the module doc).
 
@@ -192,7 +193,8 @@ def step_time(
     applied here). ``rank_params``: parameters this rank holds before ZeRO's sharding (the model over ``tp x pp``).
     ``param_bytes``: bytes per parameter of the optimizer's tensors; ``gather_bytes``: per gathered parameter.
     ``rank_tensors``: parameter tensors this rank's optimizer steps (each costs ``rates.optimizer_per_tensor``).
-    Under expert parallelism ``rank_params`` counts ``1 / ep`` of the experts' parameters.
+    Under expert parallelism ``rank_params`` counts ``1 / ep`` of the experts' parameters, ``rank_expert_params``
+    of them: their units are reduced over the ``dp x cp / ep`` ranks holding the same experts (none at ``ep = dp``).
 
     Example::
 
@@ -215,19 +217,26 @@ def step_time(
     send = rates.link_over(layout.world_size).send(hidden_states)
     sends = 0.0 if pp == 1 else slots * 2 * send  # the forward's output, and backward's gradient
     moe_calls = sum(1 for b in work.routed_bytes if b) if layout.ep > 1 else 0
-    units = (len(work.blocks) + moe_calls) / pp + 1  # FSDP2 units: each block, the root, experts under EP
-    data_parallel = _data_parallel(layout, rates, rank_params, gather_bytes, param_bytes, units)
+    n = layout.dp * cp  # the ranks sharding a parameter; an expert's: those of them holding the same experts
+    dense = rank_params - rank_expert_params
+    data_parallel = _data_parallel(layout, rates, dense, gather_bytes, param_bytes, len(work.blocks) / pp + 1, n)
+    if moe_calls:  # FSDP2 units of their own: each block's experts
+        expert_units, n_experts = moe_calls / pp, n // layout.ep
+        data_parallel += _data_parallel(
+            layout, rates, rank_expert_params, gather_bytes, param_bytes, expert_units, n_experts
+        )
     context_parallel = slots * cp_seconds
     if rates.overlap:  # FSDP's prefetch runs beside all compute, the ring's next hop beside this hop's attention
         attention = slots * 3 * sum(work.attention_flops) / cp / pp / rates.matmul_flops
         data_parallel = max(0.0, data_parallel - compute - recompute)
         context_parallel = max(0.0, context_parallel - attention)
-    shard = layout.dp * cp if layout.zero_stage > 0 else 1
+    shard = n if layout.zero_stage > 0 else 1
+    stepped = dense / shard + rank_expert_params / max(shard // layout.ep, 1)  # parameters this rank's optimizer steps
     optimizer = rank_tensors * rates.optimizer_per_tensor
     if rates.optimizer_per_param is not None:
-        optimizer += rank_params / shard * rates.optimizer_per_param
+        optimizer += stepped * rates.optimizer_per_param
     else:  # param, grad, 2 moments read and written once
-        optimizer += rank_params / shard * param_bytes * 4 * 2 / rates.memory_bandwidth
+        optimizer += stepped * param_bytes * 4 * 2 / rates.memory_bandwidth
     expert_parallel = slots * ep_seconds / pp
     return StepTime(
         compute, recompute, tensor_parallel, context_parallel, data_parallel, sends, optimizer, expert_parallel
@@ -300,16 +309,16 @@ def _context_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> fl
 
 
 def _data_parallel(
-    layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int, units: float
+    layout: StepLayout, rates: Rates, rank_params: float, gather_bytes: int, param_bytes: int, units: float, n: int
 ) -> float:
-    """Seconds of ZeRO's collectives per step over the ``dp x cp`` ranks sharding each parameter: the bytes of all
-    parameters, in ``units`` collectives of each kind (one per FSDP2 unit).
+    """Seconds of ZeRO's collectives per step over the ``n`` ranks sharding each of ``rank_params`` parameters (the
+    ``dp x cp`` ranks; an expert's, ``dp x cp / ep``): their bytes in ``units`` collectives of each kind (one per
+    FSDP2 unit).
 
     Gradients are reduced once per step where they are whole on every rank (ZeRO 0 accumulates locally and
     all-reduces at the last micro-batch) and under a pipeline schedule (torch's reduces after its last micro-batch,
     parameters kept gathered between micro-batches' backwards); at ZeRO 1-3 without a pipeline each micro-batch
     reduce-scatters, to keep gradients sharded."""
-    n = layout.dp * layout.cp
     if n == 1:
         return 0.0
     gathered, grads = rank_params * gather_bytes, rank_params * param_bytes

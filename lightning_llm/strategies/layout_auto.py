@@ -274,6 +274,7 @@ def _priced(
         rank_params=held / (layout.tp * layout.pp),
         rank_tensors=tensors / layout.pp,
         gather_bytes=2 if "16" in precision else 4,
+        rank_expert_params=footprint.expert_params / layout.ep / (layout.tp * layout.pp) if layout.ep > 1 else 0.0,
     )
     return memory, seconds
 

@@ -134,6 +134,26 @@ def test_expert_parallelism_moves_each_routed_row_by_all_to_all_and_launches_a_s
     assert dense.expert_parallel == 0.0
 
 
+def test_experts_are_reduced_over_the_ranks_that_hold_the_same_experts():
+    """Under expert parallelism each block's experts are an FSDP2 unit over the ``dp / ep`` ranks holding the same
+    experts: at ``ep = dp`` nobody else holds them (no collective), at ``ep = dp / 2`` a pair does."""
+    work = _work()
+    work.routed_bytes = [10**9, 10**9]
+    link = Link(bandwidth=1e9, call_latency=1e-2)
+    rates = Rates(1e9, 1e9, 0.0, link, optimizer_per_param=1e-9)
+    # 4e8 parameters on a rank, 1e8 of them experts (1/ep of the experts), fp32 gradients
+    ep4 = step_time(work, StepLayout(world_size=4, ep=4), rates, rank_params=4e8, rank_expert_params=1e8)
+    dense = 3 * (1e-2 + 2 * 3 / 4 * 12e8 / 3 / 1e9)  # 2 blocks + the root: 3 all-reduces of 1.2 GB / 3 over 4 ranks
+    assert ep4.data_parallel == pytest.approx(dense)
+    ep2 = step_time(work, StepLayout(world_size=4, ep=2), rates, rank_params=4e8, rank_expert_params=1e8)
+    experts = 2 * (1e-2 + 2 * 1 / 2 * 4e8 / 2 / 1e9)  # each block's experts: one all-reduce of 0.2 GB over 2 ranks
+    assert ep2.data_parallel == pytest.approx(dense + experts)
+    zero2 = step_time(
+        work, StepLayout(world_size=4, ep=2, zero_stage=2), rates, rank_params=4e8, rank_expert_params=1e8
+    )
+    assert zero2.optimizer == pytest.approx((3e8 / 4 + 1e8 / 2) * 1e-9)  # each sharded over the ranks holding it
+
+
 def test_a_parameter_read_in_parts_fills_a_whole_gradient_per_part_in_backward():
     work = _work()
     for block in work.blocks:
@@ -204,3 +224,37 @@ def test_the_calibrated_optimizer_cost_predicts_an_adamw_step_of_other_tensors()
         times.append(time.perf_counter() - start)
     predicted = 24 * per_tensor + 24 * 20_000 * per_param
     assert 1 / 1.5 <= predicted / statistics.median(times) <= 1.5
+
+
+def _shared_and_alone() -> tuple[float, float | None]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_llm.planning.calibration import _concurrent_seconds, _seconds
+
+    dist.init_process_group("gloo")
+    a = torch.randn(192, 192)
+    work = lambda: [a @ a for _ in range(30)]  # noqa: E731
+    shared = _concurrent_seconds(work, torch.device("cpu"), window=0.5)
+    dist.barrier()
+    alone = _seconds(work, torch.device("cpu"), repeats=9) if dist.get_rank() == 0 else None  # the others wait
+    dist.barrier()
+    return shared, alone
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_calibration_with_ranks_times_the_work_as_the_ranks_share_the_machine():
+    """Every rank times the same matmuls together (``_concurrent_seconds``): with 4 single-threaded ranks on a host
+    of ``cores`` cores each gets ``min(1, cores / 4)`` of one, so their mean time is ``max(1, 4 / cores)`` times
+    rank 0's alone, while the others wait (within 0.65-1.6x of that: the host is shared; 2.06-2.4 of 2 in 3 runs
+    here). Timing each rank's quickest
+    repeats instead, as one process's calibration does, credited each rank with a core of its own."""
+    import os
+
+    from lightning_llm.testing import run_distributed
+
+    ranks = run_distributed(_shared_and_alone, 4, timeout=100)
+    shared, alone = sum(r[0] for r in ranks) / 4, ranks[0][1]
+    expected = max(1.0, 4 / len(os.sched_getaffinity(0)))
+    assert 0.65 * expected <= shared / alone <= 1.6 * expected, ([r[0] for r in ranks], alone, expected)
