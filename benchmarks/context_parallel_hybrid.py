@@ -7,13 +7,13 @@ Usage::
 The model is Hugging Face's Bamba (4 layers, hidden 128: Mamba-2 in layers 0 and 2 with 8 heads of 32 channels,
 attention in layers 1 and 3 with 4 query / 2 key-value heads; transformers' torch path of Mamba-2), fp32, on 2 gloo
 ranks. Under context parallelism its attention goes by the ring or Ulysses and its Mamba-2 mixers compute on whole
-sequences (``lightning_llm.parallel.cp.gathered``): by batch rows when the micro-batch divides by C, all-gathered
-otherwise.
+sequences (``lightning_llm.parallel.cp.gathered``): by batch rows when the micro-batch divides by C, otherwise on one
+rank each in turn (layer 0's on rank 0, layer 2's on rank 1).
 
 - **Memory** (the longest length): torch's ``MemTracker`` around forward, loss and backward of one micro-batch; the
   peak of the bytes that are not parameters, buffers, gradients or optimizer state, per rank. C = 1 (each rank the
   whole micro-batch, no parallelism), then C = 2 by the ring, at micro-batches of 2 (mixers by batch rows) and 1
-  (mixers on the gathered sequence), and at 1 again with every block fully checkpointed.
+  (each mixer on one rank), and at 1 again with every block fully checkpointed.
 - **Time** (each length, micro-batch 2): one training step (forward, loss, backward, AdamW) for C = 1, C = 2 ring and
   C = 2 Ulysses, alternated in a shuffled order per round after a warm-up step; seconds per step and the ratios
   to C = 1 as median (min, max).

@@ -120,29 +120,52 @@ def _activations_per_mode(
 
     The planner divides activations by the context-parallel size ``cp``; sequence mixers other than attention
     (Mamba, gated delta-net, short convolutions), and blocks that run no attention at all, run on whole sequences
-    under CP, split by batch rows only when the micro-batch divides by ``cp``
-    (:mod:`lightning_llm.parallel.cp.gathered`), else whole on every rank: their bytes are then counted ``cp``
-    times, so that the division leaves them whole. An attention call with a mask keeps the keys and values whole
+    under CP, split by batch rows when the micro-batch divides by ``cp`` (:mod:`lightning_llm.parallel.cp.gathered`),
+    else whole on one rank, successive blocks' on successive ranks (:mod:`lightning_llm.parallel.cp.owner`): their
+    owner counts them ``cp`` times (so that the division leaves them whole), the others not at all, and the plan is
+    the largest rank's. An attention call with a mask keeps the keys and values whole
     and a mask per query chunk (:meth:`~lightning_llm.modeling.attention_saves.AttentionSaves.per_rank`): counted
     the same way, as ``cp`` times a rank's bytes, in every mode's block running backward and without checkpointing.
     Under the ring (``method``), the buffers its backward allocates for one call (``ring_buffers``) are added to the
     peak, once: one block's backward runs at a time. Ulysses' all-to-all buffers were not seen in the measured peak.
     """
-    whole = cp - 1 if micro_batch_size % cp else 0  # the gathered part's extra copies, before the division by cp
-    saved = [s.saved + whole * s.gathered + _masked_attention(s, cp) for s in sizes]
     inputs = [s.input for s in sizes]
     policies = block_policies("selective", range(len(sizes)), options.selective, options.every_n_layers)
-    op = [s.saved if s.op is None else s.op + whole * (s.op if not s.attends else s.mixers) for s in sizes]
-    kept = {"none": saved, "full": inputs, "op": op}
-    selective = [kept[policy][i] for i, policy in enumerate(policies)]
     around = sizes.outside  # the embedding's output, the head's input and the logits the loss keeps, in every mode
     if method == "ring":
         around += cp * max((call.ring_buffers(cp) for s in sizes for call in s.attention), default=0)
-    return (
-        around + predicted_peak(saved, saved),
-        around + predicted_peak(saved, inputs),
-        around + predicted_peak(saved, selective),
-    )
+    peaks = [0, 0, 0]
+    for owned in _mixer_owners(sizes, cp, micro_batch_size):
+        saved = [s.saved + _gathered(s.gathered, cp, own) + _masked_attention(s, cp) for s, own in zip(sizes, owned)]
+        op = [
+            s.saved if s.op is None else s.op + _gathered(s.op if not s.attends else s.mixers, cp, own)
+            for s, own in zip(sizes, owned)
+        ]
+        kept = {"none": saved, "full": inputs, "op": op}
+        selective = [kept[policy][i] for i, policy in enumerate(policies)]
+        for mode, held in enumerate((saved, inputs, selective)):
+            peaks[mode] = max(peaks[mode], around + predicted_peak(saved, held))
+    return tuple(peaks)
+
+
+def _mixer_owners(sizes, cp: int, micro_batch_size: int) -> list[list[bool | None]]:
+    """Per CP rank, per block: whether the rank runs the block's gathered part whole (its owner), ``None`` where
+    it is split by batch rows (or there is none). Successive blocks with such a part have successive owners."""
+    if cp == 1 or micro_batch_size % cp == 0:
+        return [[None] * len(sizes)]
+    ranks, k = [[None] * len(sizes) for _ in range(cp)], 0
+    for i, block in enumerate(sizes):
+        if block.gathered:
+            for r in range(cp):
+                ranks[r][i] = r == k % cp
+            k += 1
+    return ranks
+
+
+def _gathered(nbytes: int, cp: int, owner: bool | None) -> int:
+    """What a gathered part adds to a block's bytes before the division by ``cp``: its owner holds it whole (``cp``
+    times its share), the others nothing of it."""
+    return 0 if owner is None else (cp - 1) * nbytes if owner else -nbytes
 
 
 def _masked_attention(sizes, cp: int) -> int:

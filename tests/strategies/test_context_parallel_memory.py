@@ -73,14 +73,14 @@ HYBRID_SEQ = 1024
 
 
 class _Hybrid(torch.nn.Module):
-    """Hugging Face's Bamba: a Mamba-2 layer (8 heads of 32 channels), then an attention layer; hidden 128."""
+    """Hugging Face's Bamba: Mamba-2 layers (8 heads of 32 channels) with attention layers between; hidden 128."""
 
     def __init__(self) -> None:
         super().__init__()
         from transformers import BambaConfig, BambaForCausalLM
 
         config = BambaConfig(
-            vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, attn_layer_indices=[1],
+            vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=4, attn_layer_indices=[1, 3],
             num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2,
             mamba_d_state=16, mamba_chunk_size=256, max_position_embeddings=HYBRID_SEQ,
         )  # fmt: skip
@@ -130,21 +130,26 @@ def _hybrid_layouts() -> dict:
 @pytest.mark.timeout(300)
 def test_a_hybrids_planned_activations_per_rank_match_the_measured_under_cp():
     """Mamba-2 mixers, and the Mamba-only block around one (it runs no attention), run on whole sequences under CP:
-    by batch rows with a micro-batch of 2 (1/C per rank), all-gathered with a micro-batch of 1 (whole on every
-    rank). The plan (``model_footprint(cp=...)`` on fake tensors, divided by C as the planner divides) against
-    torch's MemTracker on 2 gloo ranks, within 5%. Measured: micro-batch 2, 119.5 -> 60.2 MiB per rank (0.50;
-    planned 116.9 -> 62.7, the attention layer's ring buffers included); micro-batch 1, 59.9 -> 52.9 MiB (0.88;
-    planned 58.5 -> 55.2), where a plan counting only the mixer whole said 49.9 (5.7% under) and one splitting
-    everything C ways 29.3."""
+    by batch rows with a micro-batch of 2, on one rank each in turn with a micro-batch of 1 (layer 0's on rank 0,
+    layer 2's on rank 1). The plan (``model_footprint(cp=...)`` on fake tensors, divided by C as the planner
+    divides; the largest rank's) against torch's MemTracker on 2 gloo ranks: within 5%, and with a micro-batch of 1
+    at cp2 within 15% (the owner's backward through its whole-sequence mixer allocates temporaries the plan does
+    not count). Each rank keeps under 0.65 of one process's activations at a micro-batch of 1 (measured 0.57 and
+    0.59, planned 0.51), where all-gathered mixers kept 0.88."""
     from lightning_llm.strategies.zero_auto import model_footprint
 
     ranks = run_distributed(_hybrid_layouts, 2, timeout=280)
-    for (cp, micro_batch), measured in ranks[0].items():
+    errors = {}
+    for cp, micro_batch in ranks[0]:
         planned = model_footprint(_Hybrid(), micro_batch_size=micro_batch, seq_len=HYBRID_SEQ, cp=cp).activations / cp
+        largest = max(r[(cp, micro_batch)] for r in ranks)
+        errors[(cp, micro_batch)] = planned / largest - 1
         print(f"cp {cp}, micro-batch {micro_batch}: planned {planned / 2**20:.1f} MiB, measured "
-              f"{[r[(cp, micro_batch)] / 2**20 for r in ranks]} MiB per rank")  # fmt: skip
-        assert abs(planned / measured - 1) < 0.05, (cp, micro_batch, planned, measured)
-    assert ranks[0][(2, 1)] / ranks[0][(1, 1)] > 0.8  # the gathered mixer dominates: far from 1/2
+              f"{[round(r[(cp, micro_batch)] / 2**20, 1) for r in ranks]} MiB per rank")  # fmt: skip
+    for (cp, micro_batch), error in errors.items():
+        assert abs(error) < (0.15 if (cp, micro_batch) == (2, 1) else 0.05), (cp, micro_batch, error)
+    for rank in ranks:
+        assert rank[(2, 1)] / rank[(1, 1)] < 0.65, rank
 
 
 WINDOW_SEQ, WINDOW = 1024, 256

@@ -51,7 +51,12 @@ LAYOUTS = {
     "cp2_tp2_sp": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
     "cp2_pp2": (4, {"context_parallel_size": 2, "pipeline_parallel_size": 2}),  # ZeRO-3 over each stage's CP pair
     "dp2_cp2_zero3": (4, {"context_parallel_size": 2}),  # 2 data-parallel replicas, FSDP over dp_shard_cp = 4
+    # Micro-batches of one sequence (4 accumulated per step): a hybrid's mixers run whole on one rank each in turn.
+    "cp2_mb1": (2, {"context_parallel_size": 2, "zero_stage": 0}),
+    "cp2_zero3_mb1": (2, {"context_parallel_size": 2}),
+    "cp2_zero3_full_ac_mb1": (2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
 }
+_harness.ACCUMULATE.update({"cp2_mb1": 4, "cp2_zero3_mb1": 4, "cp2_zero3_full_ac_mb1": 4})
 MODELS = ["llama", "gpt_neox", "reference"]
 # Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
 # window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
@@ -62,9 +67,9 @@ LATENT = {"deepseek_v3_mla": ["cp2", "cp2_ulysses_zero3"]}
 # Ulysses. Falcon-H1 (Mamba-2 beside attention in every block), Bamba (Mamba-2 layers between attention layers),
 # Qwen3-Next (gated delta-net layers, MoE) and Jamba (Mamba layers, MoE).
 HYBRID = {
-    "falcon_h1": ["cp2", "cp2_ulysses_zero3", "cp2_tp2_sp"],  # SP: the mixer's input is a DTensor over tp
-    "bamba": ["cp2_zero3", "cp2_pp2"],
-    "qwen3_next": ["cp2_ulysses_zero3"],
+    "falcon_h1": ["cp2", "cp2_ulysses_zero3", "cp2_tp2_sp", "cp2_zero3_mb1"],  # SP: the mixer's input is a DTensor
+    "bamba": ["cp2_zero3", "cp2_pp2", "cp2_zero3_full_ac_mb1"],
+    "qwen3_next": ["cp2_ulysses_zero3", "cp2_mb1"],
     "jamba": ["cp2_zero3_ac"],
 }
 # Positions computed inside the forward (no position_ids): litgpt slices its cached rotary table as cos[:T].
@@ -73,7 +78,10 @@ ONE_MODEL = {
     "cp2_auto": ["llama"],
     "cp2_tp2_sp": ["llama", "reference"],
     "cp2_pp2": ["llama", "reference"],
-}  # layouts trained on fewer models
+    "cp2_mb1": [],
+    "cp2_zero3_mb1": [],
+    "cp2_zero3_full_ac_mb1": [],
+}  # layouts trained on fewer models (the micro-batch-1 ones on hybrids only)
 CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
 CASES += [(layout, name) for name, layouts in {**MASKED, **LATENT, **HYBRID, **POSITIONS}.items() for layout in layouts]
 STEPS = _parity.STEPS  # 10 optimizer steps for every model (the zoo's default is 4)
@@ -110,7 +118,10 @@ def _train(name: str, layout: str | None, root: Path):
     dp = devices // kwargs["context_parallel_size"] // model_parallel
     strategy = LLMParallelStrategy(**kwargs) if layout else None
     if not name.startswith("reference"):
-        losses, params, differing, planned, _ = _harness.train(name, strategy, devices=devices, dp=dp, steps=STEPS)
+        accumulate = _harness.ACCUMULATE.get(layout, 1)
+        losses, params, differing, planned, _ = _harness.train(
+            name, strategy, devices=devices, dp=dp, steps=STEPS, accumulate=accumulate
+        )
         if planned is not None:  # zero_stage="auto": the stage chosen and the activations it planned per rank
             planned = (strategy.decision.stage, planned)
         return losses, params, differing, planned

@@ -34,6 +34,7 @@ LAYOUTS = {
     "ac_full": (2, {"zero_stage": 3, "activation_checkpointing": "full"}),
     "zero_auto": (2, {"zero_stage": "auto"}),
 }
+ACCUMULATE: dict[str, int] = {}  # layout -> micro-batches per step (each rank's batch split so), where not 1
 
 
 # (model, layout) -> the largest relative per-step loss difference, or "x"; printed by conftest after the run.
@@ -103,11 +104,14 @@ def train(
     dp: int = 1,
     gradient_clip_val: float | None = None,
     steps: int = STEPS,
+    accumulate: int = 1,
 ):
     """(per-step global losses, every parameter merged, names whose copies differ between ranks, planner inputs,
     the largest share of attention / expert parameters any rank holds).
 
     The fourth item is what ``zero_stage="auto"`` planned for: (micro_batch_size, seq_len), or ``None``.
+    ``accumulate``: micro-batches per step (each rank's batch split so); a step's loss is the sum of theirs, which
+    Lightning reports divided by ``accumulate``.
     """
     model = ZooLM(name)
     losses = GlobalLoss()
@@ -117,12 +121,15 @@ def train(
         max_steps=steps,
         callbacks=[losses],
         gradient_clip_val=gradient_clip_val,
+        accumulate_grad_batches=accumulate,
     )
     data = tokens(steps)
     # Lightning gives a distributed run's training loader a shuffling DistributedSampler (seed 0); the
     # single process reads the same permutation, so both see the same global batches.
     sampler = None if strategy is not None else DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
-    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // dp, sampler=sampler))
+    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // dp // accumulate, sampler=sampler))
+    if accumulate > 1:
+        losses.losses = [sum(losses.losses[i : i + accumulate]) for i in range(0, len(losses.losses), accumulate)]
     if strategy is None:
         return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, [], None, {}
     shares = [None] * dist.get_world_size()
@@ -159,8 +166,9 @@ def train_zoo(layouts: list[str], models: list[str], every_rank: bool = False, s
         results[layout] = {}
         for name in models:
             try:
+                strategy, accumulate = LLMParallelStrategy(**kwargs), ACCUMULATE.get(layout, 1)
                 results[layout][name] = train(
-                    name, LLMParallelStrategy(**kwargs), devices=world_size, dp=dp, steps=steps
+                    name, strategy, devices=world_size, dp=dp, steps=steps, accumulate=accumulate
                 )
             except Exception as error:
                 results[layout][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"

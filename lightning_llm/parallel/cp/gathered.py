@@ -10,10 +10,10 @@ brought there by hooks on it (nothing on the module changes) in one of two ways,
   ``c·B/C ... (c+1)·B/C - 1`` (Ulysses' exchange, over the batch instead of the heads, which a mixer's input
   projection mixes), and a second returns each output to its zig-zag shard. Compute, activations and traffic
   stay 1/C, as for attention;
-- **all-gathered** otherwise (a micro-batch of one, or an input with the batch dimension but no sequence): every
-  rank runs the module on the whole batch and keeps its zig-zag positions of the output; gradients reach each input
-  position from every rank's outputs (:func:`~.collectives.gather_sequence`). That costs C times the module's compute
-  and the whole sequence's activations inside it; the rest of the model keeps 1/C. A warning says so at its first
+- **on one rank in turn** otherwise (a micro-batch of one, or an input with the batch dimension but no sequence):
+  the module's owner gathers the whole batch's sequences, runs it and sends each rank its positions of the output
+  (:mod:`.owner`); the mixers of successive blocks are owned by successive ranks, so each rank keeps the activations
+  of 1/C of them, whole. The compute is not divided (the other ranks wait). A warning says so at its first
   forward (once per module type and micro-batch).
 
 Inputs shaped like the block's hidden states (batch, seq / C, ...) are brought to whole sequences (one with a
@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_llm.modeling.structure import is_sequence_conv
 from lightning_llm.parallel.cp.collectives import all_to_all, gather_sequence
 from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global, zigzag_positions
+from lightning_llm.parallel.cp.owner import STAND_IN_LENGTH, from_owner, leaves, plain, to_owner
 from lightning_llm.parallel.cp.positions import cp_own_code
 
 _GATHERED: ContextVar[bool] = ContextVar("lightning_llm_cp_gathered", default=False)
@@ -109,10 +110,11 @@ def gathered_mixers(names: list[str], blocks: list[nn.Module], attends: set[str]
 
 
 class _WholeSequences:
-    """The hooks of one module run on whole sequences: how its inputs got there, undone on its outputs."""
+    """The hooks of one module run on whole sequences: how its inputs got there, undone on its outputs.
+    ``owner``: the rank that runs it when it cannot split by batch rows (:mod:`.owner`)."""
 
-    def __init__(self, cp: CPGroup) -> None:
-        self.cp, self.calls = cp, []
+    def __init__(self, cp: CPGroup, owner: int) -> None:
+        self.cp, self.owner, self.calls = cp, owner, []
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict):
         hidden = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
@@ -123,40 +125,60 @@ class _WholeSequences:
             )
         batch, local = hidden.shape[:2]
         split = _splits_by_batch(batch, local, self.cp.size, (args, kwargs))
-        if not split:
-            _warn_gathered(type(module).__name__, batch, self.cp.size)
         # Under sequence parallelism the hidden states are DTensors over the TP ranks: the module runs whole there
         # too (tensor parallelism keeps these mixers whole), and its outputs go back to the input's placements.
         layout = (hidden.device_mesh, hidden.placements) if isinstance(hidden, DTensor) else None
+        if split:
+            args, kwargs = apply_to_collection((args, kwargs), torch.Tensor, self._by_rows(batch, local))
+            stand_ins = None
+        else:
+            _warn_gathered(type(module).__name__, batch, self.cp.size, self.owner)
+            args, kwargs, stand_ins = self._to_owner((args, kwargs), local)
+        own = cp_own_code()  # positions it computes are over whole sequences: not watched
+        own.__enter__()
+        rows = batch // self.cp.size if split else None
+        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own, stand_ins))
+        return args, kwargs
 
+    def _by_rows(self, batch: int, local: int):
         def whole(t: torch.Tensor) -> torch.Tensor:
             if not _seq(t, local):
                 return t
             t = t.full_tensor() if isinstance(t, DTensor) else t
-            if split and t.shape[0] == batch:
+            if t.shape[0] == batch:
                 return _to_batch_shard(t, self.cp)
-            return gather_sequence(t, self.cp, dim=1, backward="sum")
+            return gather_sequence(t, self.cp, dim=1, backward="sum")  # broadcast over the batch: all rows use it
 
-        args, kwargs = apply_to_collection((args, kwargs), torch.Tensor, whole)
-        own = cp_own_code()  # positions it computes are over whole sequences: not watched
-        own.__enter__()
-        rows = batch // self.cp.size if split else None
-        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own))
-        return args, kwargs
+        return whole
+
+    def _to_owner(self, inputs: tuple, local: int):
+        """``inputs`` with their sequence tensors whole on the owner, their first positions elsewhere; and the
+        stand-ins the backward reaches this rank's inputs through."""
+        shards = [t for t in leaves(inputs) if _seq(t, local)]
+        wholes = to_owner(shards, self.cp, self.owner)
+        if self.cp.rank != self.owner:
+            wholes, stand_ins = [plain(t)[:, :STAND_IN_LENGTH] for t in shards], wholes
+        else:
+            stand_ins = []
+        supply = iter(wholes)
+        args, kwargs = apply_to_collection(inputs, torch.Tensor, lambda t: next(supply) if _seq(t, local) else t)
+        return args, kwargs, stand_ins
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        rows, length, layout, flag, own = self.calls.pop()
+        rows, length, layout, flag, own, stand_ins = self.calls.pop()
         own.__exit__(None, None, None)
         _GATHERED.reset(flag)
-        keep = zigzag_positions(length, self.cp.size, self.cp.rank)
+        local = length // self.cp.size
+        if rows is None:
+            output = from_owner(output, length, self.cp, self.owner, stand_ins)
 
         def back(t: torch.Tensor) -> torch.Tensor:
-            if not _seq(t, length):
+            if rows is not None:
+                if not _seq(t, length):
+                    return t
+                t = _to_sequence_shard(t, self.cp) if t.shape[0] == rows else t.index_select(1, _own(self.cp, t))
+            elif not _seq(t, local):
                 return t
-            if rows is not None and t.shape[0] == rows:
-                t = _to_sequence_shard(t, self.cp)
-            else:
-                t = t.index_select(1, keep.to(t.device))
             if layout is None or isinstance(t, DTensor):
                 return t
             mesh, placements = layout
@@ -167,15 +189,20 @@ class _WholeSequences:
         return apply_to_collection(output, torch.Tensor, back)
 
 
-def _warn_gathered(kind: str, batch: int, cp: int) -> None:
+def _own(cp: CPGroup, t: torch.Tensor) -> torch.Tensor:
+    return zigzag_positions(t.shape[1], cp.size, cp.rank, t.device)
+
+
+def _warn_gathered(kind: str, batch: int, cp: int, owner: int) -> None:
     reason = (
         f"the micro-batch of {batch} does not divide by cp={cp}"
         if batch % cp
         else "an input besides its (batch, sequence, ...) ones has the batch dimension"
     )
     warnings.warn(
-        f"context parallelism runs {kind} on the whole gathered micro-batch on each of the {cp} ranks ({reason}): "
-        f"exact, but its compute and the activations inside it are not divided by {cp}. With a micro-batch "
+        f"context parallelism runs {kind} on the whole gathered micro-batch on one rank ({reason}; rank {owner} "
+        f"for this one, the mixers of successive blocks in turn): exact, and each rank keeps the activations of "
+        f"1/{cp} of such mixers, but its compute is not divided by {cp} (the other ranks wait). With a micro-batch "
         f"divisible by {cp} (and only (batch, sequence, ...) inputs) each rank runs it on batch / {cp} whole rows.",
         stacklevel=3,
     )
@@ -219,9 +246,10 @@ def gather_mixers(mixers: list[GatheredMixer], cp: CPGroup) -> list[RemovableHan
 
         gather_mixers(gathered_mixers(names, blocks, traced.attends), cp)
     """
-    handles = []
+    handles, owners = [], {}
     for mixer in mixers:
-        hooks = _WholeSequences(cp)
+        block = mixer.name if mixer.whole_block else mixer.name.rpartition(".")[0]
+        hooks = _WholeSequences(cp, owners.setdefault(block, len(owners) % cp.size))
         handles.append(mixer.module.register_forward_pre_hook(hooks.enter, with_kwargs=True))
         handles.append(mixer.module.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True))
     return handles
