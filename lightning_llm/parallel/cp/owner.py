@@ -25,6 +25,11 @@ from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global, zigzag
 STAND_IN_LENGTH = 2  # positions of its own shard a rank other than the owner runs the module on
 
 
+def _global(cp: CPGroup, rank: int) -> int:
+    """The default group's rank of ``cp``'s rank ``rank`` (collectives' ``src``/``dst`` on every supported torch)."""
+    return rank if cp.group is None else dist.get_global_rank(cp.group, rank)
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor (a DTensor's whole value; differentiable)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -40,7 +45,7 @@ class _ToOwner(torch.autograd.Function):
         outputs = []
         for shard in (s.contiguous() for s in shards):
             parts = [torch.empty_like(shard) for _ in range(cp.size)] if cp.rank == owner else None
-            dist.gather(shard, parts, group=cp.group, group_dst=owner)
+            dist.gather(shard, parts, group=cp.group, dst=_global(cp, owner))
             if parts is None:
                 outputs.append(shard.new_empty(0))
                 continue
@@ -60,7 +65,7 @@ class _ToOwner(torch.autograd.Function):
             if cp.rank == owner:
                 positions = (zigzag_positions(grad.shape[1], cp.size, r, grad.device) for r in range(cp.size))
                 parts = [grad.index_select(1, p).contiguous() for p in positions]
-            dist.scatter(local, parts, group=cp.group, group_src=owner)
+            dist.scatter(local, parts, group=cp.group, src=_global(cp, owner))
             returned.append(local)
         return None, None, *returned
 
@@ -84,10 +89,10 @@ class _FromOwner(torch.autograd.Function):
                 if leaf is not None:
                     positions = (zigzag_positions(shape[1], cp.size, r, device) for r in range(cp.size))
                     parts = [leaf.index_select(1, p).contiguous() for p in positions]
-                dist.scatter(local, parts, group=cp.group, group_src=owner)
+                dist.scatter(local, parts, group=cp.group, src=_global(cp, owner))
             else:
                 local = leaf.clone() if leaf is not None else torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(local, group=cp.group, group_src=owner)
+                dist.broadcast(local, group=cp.group, src=_global(cp, owner))
             outputs.append(local)
         return tuple(outputs)
 
@@ -101,13 +106,13 @@ class _FromOwner(torch.autograd.Function):
             grad = grad.contiguous()
             if kind == "seq":
                 parts = [torch.empty_like(grad) for _ in range(cp.size)] if cp.rank == owner else None
-                dist.gather(grad, parts, group=cp.group, group_dst=owner)
+                dist.gather(grad, parts, group=cp.group, dst=_global(cp, owner))
                 if parts is not None:
                     joined = torch.cat(parts, dim=1)
                     whole.append(joined.index_select(1, gathered_to_global(shape[1], cp.size, grad.device)))
             else:
                 grad = grad.clone()
-                dist.reduce(grad, group=cp.group, group_dst=owner)
+                dist.reduce(grad, group=cp.group, dst=_global(cp, owner))
                 whole.append(grad)
         if cp.rank != owner:  # the stand-ins: zero gradients, so that the module's parameters get zeros
             whole = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs]
@@ -150,7 +155,7 @@ def from_owner(output, length: int, cp: CPGroup, owner: int, stand_ins: list[tor
     if cp.rank == owner:
         spec = [[("seq" if t.dim() >= 2 and t.shape[1] == length else "whole", tuple(t.shape), t.dtype)
                  for t in own]]  # fmt: skip
-    dist.broadcast_object_list(spec, group=cp.group, group_src=owner)
+    dist.broadcast_object_list(spec, group=cp.group, src=_global(cp, owner))
     if len(own) != len(spec[0]):
         raise RuntimeError(
             f"context parallelism runs a sequence mixer on rank {owner} for the whole sequence and on the others on "
