@@ -55,8 +55,9 @@ LAYOUTS = {
     "cp2_mb1": (2, {"context_parallel_size": 2, "zero_stage": 0}),
     "cp2_zero3_mb1": (2, {"context_parallel_size": 2}),
     "cp2_zero3_full_ac_mb1": (2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
+    "cp2_tp2_sp_mb1": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
 }
-_harness.ACCUMULATE.update({"cp2_mb1": 4, "cp2_zero3_mb1": 4, "cp2_zero3_full_ac_mb1": 4})
+_harness.ACCUMULATE.update({"cp2_mb1": 4, "cp2_zero3_mb1": 4, "cp2_zero3_full_ac_mb1": 4, "cp2_tp2_sp_mb1": 4})
 MODELS = ["llama", "gpt_neox", "reference"]
 # Attention with a mask by global position, on the 2-rank layouts with one data-parallel rank: Mistral's sliding
 # window (8 of the zoo's 16 tokens) and the reference model on packed documents (document_ids from a token file).
@@ -67,7 +68,13 @@ LATENT = {"deepseek_v3_mla": ["cp2", "cp2_ulysses_zero3"]}
 # Ulysses. Falcon-H1 (Mamba-2 beside attention in every block), Bamba (Mamba-2 layers between attention layers),
 # Qwen3-Next (gated delta-net layers, MoE) and Jamba (Mamba layers, MoE).
 HYBRID = {
-    "falcon_h1": ["cp2", "cp2_ulysses_zero3", "cp2_tp2_sp", "cp2_zero3_mb1"],  # SP: the mixer's input is a DTensor
+    "falcon_h1": [
+        "cp2",
+        "cp2_ulysses_zero3",
+        "cp2_tp2_sp",
+        "cp2_zero3_mb1",
+        "cp2_tp2_sp_mb1",
+    ],  # SP: the mixer's input is a DTensor
     "bamba": ["cp2_zero3", "cp2_pp2", "cp2_zero3_full_ac_mb1"],
     "qwen3_next": ["cp2_ulysses_zero3", "cp2_mb1"],
     "jamba": ["cp2_zero3_ac"],
@@ -81,6 +88,7 @@ ONE_MODEL = {
     "cp2_mb1": [],
     "cp2_zero3_mb1": [],
     "cp2_zero3_full_ac_mb1": [],
+    "cp2_tp2_sp_mb1": [],
 }  # layouts trained on fewer models (the micro-batch-1 ones on hybrids only)
 CASES = [(layout, name) for layout in LAYOUTS for name in ONE_MODEL.get(layout, MODELS)]
 CASES += [(layout, name) for name, layouts in {**MASKED, **LATENT, **HYBRID, **POSITIONS}.items() for layout in layouts]

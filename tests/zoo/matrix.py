@@ -79,6 +79,7 @@ COLUMNS = {  # layout names of the test modules -> table column
     "cp2_ulysses_zero3": "CP2 Ulysses",
     "cp2_tp2": "CP2×tp2",
     "cp2_tp2_sp": "CP2×tp2",
+    "cp2_tp2_sp_mb1": "CP2×tp2",
     "cp2_pp2": "CP2×pp2",
     # expert parallelism (tests/strategies/test_expert_parallel_parity.py)
     "ep2_zero0": "EP2",
