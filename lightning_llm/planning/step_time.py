@@ -15,11 +15,13 @@ on fake tensors with the rank's tensor-parallel share). The model, per rank and 
   splits all-gather under sequence parallelism, and their backward mirrors), on the critical path;
 * **context parallelism**: the ring passes each rank's keys and values ``cp - 1`` times per attention call, twice
   that in backward;
-* **ZeRO** (FSDP2 over ``dp x cp`` ranks, one collective per unit: each block and the root): stage 3 all-gathers the
+* **ZeRO** (FSDP2 over ``dp x cp`` ranks, one collective per unit: each block and the root; under expert parallelism
+  each block's experts too, over the ``dp x cp / ep`` ranks holding them): stage 3 all-gathers the
   parameters in forward and again in backward, stage 2 once; stages 1-3 reduce-scatter the gradients, stage 0
   all-reduces them; where the device overlaps
   communication with compute (CUDA streams), only what exceeds the compute is exposed;
-* **expert parallelism** (``ep`` ranks of the data-parallel group share each MoE layer's experts): each MoE call
+* **expert parallelism** (``ep`` ranks of the data-parallel group share each MoE layer's experts;
+  :mod:`.expert_time`): each MoE call
   sends its routed rows (one per token and chosen expert) to their experts' ranks and back, ``(ep - 1) / ep`` of them
   off the rank, by all-to-all (a small exchange of counts first); backward does the two data exchanges again, and a
   fully checkpointed block's recompute the forward's. A rank launches ``1 / ep`` of the experts' ops (the experts'
@@ -38,7 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_llm.planning.work import ForwardWork, Work
+from lightning_llm.planning.expert_time import expert_parallel_costs
+from lightning_llm.planning.work import ForwardWork, Work, summed
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,8 @@ def step_time(
         step_time(work, StepLayout(world_size=2, zero_stage=3), rates, rank_params=124e6).total
     """
     m, cp, pp = layout.micro_batches, layout.cp, layout.pp
-    blocks, outside = _summed(work.blocks), work.outside
-    launches, ep_seconds = _expert_parallel(work, layout, rates)
+    blocks, outside = summed(work.blocks), work.outside
+    launches, ep_seconds = expert_parallel_costs(work, layout, rates)
     stage_forward = (work_time(blocks, rates, 1 / cp) + launches) / pp + work_time(outside, rates, 1 / cp)
     recomputed_launches = launches if layout.activation_checkpointing == "full" else 0.0
     stage_recompute = (_recompute(blocks, layout.activation_checkpointing, rates, 1 / cp) + recomputed_launches) / pp
@@ -243,13 +246,6 @@ def step_time(
     )
 
 
-def _summed(parts: list[Work]) -> Work:
-    total = Work()
-    for part in parts:
-        total += part
-    return total
-
-
 def _recompute(blocks: Work, policy: str, rates: Rates, share: float) -> float:
     if policy == "full":
         return work_time(blocks, rates, share)
@@ -275,28 +271,9 @@ def _backward_fills(work: ForwardWork, layout: StepLayout) -> float:
     parts gets each part's gradient as a zero-filled whole (this rank's shard of it). An experts module's stacked
     weights are split by expert under tp or ep: a rank reads ``1 / (tp ep)`` of the experts, each of a weight
     ``1 / (tp ep)`` the size."""
-    blocks, experts = _summed(work.blocks).backward_bytes, _summed(work.experts).backward_bytes
+    blocks, experts = summed(work.blocks).backward_bytes, summed(work.experts).backward_bytes
     split = layout.tp * layout.ep
     return (experts / split**2 + (blocks - experts) / layout.tp) / layout.pp + work.outside.backward_bytes / layout.tp
-
-
-DISPATCH_OPS = 20  # ops expert parallelism adds per MoE call and forward: sorting, counting, indexing, weighting
-
-
-def _expert_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> tuple[float, float]:
-    """(seconds one forward's launches change by, seconds of the all-to-alls of a forward and backward) of one
-    micro-batch's MoE calls on one rank under ``layout.ep``."""
-    ep = layout.ep
-    if ep == 1:
-        return 0.0, 0.0
-    calls = [b for b in work.routed_bytes if b]
-    fewer = (1 - 1 / ep) * _summed(work.experts).ops - DISPATCH_OPS * len(calls)
-    # Plain collectives (no DTensor redistribution around them, as tensor parallelism's): the isolated link's cost.
-    link = rates.link_over(ep * layout.tp * layout.cp)
-    exchanges = 4 + (2 if layout.activation_checkpointing == "full" else 0)  # data all-to-alls per call
-    counts = 1 + (layout.activation_checkpointing == "full")
-    seconds = sum(exchanges * link.all_to_all(b, ep) + counts * link.all_to_all(0, ep) for b in calls)
-    return -fewer * rates.op_overhead, seconds
 
 
 def _context_parallel(work: ForwardWork, layout: StepLayout, rates: Rates) -> float:

@@ -78,3 +78,11 @@ class ForwardWork:
         for part in [*self.blocks, self.outside]:
             work += part
         return work
+
+
+def summed(parts: list[Work]) -> Work:
+    """The sum of ``parts`` (an empty :class:`Work` for none)."""
+    total = Work()
+    for part in parts:
+        total += part
+    return total

@@ -12,7 +12,7 @@
 - :mod:`.multihead`: ``nn.MultiheadAttention`` (PyTorch's Transformer layers) through the CP attention;
 - :mod:`.positions`: a learned position table the forward looks up with ``arange(T)`` read at global positions;
 - :mod:`.gathered`: other sequence mixers (Mamba, gated delta-net, short convolutions) run on whole sequences;
-- :mod:`.owner`: ... on one rank at a time where the micro-batch cannot split by rows.
+- :mod:`.owner`: such a mixer run on one rank at a time where the micro-batch cannot split by batch rows.
 """
 
 from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel, refuse_blocks_not_called

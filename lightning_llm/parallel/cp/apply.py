@@ -129,7 +129,7 @@ def _warn_whole_blocks(names: list[str], total: int) -> None:
     if names:
         log.warning(
             f"{names[0]} ({len(names)} of {total} blocks) ran no attention call context parallelism can split "
-            "(scaled_dot_product_attention, nn.MultiheadAttention, Hugging Face's attention functions): each such block runs whole "
-            "on whole sequences (by batch rows, or on one rank each in turn; exact, but its compute is not split). An eager softmax attention in it is split once it calls "
-            "F.scaled_dot_product_attention."
+            "(scaled_dot_product_attention, nn.MultiheadAttention, Hugging Face's attention functions): each such "
+            "block runs whole on whole sequences (by batch rows, or on one rank each in turn; exact, but its compute "
+            "is not split). An eager softmax attention in it is split once it calls F.scaled_dot_product_attention."
         )

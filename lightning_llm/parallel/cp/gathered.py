@@ -114,7 +114,7 @@ class _WholeSequences:
     ``owner``: the rank that runs it when it cannot split by batch rows (:mod:`.owner`)."""
 
     def __init__(self, cp: CPGroup, owner: int) -> None:
-        self.cp, self.owner, self.calls = cp, owner, []
+        self.cp, self.owner, self.calls, self.specs = cp, owner, [], {}
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict):
         hidden = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
@@ -137,7 +137,8 @@ class _WholeSequences:
         own = cp_own_code()  # positions it computes are over whole sequences: not watched
         own.__enter__()
         rows = batch // self.cp.size if split else None
-        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own, stand_ins))
+        key = (tuple(hidden.shape), hidden.dtype, module.training, _autocast(hidden.device.type))
+        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own, stand_ins, key))
         return args, kwargs
 
     def _by_rows(self, batch: int, local: int):
@@ -165,12 +166,12 @@ class _WholeSequences:
         return args, kwargs, stand_ins
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        rows, length, layout, flag, own, stand_ins = self.calls.pop()
+        rows, length, layout, flag, own, stand_ins, key = self.calls.pop()
         own.__exit__(None, None, None)
         _GATHERED.reset(flag)
         local = length // self.cp.size
         if rows is None:
-            output = from_owner(output, length, self.cp, self.owner, stand_ins)
+            output = from_owner(output, length, self.cp, self.owner, stand_ins, self.specs, key)
 
         def back(t: torch.Tensor) -> torch.Tensor:
             if rows is not None:
@@ -187,6 +188,11 @@ class _WholeSequences:
             )
 
         return apply_to_collection(output, torch.Tensor, back)
+
+
+def _autocast(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` (``None`` when off): what a module's outputs follow."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _own(cp: CPGroup, t: torch.Tensor) -> torch.Tensor:

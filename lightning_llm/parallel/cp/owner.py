@@ -142,20 +142,27 @@ def to_owner(shards: list[torch.Tensor], cp: CPGroup, owner: int) -> list[torch.
     return list(_ToOwner.apply(cp, owner, *map(plain, shards)))
 
 
-def from_owner(output, length: int, cp: CPGroup, owner: int, stand_ins: list[torch.Tensor]):
+def from_owner(
+    output, length: int, cp: CPGroup, owner: int, stand_ins: list[torch.Tensor], specs: dict | None = None, key=None
+):
     """The owner's ``output`` on every rank: each leaf of the whole ``length`` as this rank's positions, others
     whole. Elsewhere ``output`` is the module's output on the stand-in (its structure), and ``stand_ins`` the
-    tensors the backward's zero gradients go to.
+    tensors the backward's zero gradients go to. The owner sends the leaves' kinds, shapes and dtypes once per
+    ``key`` (the same on every rank: what they follow from, the input's shape and dtype) and ``specs`` keeps them,
+    so that a step does not pickle and broadcast them again (a host sync per call on GPUs).
 
     Example::
 
         out_local = from_owner(mixer(whole), seq_len, cp, owner, stand_ins=tokens)
     """
-    own, spec = [plain(t) for t in leaves(output)], [None]
-    if cp.rank == owner:
-        spec = [[("seq" if t.dim() >= 2 and t.shape[1] == length else "whole", tuple(t.shape), t.dtype)
-                 for t in own]]  # fmt: skip
-    dist.broadcast_object_list(spec, group=cp.group, src=_global(cp, owner))
+    own, spec = [plain(t) for t in leaves(output)], [None if specs is None else specs.get(key)]
+    if spec[0] is None:
+        if cp.rank == owner:
+            spec = [[("seq" if t.dim() >= 2 and t.shape[1] == length else "whole", tuple(t.shape), t.dtype)
+                     for t in own]]  # fmt: skip
+        dist.broadcast_object_list(spec, group=cp.group, src=_global(cp, owner))
+        if specs is not None:
+            specs[key] = spec[0]
     if len(own) != len(spec[0]):
         raise RuntimeError(
             f"context parallelism runs a sequence mixer on rank {owner} for the whole sequence and on the others on "
