@@ -139,7 +139,7 @@ def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
         backend=options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native"),
         margin=options.margin,
         whole_grads=native
-        and cli.trainer.accumulate_grad_batches > 1
+        and (cli.trainer.accumulate_grad_batches > 1 or strategy.pipeline_parallel_size > 1)
         and strategy.accumulation_sync == "last_micro_batch",
     )
 

@@ -147,6 +147,11 @@ def accumulation_sync(model: nn.Module, *, every_micro_batch: bool) -> Iterator[
     try:
         yield
     finally:
-        for unit in units:
-            unit.set_requires_gradient_sync(True, recurse=False)
-            unit.set_requires_all_reduce(True, recurse=False)
+        resume_gradient_sync(units)
+
+
+def resume_gradient_sync(units: list[FSDPModule]) -> None:
+    """Let ``units`` reduce their gradients again (the next backward reduces what they accumulated)."""
+    for unit in units:
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_requires_all_reduce(True, recurse=False)

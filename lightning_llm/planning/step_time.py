@@ -293,19 +293,18 @@ def _data_parallel(
     FSDP2 unit).
 
     Gradients are reduced once per step where they are whole on every rank (ZeRO 0 accumulates locally and
-    all-reduces at the last micro-batch) and under a pipeline schedule (torch's reduces after its last micro-batch,
-    parameters kept gathered between micro-batches' backwards); at ZeRO 1-3 without a pipeline each micro-batch
-    reduce-scatters, to keep gradients sharded."""
+    all-reduces at the last micro-batch); at ZeRO 1-3 each micro-batch reduce-scatters, to keep gradients sharded,
+    and at ZeRO 3 gathers the parameters for its forward and its backward. A pipeline's micro-batches count as
+    accumulation's do (``accumulation_sync``'s default, :mod:`lightning_llm.strategies.pipelined_steps`)."""
     if n == 1:
         return 0.0
     gathered, grads = rank_params * gather_bytes, rank_params * param_bytes
-    m, link = layout.micro_batches, rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp)
+    m, link = (
+        layout.micro_batches * layout.pipeline_steps,
+        rates.dp_link or rates.link_over(layout.dp * layout.cp * layout.tp),
+    )
     link = (rates.zero_links or {}).get(layout.zero_stage, link)
     if layout.zero_stage == 0:
-        return (layout.pipeline_steps if layout.pp > 1 else 1) * units * link.all_reduce(grads / units, n)
-    if layout.pp > 1:  # per schedule run
-        gathers = layout.pipeline_steps * {1: 1, 2: 1, 3: m + 1}[layout.zero_stage]
-        reductions = layout.pipeline_steps
-    else:
-        gathers, reductions = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m, m
+        return units * link.all_reduce(grads / units, n)
+    gathers, reductions = {1: 1, 2: 1, 3: 2}[layout.zero_stage] * m, m
     return units * (gathers * link.all_gather(gathered / units, n) + reductions * link.all_gather(grads / units, n))

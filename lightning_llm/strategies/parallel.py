@@ -30,7 +30,7 @@ from lightning_llm._compat import lightning_strategies
 from lightning_llm.checkpointing import resumed_settings
 from lightning_llm.data.resume import RESUMED_MID_EPOCH, resume_mid_epoch
 from lightning_llm.parallel.activation_checkpointing import ACOptions
-from lightning_llm.parallel.data_parallel import accumulation_sync, syncs_every_micro_batch
+from lightning_llm.parallel.data_parallel import accumulation_sync
 from lightning_llm.parallel.float8 import precompute_fp8_scales
 from lightning_llm.parallel.init.meta_writes import MetaWrites
 from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
@@ -317,9 +317,12 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     @override
     def block_backward_sync(self):
         """Accumulation (not last) micro-batches: reduce-scatter or skip the reduction, per ``accumulation_sync``."""
-        every = syncs_every_micro_batch(self.options.parallel.accumulation_sync, self.zero_stage)
-        with accumulation_sync(self.model, every_micro_batch=every):
-            yield
+        self.run_state.accumulating = True
+        try:
+            with accumulation_sync(self.model, every_micro_batch=self._syncs_every_micro_batch()):
+                yield
+        finally:
+            self.run_state.accumulating = False
 
     @classmethod
     @override

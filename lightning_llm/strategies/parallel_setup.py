@@ -252,10 +252,16 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         ac_options=planning.ac_options,
         backend="native",
         allow_offload=True,
-        whole_grads=trainer.accumulate_grad_batches > 1 and options.parallel.accumulation_sync == "last_micro_batch",
+        whole_grads=_accumulates(trainer, state) and options.parallel.accumulation_sync == "last_micro_batch",
         **planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len),
     )
     state.zero_stage, state.cpu_offload = decision.stage, decision.offload != "none"
+
+
+def _accumulates(trainer, state: RunState) -> bool:
+    """Whether a step's gradients come from several micro-batches: Lightning's accumulation or a pipeline's."""
+    pipelined = state.parallel_dims.pp > 1 and (state.pipeline.num_microbatches or 1) > 1
+    return trainer.accumulate_grad_batches > 1 or pipelined
 
 
 def log_layout(options: StrategyOptions, state: RunState) -> None:

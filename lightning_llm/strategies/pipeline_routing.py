@@ -12,6 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_llm.parallel.data_parallel import syncs_every_micro_batch
 from lightning_llm.strategies.pipelined_steps import PipelinedSteps
 from lightning_llm.strategies.run_state import RunState
 
@@ -28,7 +29,12 @@ class PipelineStepHooksMixin(ModelParallelStrategy):
         if steps is None:
             return super().training_step(*args, **kwargs)
         batch, index = batch_and_index(args, kwargs)
-        return training_step(steps, self.lightning_module, self.precision_plugin, batch, index)
+        every = None if self.run_state.accumulating else self._syncs_every_micro_batch()
+        return training_step(steps, self.lightning_module, self.precision_plugin, batch, index, every)
+
+    def _syncs_every_micro_batch(self) -> bool:
+        """Whether micro-batches before an optimizer step's last reduce their gradients (``accumulation_sync``)."""
+        return syncs_every_micro_batch(self.options.parallel.accumulation_sync, self.zero_stage)
 
     @override
     def validation_step(self, *args, **kwargs):
@@ -63,12 +69,15 @@ def batch_and_index(args: tuple, kwargs: dict) -> tuple:
     return args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
 
 
-def training_step(steps: PipelinedSteps, module, precision: Precision, batch, batch_idx: int):
-    """One optimizer step's micro-batches through the schedule (fp16's loss scaler reaches it from ``precision``)."""
+def training_step(
+    steps: PipelinedSteps, module, precision: Precision, batch, batch_idx: int, every_micro_batch: bool | None
+):
+    """One optimizer step's micro-batches through the schedule (fp16's loss scaler reaches it from ``precision``;
+    ``every_micro_batch``: :meth:`PipelinedSteps.training_step`)."""
     with precision.train_step_context():
         accumulate = module.trainer.accumulate_grad_batches
         scaler = precision.scaler if isinstance(precision, MixedPrecision) else None
-        return steps.training_step(module, batch, batch_idx, accumulate, scaler)
+        return steps.training_step(module, batch, batch_idx, accumulate, scaler, every_micro_batch)
 
 
 def evaluation_step(steps: PipelinedSteps, module, name: str, context, batch, batch_idx: int) -> None:

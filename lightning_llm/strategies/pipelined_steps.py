@@ -8,15 +8,18 @@ so every rank logs the same keys and ``sync_dist`` reductions line up.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
 from lightning_llm.modeling.log_redirect import redirected_log
+from lightning_llm.parallel.data_parallel import accumulation_sync, resume_gradient_sync
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport
@@ -58,7 +61,7 @@ class PipelinedSteps:
                 f"{self.state.num_microbatches}; change the batch size or num_microbatches."
             )
 
-    def _run(self, module, step_fn, batch, batch_idx: int, loss_scale: float, train: bool):
+    def _run(self, module, step_fn, batch, batch_idx: int, loss_scale: float, train: bool, every_micro_batch=None):
         self.check_batch(batch)
         state = self.state
         state.microbatches = split_microbatches(batch, state.num_microbatches)
@@ -72,13 +75,33 @@ class PipelinedSteps:
         losses: list[torch.Tensor] = []
         if train:
             earlier = self._take_gradients(module)
-            self.schedule.step(*args, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
+            with self._reduced_at_last_micro_batch(module, every_micro_batch):
+                self.schedule.step(*args, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
             self._sync_tied_gradients()
             self._fresh = self._take_gradients(module)
             self._put_gradients(module, earlier)
         else:
             self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self._publish(module, losses, loss_scale)
+
+    @contextmanager
+    def _reduced_at_last_micro_batch(self, module, every_micro_batch: bool | None):
+        """The schedule's micro-batches before the last reduce as Lightning's accumulation does (``every_micro_batch``:
+        reduce-scatter, else not at all, :func:`~lightning_llm.parallel.data_parallel.accumulation_sync`); the last
+        one's backward reduces. torch's schedules do this only for a stage module that is itself FSDP's, which a
+        stage of the user's model is not: without it every micro-batch all-reduced every gradient at ZeRO 0. With
+        several stages on a rank, the first to reach its last micro-batch turns reduction on for all (exact; a later
+        stage's earlier micro-batches then reduce too). ``None``: Lightning is accumulating, its context holds."""
+        if every_micro_batch is None or self.state.num_microbatches == 1:
+            yield
+            return
+        units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+        with accumulation_sync(module, every_micro_batch=every_micro_batch):
+            self.state.last_backward = lambda: resume_gradient_sync(units)
+            try:
+                yield
+            finally:
+                self.state.last_backward = None
 
     # Lightning zeroes gradients *between* training_step and backward (the closure runs the step,
     # then zero_grad, then backward). The schedule computes gradients inside training_step, so they
@@ -104,9 +127,16 @@ class PipelinedSteps:
         self._fresh = []
 
     def training_step(
-        self, module, batch, batch_idx: int, accumulate: int, grad_scaler: torch.amp.GradScaler | None = None
+        self,
+        module,
+        batch,
+        batch_idx: int,
+        accumulate: int,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        every_micro_batch: bool | None = None,
     ) -> dict[str, torch.Tensor]:
         """One optimizer step's micro-batches through the schedule; returns the loss as one process reports it.
+        ``every_micro_batch``: how the micro-batches before the last reduce (see :meth:`_reduced_at_last_micro_batch`).
 
         Backward runs inside the schedule, where Lightning cannot scale the loss: with fp16's ``grad_scaler`` the
         loss is multiplied by its scale here (a power of two, so exactly what ``GradScaler.scale`` does), and
@@ -115,7 +145,7 @@ class PipelinedSteps:
         scale = 1.0 / (self.state.num_microbatches * accumulate)
         if grad_scaler is not None and grad_scaler.is_enabled():
             scale *= grad_scaler.get_scale()
-        loss = self._run(module, module.training_step, batch, batch_idx, scale, train=True)
+        loss = self._run(module, module.training_step, batch, batch_idx, scale, True, every_micro_batch)
         return {"loss": loss}
 
     def evaluation_step(self, module, step_fn, batch, batch_idx: int) -> None:

@@ -39,6 +39,7 @@ class RunState:
     warning_filters: ScopedFilters = field(default_factory=ScopedFilters)  # from setup_environment to teardown
     replica_env: Any = None  # with fault_tolerance: the ReplicaGroupEnvironment, from setup_environment on
     replica_groups: Any = None  # with fault_tolerance: the ReplicaGroups (torchft's manager), from setup to teardown
+    accumulating: bool = False  # inside Lightning's block_backward_sync (an accumulation micro-batch)
 
     @classmethod
     def before_setup(cls, options: StrategyOptions) -> RunState:

@@ -60,7 +60,7 @@ def test_zero_stages_communicate_what_fsdp_moves():
     assert zero3 == pytest.approx(times[3] + 3 * 3 * 1e-3)
 
 
-def test_gradients_are_reduced_once_per_step_where_whole_or_pipelined_and_per_micro_batch_where_sharded():
+def test_gradients_are_reduced_once_per_step_where_whole_and_per_micro_batch_where_sharded_pipelined_or_not():
     params = 1e8  # fp32: 0.4 GB over 2 data-parallel ranks, (n-1)/n = 1/2 of it per collective
 
     def data_parallel(**layout) -> float:
@@ -69,9 +69,13 @@ def test_gradients_are_reduced_once_per_step_where_whole_or_pipelined_and_per_mi
     # accumulating 4 micro-batches: ZeRO 0 all-reduces once; ZeRO 3 gathers twice and reduce-scatters per micro-batch
     assert data_parallel(world_size=2, zero_stage=0, micro_batches=4) == pytest.approx(2 * 0.5 * 0.4)
     assert data_parallel(world_size=2, zero_stage=3, micro_batches=4) == pytest.approx(4 * (2 * 0.2 + 0.2))
-    # a pipeline schedule reduces after its last micro-batch; ZeRO 3 gathers per forward and once for the backwards
+    # a pipeline's micro-batches alike, over every schedule run of the step
     assert data_parallel(world_size=4, pp=2, zero_stage=0, micro_batches=4) == pytest.approx(2 * 0.5 * 0.4)
-    assert data_parallel(world_size=4, pp=2, zero_stage=3, micro_batches=4) == pytest.approx(5 * 0.2 + 0.2)
+    assert data_parallel(world_size=4, pp=2, zero_stage=0, micro_batches=4, pipeline_steps=2) == pytest.approx(0.4)
+    assert data_parallel(world_size=4, pp=2, zero_stage=3, micro_batches=4) == pytest.approx(4 * (2 * 0.2 + 0.2))
+    assert data_parallel(world_size=4, pp=2, zero_stage=2, micro_batches=2, pipeline_steps=2) == pytest.approx(
+        4 * (0.2 + 0.2)
+    )
 
 
 def test_each_zero_stage_is_priced_at_its_own_in_step_link_where_calibrated():

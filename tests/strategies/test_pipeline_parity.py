@@ -7,6 +7,7 @@ spans both stages; GPT-2's tied embedding lives on the first and last stage and 
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_llm._compat.versions import torch_at_least
 from lightning_llm.strategies import LLMParallelStrategy
@@ -184,3 +185,55 @@ def test_argument_errors_name_the_fix():
         LLMParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="Zigzag")
     with pytest.raises(ValueError, match="runs one stage per rank, but virtual_stages=2"):
         LLMParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="1F1B", virtual_stages=2)
+
+
+class _AllReduces(L.Callback):
+    """Counts the all-reduces (``c10d::allreduce_``, what ZeRO 0's gradient reduction runs) of the second optimizer
+    step, all its batches."""
+
+    def __init__(self) -> None:
+        self.count, self.profile = 0, None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == 1 and self.profile is None:
+            self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profile.__enter__()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == 2 and self.profile is not None and not self.count:
+            self.profile.__exit__(None, None, None)
+            self.count = sum(event.name == "c10d::allreduce_" for event in self.profile.events())
+
+
+def _zero0_pipelines(world_size):
+    results = {}
+    for label, layout, accumulate in ZERO0_X_PP2:
+        counter = _AllReduces()
+        strategy = LLMParallelStrategy(pipeline_parallel_size=2, zero_stage=0, **layout)
+        got = train("reference", strategy, world_size, dp=2, accumulate=accumulate, layers=4, callbacks=[counter])
+        results[label] = (got, counter.count)
+    return results
+
+
+ZERO0_X_PP2 = [
+    ("1F1B x 2", {"num_microbatches": 2}, 1),
+    ("1F1B x 4", {"num_microbatches": 4}, 1),
+    ("Interleaved1F1B v2 x 4", {"pipeline_schedule": "Interleaved1F1B", "virtual_stages": 2, "num_microbatches": 4}, 1),
+    ("1F1B x 2, accumulate 2", {"num_microbatches": 2}, 2),
+]
+
+
+def test_zero0_under_a_pipeline_reduces_once_per_step_and_trains_like_one_process():
+    """pp2 x dp2 at ZeRO 0: the schedule's micro-batches before the last do not all-reduce (as Lightning's own
+    accumulation does not), so a step all-reduces as often at 4 micro-batches as at 2 and over two accumulated
+    batches (once per FSDP unit; before, once per unit and micro-batch: 8, 14 and 9 all-reduces, now 5, 5 and 6,
+    two of them the clipping norm's and the recorded loss's); what is reduced is every micro-batch's gradient: parity with one process,
+    interleaved (two stages per rank) and under Lightning's accumulation too."""
+    per_rank = run_distributed(_zero0_pipelines, 4, 4, timeout=600)
+    for rank in per_rank:
+        counts = {label: result[1] for label, result in rank.items()}
+        # besides the gradients': the clipping norm's per step, the recorded loss's per batch (accumulation: two)
+        assert counts["1F1B x 4"] == counts["1F1B x 2"] == counts["1F1B x 2, accumulate 2"] - 1, counts
+    for label, _, accumulate in ZERO0_X_PP2:
+        want = _reference("reference", accumulate=accumulate) if accumulate > 1 else _reference("reference")
+        assert_parity(per_rank[0][label][0], want, f"pp2 x dp2 ZeRO 0 {label}")

@@ -75,6 +75,12 @@ class StageRunner(nn.Module):
         # Shape inference runs once on uninitialised tensors (a float index may hold NaN): any valid index will do.
         first = torch.nan_to_num(index.reshape(-1)[0].detach(), nan=0.0, posinf=0.0, neginf=0.0)
         mb = int(first) % state.num_microbatches
+        outputs = self._run_step(state, hidden, index, mb)
+        if not first_call and mb == state.num_microbatches - 1 and state.last_backward is not None:
+            _on_backward(outputs, state.last_backward)
+        return outputs
+
+    def _run_step(self, state: PipelineState, hidden, index: torch.Tensor, mb: int):
         with state.activate(self.chunk, hidden):
             try:
                 out = state.step_fn(state.microbatches[mb], state.batch_idx, mb)
@@ -92,6 +98,14 @@ class StageRunner(nn.Module):
             # requiring grad): the index, passed through unchanged, gets its zero gradient here. Adding 0 is exact.
             loss = loss + index.sum() * 0
         return loss
+
+
+def _on_backward(outputs, callback) -> None:
+    """Call ``callback`` when backward reaches ``outputs`` (the first of them that requires grad)."""
+    tensors = outputs if isinstance(outputs, tuple) else (outputs,)
+    tensor = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if tensor is not None:
+        tensor.register_hook(lambda grad: callback())
 
 
 def build_stages(
