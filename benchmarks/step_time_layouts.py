@@ -7,7 +7,7 @@ micro-batch recorded on fake tensors (:mod:`lightning_llm.modeling.op_work`), at
 :mod:`lightning_llm.planning.calibration` measures in the same process group at the start of each round (the shared
 host's speed drifts over minutes). Rounds alternate the cells; each cell's ratio is the median over rounds.
 
-    python benchmarks/step_time_layouts.py [--rounds 3] [--steps 3]
+    python benchmarks/step_time_layouts.py [--rounds 3] [--steps 3] [--layouts "dp2 ZeRO 3" ...]
 """
 
 from __future__ import annotations
@@ -155,14 +155,14 @@ def _rates():
     return in_step_rates(rates, mesh, tokens=GLOBAL_BATCH * 256, hidden=256, width=704, device=cpu, unit=unit)
 
 
-def _grid(rounds: int, steps: int) -> dict | None:
+def _grid(rounds: int, steps: int, names: list[str]) -> dict | None:
     """Per cell, per round: (predicted seconds at the round's calibration, measured seconds). The machine's speed
     drifts by tens of percent over minutes (a shared host), so each round calibrates just before its cells."""
     import torch.distributed as dist
 
     from lightning_llm.planning.step_time import step_time
 
-    cells = [(name, seq_len) for name in LAYOUTS for seq_len in SEQ_LENS]
+    cells = [(name, seq_len) for name in names for seq_len in SEQ_LENS]
     works = {cell: _work(*cell) for cell in cells}
     results: dict = {cell: [] for cell in cells}
     for _ in range(rounds):  # alternated: each round calibrates, then runs every cell once
@@ -180,8 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS), metavar="NAME")
     args = parser.parse_args()
-    results = run_distributed(_grid, 2, args.rounds, args.steps, timeout=3000)[0]
+    results = run_distributed(_grid, 2, args.rounds, args.steps, args.layouts, timeout=3000)[0]
     print(
         "| layout | tokens | predicted ms (median) | measured ms (median, min-max) | predicted / measured (median of rounds) |"
     )
