@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
 from lightning_llm.modeling.log_redirect import redirected_log
-from lightning_llm.parallel.data_parallel import accumulation_sync, resume_gradient_sync
 from lightning_llm.parallel.dtensor import local_tensor
 from lightning_llm.parallel.mesh import ParallelDims
 from lightning_llm.parallel.parallelize import ParallelizeReport
+from lightning_llm.parallel.pipeline.deferred_reduction import reduced_at_last_micro_batch, units_by_stage
 from lightning_llm.parallel.pipeline.gates import PipelineState
 from lightning_llm.parallel.pipeline.stages import build_stages, make_schedule, split_microbatches
 
@@ -37,8 +36,11 @@ class PipelinedSteps:
         stage_ranks: list[int],
         pp_group: dist.ProcessGroup,
         tied_peers: list[tuple[torch.nn.Parameter, int]],
+        stage_params: dict[int, set[int]],
     ) -> None:
         self.state = state
+        self.stage_params = stage_params  # this rank's stage indices -> ids of their parameters
+        self._units: dict | None = None
         self.schedule = schedule
         self.pp_group = pp_group
         self.pp_rank = dist.get_rank(pp_group)
@@ -86,22 +88,16 @@ class PipelinedSteps:
 
     @contextmanager
     def _reduced_at_last_micro_batch(self, module, every_micro_batch: bool | None):
-        """The schedule's micro-batches before the last reduce as Lightning's accumulation does (``every_micro_batch``:
-        reduce-scatter, else not at all, :func:`~lightning_llm.parallel.data_parallel.accumulation_sync`); the last
-        one's backward reduces. torch's schedules do this only for a stage module that is itself FSDP's, which a
-        stage of the user's model is not: without it every micro-batch all-reduced every gradient at ZeRO 0. With
-        several stages on a rank, the first to reach its last micro-batch turns reduction on for all (exact; a later
-        stage's earlier micro-batches then reduce too). ``None``: Lightning is accumulating, its context holds."""
+        """The schedule's micro-batches before the last reduce as Lightning's accumulation does, the last one's
+        backward reduces (:mod:`lightning_llm.parallel.pipeline.deferred_reduction`). ``None``: Lightning is
+        accumulating, its context holds."""
         if every_micro_batch is None or self.state.num_microbatches == 1:
             yield
             return
-        units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
-        with accumulation_sync(module, every_micro_batch=every_micro_batch):
-            self.state.last_backward = lambda: resume_gradient_sync(units)
-            try:
-                yield
-            finally:
-                self.state.last_backward = None
+        if self._units is None:  # FSDP2 has wrapped the model by the first step
+            self._units = units_by_stage(module, self.stage_params)
+        with reduced_at_last_micro_batch(module, self.state, self._units, every_micro_batch):
+            yield
 
     # Lightning zeroes gradients *between* training_step and backward (the closure runs the step,
     # then zero_grad, then backward). The schedule computes gradients inside training_step, so they
@@ -231,7 +227,8 @@ def build_pipelined_steps(
         boundary_layout=(dims.mesh["tp"], (Shard(1),)) if sequence_parallel else None,
     )
     steps = make_schedule(schedule, stages, num_microbatches)
-    return PipelinedSteps(state, steps, report.stage_ranks, pp_group, _tied_peers(module, report, dims))
+    stage_params = {stage.stage_index: {id(p) for p in stage.submod.parameters()} for stage in stages}
+    return PipelinedSteps(state, steps, report.stage_ranks, pp_group, _tied_peers(module, report, dims), stage_params)
 
 
 def _tied_peers(module: torch.nn.Module, report: ParallelizeReport, dims: ParallelDims) -> list:

@@ -45,8 +45,8 @@ class PipelineState:
     batch_idx: int = 0
     loss_scale: float = 1.0
     logs: dict[int, dict[str, tuple[torch.Tensor, dict]]] = field(default_factory=dict)
-    # Called as backward reaches a stage's output of the last micro-batch (gradient reduction deferred to it).
-    last_backward: Callable[[], None] | None = None
+    # Called with the stage as backward reaches its output of the last micro-batch (gradient reduction deferred to it).
+    last_backward: Callable[[StageChunk], None] | None = None
 
     @contextmanager
     def activate(self, chunk: StageChunk, received: torch.Tensor | None):

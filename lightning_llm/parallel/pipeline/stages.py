@@ -7,6 +7,7 @@ schedule, and cuts a batch into micro-batches.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ class StageRunner(nn.Module):
         mb = int(first) % state.num_microbatches
         outputs = self._run_step(state, hidden, index, mb)
         if not first_call and mb == state.num_microbatches - 1 and state.last_backward is not None:
-            _on_backward(outputs, state.last_backward)
+            _on_backward(outputs, functools.partial(state.last_backward, self.chunk))
         return outputs
 
     def _run_step(self, state: PipelineState, hidden, index: torch.Tensor, mb: int):
