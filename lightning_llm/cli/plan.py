@@ -110,6 +110,7 @@ def _is_native(strategy) -> bool:
 def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
     """The keyword arguments of ``choose_zero_stage``: the machine from the flags (else the config), the layout and
     precision from the config's strategy and Trainer, the micro-batch from its data module."""
+    from lightning_llm.parallel.data_parallel import holds_whole_gradients
     from lightning_llm.planning.device_memory import device_memory_bytes
 
     strategy = cli.trainer.strategy
@@ -138,9 +139,11 @@ def _settings(options, trainer_config: dict, cli) -> dict[str, Any]:
         ac_options=strategy.ac_options if native else None,
         backend=options.backend or ("deepspeed" if "DeepSpeed" in type(strategy).__name__ else "native"),
         margin=options.margin,
+        # a pipeline runs at least pipeline_parallel_size micro-batches
         whole_grads=native
-        and (cli.trainer.accumulate_grad_batches > 1 or strategy.pipeline_parallel_size > 1)
-        and strategy.accumulation_sync == "last_micro_batch",
+        and holds_whole_gradients(
+            strategy.accumulation_sync, cli.trainer.accumulate_grad_batches, strategy.pipeline_parallel_size
+        ),
     )
 
 

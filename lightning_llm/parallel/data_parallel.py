@@ -130,6 +130,12 @@ def syncs_every_micro_batch(accumulation_sync: str, zero_stage: int) -> bool:
     return accumulation_sync == "every_micro_batch"
 
 
+def holds_whole_gradients(accumulation_sync: str, accumulate: int, pipeline_micro_batches: int = 1) -> bool:
+    """Whether every rank holds whole unsharded gradients between the micro-batches of a step: with
+    ``"last_micro_batch"``, where a step has several (Lightning's ``accumulate`` or a pipeline's micro-batches)."""
+    return accumulation_sync == "last_micro_batch" and (accumulate > 1 or pipeline_micro_batches > 1)
+
+
 @contextmanager
 def accumulation_sync(model: nn.Module, *, every_micro_batch: bool) -> Iterator[None]:
     """Gradient reduction of every FSDP2 unit of ``model`` for one accumulation (not last) micro-batch.

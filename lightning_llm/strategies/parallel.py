@@ -3,7 +3,7 @@
 The strategy translates Lightning's lifecycle into calls of plain functions and composed parts: its options, each
 declared once with its default, documentation and check (:mod:`.parallel_options`), and the run's state
 (:mod:`.run_state`); the setup steps (:mod:`.parallel_setup`: layout, ZeRO "auto" and activation-checkpointing
-planning, the parallelization itself). Its other hooks come from bases, one concept each: checkpoints
+planning, the parallelization itself) and the global batch line (:mod:`.global_batch`). Its other hooks come from bases, one concept each: checkpoints
 (:mod:`.checkpoint_hooks`, through :class:`.sharded_checkpoints.ShardedCheckpoints`), the step hooks of pipeline
 parallelism (:mod:`.pipeline_routing`) and the :class:`lightning_llm.contract.StrategyContract` members callbacks
 and the CLI read (:mod:`.parallel_contract`).
@@ -37,6 +37,7 @@ from lightning_llm.parallel.shutdown import destroy_process_group_at_exit
 from lightning_llm.strategies import applied_layouts, layout_choice, parallel_setup
 from lightning_llm.strategies.checkpoint_hooks import CheckpointHooksMixin
 from lightning_llm.strategies.declarations import Forwarded, with_declared_options
+from lightning_llm.strategies.global_batch import log_global_batch
 from lightning_llm.strategies.parallel_contract import ContractMembersMixin
 from lightning_llm.strategies.parallel_options import TRAINING_TIMEOUT, StrategyOptions, build_options
 from lightning_llm.strategies.pipeline_routing import PipelineStepHooksMixin
@@ -241,7 +242,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
         if trainer.state.fn == TrainerFn.FITTING and not state.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         parallel_setup.log_layout(self.options, state)
-        parallel_setup.log_global_batch(trainer, self.options, state)
+        log_global_batch(trainer, self.options, state)
         resumed_settings.remember(trainer)  # the configured values, before a checkpoint's state replaces them
 
     @override
@@ -255,7 +256,7 @@ class LLMParallelStrategy(ContractMembersMixin, CheckpointHooksMixin, PipelineSt
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         trainer = self.lightning_module.trainer
         if self.run_state.batch_line_pending:  # a plain DataLoader: the global batch read off the first batch
-            parallel_setup.log_global_batch(trainer, self.options, self.run_state, batch)
+            log_global_batch(trainer, self.options, self.run_state, batch)
         groups = self.run_state.replica_groups
         if groups is not None and groups.every_step and batch_idx % trainer.accumulate_grad_batches == 0:
             groups.start_step()  # the step's quorum forms during its forward

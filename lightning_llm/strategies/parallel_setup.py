@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_llm.data.batch import batch_tokens
 from lightning_llm.hf.load import load_pretrained
 from lightning_llm.modeling.blocks import FoundBlocks, find_blocks
 from lightning_llm.modeling.log_redirect import redirected_log
 from lightning_llm.modeling.shape import ModelShape
 from lightning_llm.modeling.structure import TracedBlocks, traced_blocks
+from lightning_llm.parallel.data_parallel import holds_whole_gradients
 from lightning_llm.parallel.float8 import check_fp8_device
 from lightning_llm.parallel.init.materialize import materialize, record_init
 from lightning_llm.parallel.init.meta_writes import regrouped_modules, write_back
@@ -252,16 +251,14 @@ def choose_zero_stage(trainer, module, options: StrategyOptions, state: RunState
         ac_options=planning.ac_options,
         backend="native",
         allow_offload=True,
-        whole_grads=_accumulates(trainer, state) and options.parallel.accumulation_sync == "last_micro_batch",
+        whole_grads=holds_whole_gradients(
+            options.parallel.accumulation_sync,
+            trainer.accumulate_grad_batches,
+            state.pipeline.num_microbatches if state.parallel_dims.pp > 1 else 1,
+        ),
         **planning_inputs(trainer, device, planning.device_memory, planning.micro_batch_size, planning.seq_len),
     )
     state.zero_stage, state.cpu_offload = decision.stage, decision.offload != "none"
-
-
-def _accumulates(trainer, state: RunState) -> bool:
-    """Whether a step's gradients come from several micro-batches: Lightning's accumulation or a pipeline's."""
-    pipelined = state.parallel_dims.pp > 1 and (state.pipeline.num_microbatches or 1) > 1
-    return trainer.accumulate_grad_batches > 1 or pipelined
 
 
 def log_layout(options: StrategyOptions, state: RunState) -> None:
@@ -280,52 +277,3 @@ def log_layout(options: StrategyOptions, state: RunState) -> None:
         rank_zero_info(f"LLMParallelStrategy: {report.context_parallel}")
     for line in report.tp_coverage:
         rank_zero_info(f"LLMParallelStrategy: tensor parallel coverage: {line}")
-
-
-def global_batch(trainer, options: StrategyOptions, state: RunState) -> tuple[int | None, int | None]:
-    """(sequences, tokens) per optimizer step: micro-batch × data-parallel size × accumulate_grad_batches (× seq_len).
-
-    The micro-batch and sequence length come from the strategy's ``micro_batch_size``/``seq_len``, else the
-    datamodule's ``batch_size``/``seq_len`` hyperparameters; None where neither says.
-    """
-    hparams = trainer.datamodule.hparams if trainer.datamodule is not None else {}
-    micro_batch = options.planning.micro_batch_size or hparams.get("batch_size")
-    seq_len = options.planning.seq_len or hparams.get("seq_len")
-    if not micro_batch:
-        return None, None
-    sequences = int(micro_batch) * state.parallel_dims.dp * int(trainer.accumulate_grad_batches)
-    return sequences, sequences * int(seq_len) if seq_len else None
-
-
-def log_global_batch(trainer, options: StrategyOptions, state: RunState, batch: Any = None) -> None:
-    """One line on rank 0 when fitting: the global batch in sequences and tokens. Where neither the strategy's
-    options nor the datamodule say the micro-batch (a plain DataLoader), it is read off the first batch instead:
-    called again then with ``batch`` (:meth:`LLMParallelStrategy.on_train_batch_start`)."""
-    if trainer.state.fn != TrainerFn.FITTING:
-        return
-    sequences, tokens = global_batch(trainer, options, state)
-    dp, accumulate = state.parallel_dims.dp, int(trainer.accumulate_grad_batches)
-    if sequences is None and batch is None:
-        state.batch_line_pending = True
-        return
-    if sequences is None:
-        state.batch_line_pending = False
-        try:
-            samples, _ = batch_tokens(batch, shifted_targets=False)
-        except TypeError:  # not a (batch, seq_len) tensor or a dict of them: nothing to count
-            return
-        length = _sequence_length(batch)
-        sequences = samples * dp * accumulate
-        tokens = sequences * length
-    rank_zero_info(
-        f"LLMParallelStrategy: global batch {sequences} sequences, {tokens if tokens is not None else 'unknown'} "
-        f"tokens per optimizer step (micro-batch × dp={dp} × accumulate_grad_batches={accumulate} × seq_len)"
-    )
-
-
-def _sequence_length(batch: Any) -> int:
-    if isinstance(batch, dict):
-        batch = batch.get("input_ids", next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        batch = batch[0]
-    return int(batch.shape[1])

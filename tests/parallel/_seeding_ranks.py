@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import lightning_llm.parallel.seeding as seeding
-import lightning_llm.strategies.parallel_setup as parallel_setup
+import lightning_llm.strategies.global_batch as global_batch
 from lightning_llm.parallel.devices import min_over_ranks
 from lightning_llm.parallel.init.materialize import check_same_rng_state
 from lightning_llm.strategies.zero_auto import planning_inputs
@@ -68,7 +68,7 @@ def unseeded_fit() -> dict:
 
     rank = int(os.environ["RANK"])
     torch.manual_seed(100 + rank)
-    seeding_lines, setup_lines = _capture_info(seeding), _capture_info(parallel_setup)
+    seeding_lines, setup_lines = _capture_info(seeding), _capture_info(global_batch)
     module, capture = CausalLM(CONFIG), Capture()
     strategy = LLMParallelStrategy(zero_stage=0)
     trainer = cpu_trainer(

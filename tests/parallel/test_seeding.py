@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import lightning_llm.strategies.parallel_setup as parallel_setup
+import lightning_llm.strategies.global_batch as global_batch
 from lightning_llm.models.llama import Llama
 from lightning_llm.testing.distributed import run_distributed
 from tests.parallel._init_layouts import CONFIG
@@ -97,18 +97,18 @@ def _run(batch_size=None, seq_len=None, micro_batch_size=None, planned_seq_len=N
 
 def test_global_batch_is_micro_batch_times_dp_times_accumulation(monkeypatch):
     lines = []
-    monkeypatch.setattr(parallel_setup, "rank_zero_info", lines.append)
-    assert parallel_setup.global_batch(*_run(batch_size=4, seq_len=32)) == (24, 768)  # 4 x 2 x 3, x 32
-    assert parallel_setup.global_batch(*_run(batch_size=4, micro_batch_size=1, planned_seq_len=8)) == (6, 48)
-    assert parallel_setup.global_batch(*_run(batch_size=4)) == (24, None)
-    assert parallel_setup.global_batch(*_run()) == (None, None)
-    parallel_setup.log_global_batch(*_run(batch_size=4))
+    monkeypatch.setattr(global_batch, "rank_zero_info", lines.append)
+    assert global_batch.global_batch(*_run(batch_size=4, seq_len=32)) == (24, 768)  # 4 x 2 x 3, x 32
+    assert global_batch.global_batch(*_run(batch_size=4, micro_batch_size=1, planned_seq_len=8)) == (6, 48)
+    assert global_batch.global_batch(*_run(batch_size=4)) == (24, None)
+    assert global_batch.global_batch(*_run()) == (None, None)
+    global_batch.log_global_batch(*_run(batch_size=4))
     plain_loader = _run()  # neither the options nor a datamodule say the micro-batch: read off the first batch
-    parallel_setup.log_global_batch(*plain_loader)
+    global_batch.log_global_batch(*plain_loader)
     assert plain_loader[2].batch_line_pending and len(lines) == 1
-    parallel_setup.log_global_batch(*plain_loader, batch={"input_ids": torch.zeros(5, 16, dtype=torch.long)})
+    global_batch.log_global_batch(*plain_loader, batch={"input_ids": torch.zeros(5, 16, dtype=torch.long)})
     assert not plain_loader[2].batch_line_pending
-    parallel_setup.log_global_batch(*_run(batch_size=4, seq_len=32, fn="validate"))  # not fitting: nothing
+    global_batch.log_global_batch(*_run(batch_size=4, seq_len=32, fn="validate"))  # not fitting: nothing
     assert len(lines) == 2
     assert "global batch 24 sequences, unknown tokens" in lines[0]
     assert "global batch 30 sequences, 480 tokens" in lines[1]  # 5 x dp 2 x accumulate 3, x 16
