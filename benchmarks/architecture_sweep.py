@@ -204,6 +204,13 @@ NEWEST = [
 ]
 
 
+# Causal LMs of transformers 5.24 in neither set above, run on 2026-11-30 (docs/models.md, "A third round"):
+# ``--models later``. Not in it: AXK1, AXK2, Mamba2, RecurrentGemma, xLSTM and Gemma3n (their tiny configs from these
+# sizes fail in one process), OPT and XGLM (dropout on by default under their own field names: no parity to check
+# until OVERRIDES turns it off; OPT's group also timed out at 500 s), Inkling2Loop (timed out at 300 s).
+LATER = ["AriaText", "Ernie4_5_Moe", "HyperCLOVAX", "Mellum", "ModernBertDecoder", "FalconMamba", "HrmText"]
+
+
 def builder(architecture: str):
     """A function building the tiny ``<architecture>ForCausalLM`` (seeded), for the zoo's ``ZooLM``."""
     import transformers
@@ -282,7 +289,7 @@ def main() -> None:
         "--models",
         nargs="+",
         required=True,
-        help="names before ForCausalLM, e.g. Cohere2 Olmo3; 'held-out', 'newest': the sets",
+        help="names before ForCausalLM, e.g. Cohere2 Olmo3; 'held-out', 'newest', 'later': the sets",
     )
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--float64", action="store_true", help="train in float64 (rounding vanishes, bugs stay)")
@@ -290,7 +297,7 @@ def main() -> None:
     parser.add_argument("--replicate", nargs="*", default=[], help="tensor_parallel_replicate patterns under tp")
     args = parser.parse_args()
     print("| model | layout | result |\n| --- | --- | --- |")
-    sets = {"held-out": HELD_OUT, "newest": NEWEST}
+    sets = {"held-out": HELD_OUT, "newest": NEWEST, "later": LATER}
     models = [m for name in args.models for m in sets.get(name, [name])]
     for architecture in models:
         for layout, line in cells(architecture, args.layouts, args.float64, args.timeout, args.replicate).items():

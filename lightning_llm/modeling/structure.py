@@ -55,6 +55,7 @@ class TracedBlocks:
     calls: dict[str, list[str]] = field(default_factory=dict)  # block -> the modules called in it, outermost
     called: set[str] = field(default_factory=set)  # every module the forward called
     attends: set[str] = field(default_factory=set)  # the modules attention ran in (not counting their callees)
+    before: set[str] = field(default_factory=set)  # modules called before the first block and never after it
 
     def whole_container(self, root: nn.Module) -> bool:
         """Whether the blocks are every entry of their container, in the container's order."""
@@ -182,6 +183,9 @@ def blocks_from_calls(root: nn.Module, calls: list[Call]) -> TracedBlocks | None
     blocks = max(candidates, key=lambda run: (_numel(root, run.names), len(run.names)))
     blocks.called = {c.name for c in calls}
     blocks.attends = {c.name for c in calls if c.attends}
+    inside = tuple(f"{name}." for name in blocks.names)  # a block's own forward may be bypassed: its callees count
+    first = next(i for i, c in enumerate(calls) if c.name in blocks.names or c.name.startswith(inside))
+    blocks.before = {c.name for c in calls[:first]} - {c.name for c in calls[first:]}
     return blocks
 
 

@@ -13,6 +13,7 @@ FSDP then shards over ``dp × cp``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,7 @@ def parallelize(
         module, units, dims, report, tensor_parallel_plan, tensor_parallel_replicate, traced, context_parallel_method
     )
     if pipelined:
-        cut_pipeline(module, units, dims, pipeline, report)
+        cut_pipeline(module, units, dims, pipeline, report, traced.before if traced is not None else ())
     if expert_parallel_size > 1:
         report.expert_parallel_modules = split_experts(module, units, dims, expert_parallel_size)
     if fp8 is not None:
@@ -271,13 +272,19 @@ def check_layout(
 
 
 def cut_pipeline(
-    module: nn.Module, units: Units, dims: ParallelDims, pipeline: PipelineSpec, report: ParallelizeReport
+    module: nn.Module,
+    units: Units,
+    dims: ParallelDims,
+    pipeline: PipelineSpec,
+    report: ParallelizeReport,
+    called_before: Collection[str] = (),
 ) -> None:
-    """Keep this rank's pipeline stages: its blocks, and the modules outside them it keeps (embedding, head)."""
+    """Keep this rank's pipeline stages: its blocks, and the modules outside them it keeps (embedding, head).
+    ``called_before``: the modules the traced forward ran before the blocks (they stay with the first stage)."""
     found = units.found
     report.tied = tied_parameter_names(module)
     report.chunks, report.stage_ranks = assign_stages(module, found.name, found.blocks, dims, pipeline)
-    report.outer = prune_to_stages(module, found.name, found.blocks, report.chunks)
+    report.outer = prune_to_stages(module, found.name, found.blocks, report.chunks, called_before)
     units.owned = [found.blocks[i] for chunk in report.chunks for i in chunk.blocks]
     units.roots = [module.get_submodule(n) for n in report.outer["before"] + report.outer["after"]]
 

@@ -159,3 +159,30 @@ def test_the_container_search_finds_the_same_blocks_without_a_forward(model):
     traced = _trace(model())
     name, found = find_blocks(model())
     assert name == traced.container and len(found) == len(traced.names)
+
+
+class NormedEmbeddingModel(DictModel):
+    """Bloom's and ModernBERT's layout: a LayerNorm after the embedding, before the blocks, and one after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_norm, self.final_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_norm(self.embed(ids))
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(self.final_norm(x))
+
+
+def test_modules_called_before_the_blocks_are_read_off_the_forward():
+    """What runs before the first block (the pipeline's first stage keeps it) is read from the call order, whatever
+    its type: the embedding's norm is before, the final norm (a LayerNorm too) and the head after."""
+    from lightning_llm.parallel.pipeline.stand_ins import outer_modules
+
+    model = NormedEmbeddingModel()
+    traced = _trace(model)
+    assert {"embed", "embed_norm"} <= traced.before and not traced.before & {"final_norm", "head", "layers.0.norm"}
+    before, after = outer_modules(model, "layers", traced.before)
+    assert (sorted(before), sorted(after)) == (["embed", "embed_norm"], ["final_norm", "head"])
+    assert outer_modules(model, "layers") == (["embed"], ["head", "embed_norm", "final_norm"])  # by type alone

@@ -95,6 +95,18 @@ MORE = {
     ),
 }
 MORE_MODELS = list(MORE)
+# Held out in a later round (benchmarks/architecture_sweep.py), under the layouts it needed a change for: ModernBERT's
+# decoder cuts its MLP's `Wi` into [input | gate] with `chunk` (split per part, read off the forward) and normalizes
+# its embeddings before the blocks (kept on the first pipeline stage, read off the call order).
+HELD_OUT = {
+    "modernbert_decoder": lambda: _hf(
+        "ModernBertDecoderConfig",
+        "ModernBertDecoderForCausalLM",
+        **_DENSE,
+        cls_token_id=1,
+        sep_token_id=2,
+    ),
+}
 
 
 def stablelm_per_head_norms():
@@ -112,3 +124,4 @@ def stablelm_per_head_norms():
 def register() -> None:
     """Make these models buildable by name through the zoo harness (``ZooLM(name)``)."""
     BUILDERS.update(MORE)
+    BUILDERS.update(HELD_OUT)

@@ -98,9 +98,9 @@ def test_reference_losses_are_finite():
 
 
 OTHER_LAYOUTS = ["pp2", "dp2_zero3", "ac_selective"]
-# Bloom normalizes its embeddings with a LayerNorm before the block loop, which the pipeline split does not place
-# on the first stage yet (refused in the first forward, naming the module): docs/models.md lists it.
-NOT_SUPPORTED = {("pp2", "bloom_alibi")}
+# None since the pipeline places what the forward runs before the blocks (Bloom's embedding LayerNorm) on the first
+# stage; before, Bloom was refused under pp2 in its first forward.
+NOT_SUPPORTED: set = set()
 OTHER_CELLS = [(layout, name) for layout in OTHER_LAYOUTS for name in MODELS if (layout, name) not in NOT_SUPPORTED]
 _other_runs: dict = {}
 

@@ -192,6 +192,8 @@ def _gated_embedding_class(base: type, state: PipelineState) -> type:
     def forward(self, ids, *args, **kwargs):
         if state.active is not None and state.active.is_first:
             return base.forward(self, ids, *args, **kwargs)
+        if not isinstance(self, nn.Embedding):  # a norm between the embeddings and the blocks: see stand_ins
+            return ids
         if isinstance(self.weight, DTensor):
             # A tensor-parallel embedding's output hook expects the DTensor (placements included) that
             # its lookup returns; zero times that lookup is it, and adds nothing to the weight's gradient.

@@ -2,11 +2,14 @@
 
 Every rank keeps the whole LightningModule structure but only the parameters of its stages: blocks of other ranks
 become :class:`RemovedBlock` (keeping their plain attributes, which a forward may read), embeddings off the first
-stage become :class:`ZeroEmbedding` and what follows the blocks off the last stage becomes :class:`Unreachable`.
+stage become :class:`ZeroEmbedding`, other modules the forward runs before the blocks (an embedding's norm:
+Bloom's ``word_embeddings_layernorm``, ModernBERT's ``embeddings.norm``) become :class:`PassThrough`, and what
+follows the blocks off the last stage becomes :class:`Unreachable`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -61,6 +64,16 @@ class ZeroEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
 
 
+class PassThrough(nn.Module):
+    """Stands in for a module that runs between the embeddings and the blocks (a norm, a scale) on stages after the
+    first: it returns its input, whose value the stage replaces with the activation it receives."""
+
+    is_pipeline_placeholder = True
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden
+
+
 class Unreachable(nn.Module):
     """Stands in for what follows the blocks on ranks without the last stage."""
 
@@ -82,21 +95,32 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, module)
 
 
-def outer_modules(module: nn.Module, blocks_name: str) -> tuple[list[str], list[str]]:
-    """Modules with parameters outside the blocks: (before the blocks: embeddings, after: the rest)."""
+def outer_modules(
+    module: nn.Module, blocks_name: str, called_before: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """Modules with parameters outside the blocks: (before the blocks, after them).
+
+    Before: the embeddings and the modules ``called_before`` (those the traced forward called before its first block
+    and not after it: :attr:`~lightning_llm.modeling.structure.TracedBlocks.before`); after: the rest.
+    """
     prefix = blocks_name + "."
     before, after = [], []
     for name, m in module.named_modules():
         if not name or name.startswith(prefix) or name == blocks_name or not module_parameters(m):
             continue
-        (before if isinstance(m, nn.Embedding) else after).append(name)
+        (before if isinstance(m, nn.Embedding) or name in called_before else after).append(name)
     return before, after
 
 
 def prune_to_stages(
-    module: nn.Module, blocks_name: str, blocks: BlockStack, chunks: list[StageChunk]
+    module: nn.Module,
+    blocks_name: str,
+    blocks: BlockStack,
+    chunks: list[StageChunk],
+    called_before: Collection[str] = (),
 ) -> dict[str, list]:
-    """Drop what this rank's stages do not run; return the module names each stage owns (for its runner)."""
+    """Drop what this rank's stages do not run; return the module names each stage owns (for its runner).
+    ``called_before``: as :func:`outer_modules` takes it."""
     owned = {i for c in chunks for i in c.blocks}
     container = module.get_submodule(blocks.container) if getattr(blocks, "container", None) else None
     for index, key in enumerate(list(container or range(len(blocks)))):
@@ -104,10 +128,11 @@ def prune_to_stages(
             blocks[index] = RemovedBlock(blocks[index])
             if container is not None:  # a ModuleDict's blocks: the dict itself holds the stand-in
                 container[key] = blocks[index]
-    before, after = outer_modules(module, blocks_name)
+    before, after = outer_modules(module, blocks_name, called_before)
     has_first, has_last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
     for name in before if not has_first else []:
-        set_submodule(module, name, ZeroEmbedding(module.get_submodule(name)))
+        outer = module.get_submodule(name)
+        set_submodule(module, name, ZeroEmbedding(outer) if isinstance(outer, nn.Embedding) else PassThrough())
     for name in after if not has_last else []:
         set_submodule(module, name, Unreachable(name))
     return {

@@ -2,11 +2,14 @@
 
 The plan is planned on the whole model (not one pipeline stage's part), so a refusal does not depend on the rank:
 the user's entries, the module's ``tensor_parallel_plan()`` hook, the Hugging Face ``_tp_plan`` and inference
-(:mod:`.plan`), then the layouts the traced forward shows (:mod:`.traced_layouts`), per-head lists, head counts and
+(:mod:`.plan`), then the layouts the traced forward shows (:mod:`.traced_layouts`: fused layers of unknown layout,
+and column splits whose output the model cuts into parts), per-head lists, head counts and
 coverage (:mod:`.coverage`).
 """
 
 from __future__ import annotations
+
+import logging
 
 from torch import nn
 
@@ -23,7 +26,9 @@ from lightning_llm.parallel.tp.apply import (
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
 from lightning_llm.parallel.tp.style_kinds import dataflow_role, matches
-from lightning_llm.parallel.tp.traced_layouts import with_traced_layouts
+from lightning_llm.parallel.tp.traced_layouts import head_counts, trace_fused_layouts, with_traced_layouts
+
+log = logging.getLogger(__name__)
 
 
 def plan_tensor_parallel(
@@ -60,11 +65,71 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
+    plan = with_cut_outputs(module, blocks_name, blocks, plan, user_plan, tp)
     plan = with_per_head_lists(plan, blocks_name, blocks)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)
     return with_region_parameters(plan, blocks_name, blocks), source
+
+
+def with_cut_outputs(
+    module: nn.Module,
+    blocks_name: str,
+    blocks: BlockStack,
+    plan: dict[str, str],
+    user_plan: dict[str, str],
+    tp: int,
+) -> dict[str, str]:
+    """``plan`` with each column-split linear whose output the forward cuts into parts (``chunk``/``split`` along the
+    last dimension: ModernBERT's ``Wi``, a ``[gate | up]`` projection under any name) split per part
+    (``fused_colwise``), so each rank gets its share of every part; read off one fake forward
+    (:func:`~lightning_llm.parallel.tp.traced_layouts.trace_fused_layouts`). A plain ``colwise`` split would hand
+    one rank the whole first part and the other the second, which the first forward would then refuse. Entries the
+    user gave are kept as given.
+
+    Example::
+
+        with_cut_outputs(model, "model.layers", layers, {"model.layers.*.mlp.Wi": "colwise"}, {}, tp=2)
+        # {"model.layers.*.mlp.Wi": "fused_colwise:64,64"}
+    """
+    keys = {}  # linear -> the plan entry that splits it column-wise
+    for block_name, block in distinct_blocks(blocks_name, blocks):
+        for sub, layer in block.named_modules():
+            name = f"{block_name}.{sub}"
+            key = next((k for k in plan if matches(name, k)), None)
+            if isinstance(layer, nn.Linear) and key is not None and plan[key] == "colwise" and key not in user_plan:
+                keys[name] = key
+    found = trace_fused_layouts(module, blocks_name, sorted(keys), tp) if keys else {}
+    styles: dict[str, set[str]] = {}
+    for name, key in keys.items():
+        styles.setdefault(key, set()).add(found.get(name, "colwise"))
+    heads = head_counts(module)
+    dims = _head_dims(module, heads)
+    cut = {key: s.pop() for key, s in styles.items() if len(s) == 1 and _cut_into_parts(next(iter(s)), heads, dims)}
+    for key, style in cut.items():
+        log.info("tensor parallel: %s is split as %r: the model cuts its output into parts", key, style)
+    return {**plan, **cut}
+
+
+def _cut_into_parts(style: str, heads: set[int], head_dims: set[int]) -> bool:
+    """Whether ``style`` (a traced layout) is a cut into unlike parts: not one part per head (as many equal parts
+    as a head count, each a head's width), which a column split giving each rank whole heads already serves
+    (``split(head_dim, -1)`` of its shard)."""
+    if not style.startswith("fused_colwise:"):
+        return False
+    sizes = [int(size) for size in style.partition(":")[2].split(",")]
+    per_head = len(set(sizes)) == 1 and len(sizes) in heads and (not head_dims or sizes[0] in head_dims)
+    return not per_head
+
+
+def _head_dims(module: nn.Module, heads: set[int]) -> set[int]:
+    """The head widths the model's config states or implies (``head_dim``, ``hidden_size / heads``); empty when the
+    config says neither."""
+    config = model_config(module)
+    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
+    dims = {head_dim} if isinstance(head_dim, int) else set()
+    return dims | ({hidden // n for n in heads if hidden % n == 0} if isinstance(hidden, int) else set())
 
 
 def refuse_uncalled_split_parts(plan: dict[str, str], blocks_name: str, blocks: BlockStack, called: set[str]) -> None:

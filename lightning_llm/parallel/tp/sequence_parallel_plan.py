@@ -28,7 +28,14 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_n
     """
     plan = dict(plan)
     planned = [n for n, _ in model.named_modules() if n and any(matches(n, p) for p in plan)]
-    whole = coverer({p: s for p, s in plan.items() if owns_subtree(s)})  # parts kept whole: theirs
+    # Parts kept whole, and modules given the whole sequence outside the blocks: their norms are theirs.
+    whole = coverer(
+        {
+            p: s
+            for p, s in plan.items()
+            if owns_subtree(s) or (s == "gather_sequence" and not p.startswith(f"{blocks_name}."))
+        }
+    )
     # Parents of planned layers inside a block, the block itself excepted (its own norms see the residual stream).
     in_block = re.compile(re.escape(blocks_name) + r"\.\d+\..+")
     beside_projection = {n.rpartition(".")[0] for n in planned if in_block.fullmatch(n.rpartition(".")[0])}
@@ -74,12 +81,32 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
         plan[head] = "colwise_gather"
     # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
     # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
+    plan |= dict.fromkeys(_outer_computations(model, plan, prefix), "gather_sequence")
     experts = [p for p, s in plan.items() if s in ("experts", "expert_parallel")]
     for name, _ in model.named_modules():
         parent = name.rpartition(".")[0]
         if parent and any(matches(name, p) for p in experts) and not covered(parent):
             plan[parent] = "gather_sequence"
     return _gather_parts_without_row_split(model, plan, blocks_name)
+
+
+def _outer_computations(model: nn.Module, plan: dict[str, str], prefix: str) -> list[str]:
+    """The outermost modules outside the blocks that hold a linear layer and that no plan entry names, contain
+    neither an entry, the blocks nor an embedding (ModernBERT's prediction head between the final norm and the
+    vocabulary projection, OPT's ``project_in``): under sequence parallelism each gets the whole sequence
+    (``gather_sequence``), where its plain weights would otherwise meet the sharded stream."""
+    named = [n for n, _ in model.named_modules() if n and any(matches(n, p) for p in plan)]
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    kept = [*named, *embeddings, prefix.rstrip(".")]
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if not name or name.startswith(prefix) or any(name == c or name.startswith(c + ".") for c in chosen):
+            continue
+        if any(k == name or k.startswith(name + ".") for k in kept):
+            continue
+        if any(isinstance(m, nn.Linear) for m in module.modules()):
+            chosen.append(name)
+    return chosen
 
 
 def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:

@@ -188,7 +188,7 @@ def trace_fused_layouts(module: nn.Module, blocks_name: str, names: list[str], t
         trace_fused_layouts(lightning_module, "model.transformer.blocks", ["model.transformer.blocks.0.attn.Wqkv"], 2)
         # {"model.transformer.blocks.0.attn.Wqkv": "fused_colwise:32,32,32"}
     """
-    heads = _head_counts(module)
+    heads = head_counts(module)
     parts = blocks_name.split(".")
     for depth in range(len(parts) - 1, -1, -1):
         runner = module.get_submodule(".".join(parts[:depth])) if depth else module
@@ -262,7 +262,7 @@ def _is_linear(module: nn.Module, name: str) -> bool:
         return False
 
 
-def _head_counts(module: nn.Module) -> set[int]:
+def head_counts(module: nn.Module) -> set[int]:
     """Every head count a config or attention module of ``module`` states (query and key/value heads)."""
     counts = set()
     for sub in module.modules():
