@@ -101,7 +101,7 @@ def outer_modules(
     """Modules with parameters outside the blocks: (before the blocks, after them).
 
     Before: the embeddings and the modules ``called_before`` (those the traced forward called before its first block
-    and not after it: :attr:`~lightning_llm.modeling.structure.TracedBlocks.before`); after: the rest.
+    and not after it: :class:`~lightning_llm.modeling.structure.TracedBlocks`, its ``before``); after: the rest.
     """
     prefix = blocks_name + "."
     before, after = [], []
