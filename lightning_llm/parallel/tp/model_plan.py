@@ -106,7 +106,8 @@ def with_cut_outputs(
         styles.setdefault(key, set()).add(found.get(name, "colwise"))
     heads = head_counts(module)
     dims = _head_dims(module, heads)
-    cut = {key: s.pop() for key, s in styles.items() if len(s) == 1 and _cut_into_parts(next(iter(s)), heads, dims)}
+    agreed = {key: next(iter(s)) for key, s in styles.items() if len(s) == 1}  # every block of the entry alike
+    cut = {key: style for key, style in agreed.items() if _cut_into_parts(style, heads, dims)}
     for key, style in cut.items():
         log.info("tensor parallel: %s is split as %r: the model cuts its output into parts", key, style)
     return {**plan, **cut}
