@@ -11,7 +11,8 @@ The forward runs once on fake parameters (nothing is allocated; a model on the m
 own input, through the caller's function (a ``training_step``), with module-level forward hooks
 (``torch.nn.modules.module.register_module_forward_pre_hook``) recording each call and the call it is made from,
 and a ``TorchFunctionMode`` recording which calls run attention (context parallelism routes those blocks' attention
-and runs the other sequence mixers on the gathered sequence).
+and runs the other sequence mixers on the gathered sequence) and which linears' outputs the forward cuts into parts
+(:mod:`~lightning_llm.modeling.output_cuts`: tensor parallelism splits those per part).
 
 Example::
 
@@ -32,17 +33,21 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from lightning_llm.modeling.output_cuts import OutputCuts
+
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 @dataclass(frozen=True)
 class Call:
     """One module call: the module's name in the traced root, the index of the call it was made from, and whether
-    attention (``scaled_dot_product_attention`` or ``multi_head_attention_forward``) ran in it, outside its callees."""
+    attention (``scaled_dot_product_attention`` or ``multi_head_attention_forward``) ran in it, outside its callees;
+    for a linear, the widths the forward cut its output into along the last dimension (empty when it did not)."""
 
     name: str
     caller: int | None
     attends: bool = False
+    cut: tuple[int, ...] = ()
 
 
 @dataclass
@@ -56,6 +61,7 @@ class TracedBlocks:
     called: set[str] = field(default_factory=set)  # every module the forward called
     attends: set[str] = field(default_factory=set)  # the modules attention ran in (not counting their callees)
     before: set[str] = field(default_factory=set)  # modules called before the first block and never after it
+    cuts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # linear -> the parts its output was cut into
 
     def whole_container(self, root: nn.Module) -> bool:
         """Whether the blocks are every entry of their container, in the container's order."""
@@ -91,17 +97,19 @@ def trace_calls(root: nn.Module, run: Callable[[], Any]) -> list[Call]:
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         if names.get(id(module)) is not None and stack:
-            stack.pop()
+            index = stack.pop()
+            if isinstance(module, nn.Linear):
+                cuts.watch(index, output)
 
     attending: set[int] = set()
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
     try:
-        with AttentionCalls(lambda: attending.add(stack[-1]) if stack else None):
+        with AttentionCalls(lambda: attending.add(stack[-1]) if stack else None), OutputCuts() as cuts:
             run()
     finally:
         for handle in handles:
             handle.remove()
-    return [Call(c.name, c.caller, True) if i in attending else c for i, c in enumerate(calls)]
+    return [Call(c.name, c.caller, i in attending, cuts.found.get(i, ())) for i, c in enumerate(calls)]
 
 
 class AttentionCalls(TorchFunctionMode):
@@ -183,10 +191,19 @@ def blocks_from_calls(root: nn.Module, calls: list[Call]) -> TracedBlocks | None
     blocks = max(candidates, key=lambda run: (_numel(root, run.names), len(run.names)))
     blocks.called = {c.name for c in calls}
     blocks.attends = {c.name for c in calls if c.attends}
+    blocks.cuts = _agreed_cuts(calls)
     inside = tuple(f"{name}." for name in blocks.names)  # a block's own forward may be bypassed: its callees count
     first = next(i for i, c in enumerate(calls) if c.name in blocks.names or c.name.startswith(inside))
     blocks.before = {c.name for c in calls[:first]} - {c.name for c in calls[first:]}
     return blocks
+
+
+def _agreed_cuts(calls: list[Call]) -> dict[str, tuple[int, ...]]:
+    """Module -> the cut of its output, for the modules every call of which was cut the same way."""
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    for call in calls:
+        seen.setdefault(call.name, set()).add(call.cut)
+    return {name: next(iter(cuts)) for name, cuts in seen.items() if len(cuts) == 1 and () not in cuts}
 
 
 def traced_blocks(root: nn.Module, run: Callable[[Callable[[Any], Any]], Any]) -> TracedBlocks | None:

@@ -207,6 +207,7 @@ def plan_splits(
             user_plan=user_plan,
             replicate=replicate or (),
             expert_parallel=units.ep_split,
+            output_cuts=traced.cuts if traced is not None else None,
         )
         if traced is not None:
             refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, traced.called)

@@ -186,3 +186,29 @@ def test_modules_called_before_the_blocks_are_read_off_the_forward():
     before, after = outer_modules(model, "layers", traced.before)
     assert (sorted(before), sorted(after)) == (["embed", "embed_norm"], ["final_norm", "head"])
     assert outer_modules(model, "layers") == (["embed"], ["head", "embed_norm", "final_norm"])  # by type alone
+
+
+class CutBlock(nn.Module):
+    """A gated MLP with its input and gate in one linear (ModernBERT's ``Wi``), cut after an element-wise op, and an
+    attention-like projection viewed into heads (not a cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.Wi, self.Wo, self.q = nn.Linear(DIM, 12), nn.Linear(4, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.q(x).view(*x.shape[:-1], 2, DIM // 2).flatten(-2)
+        up, gate, extra = torch.clamp(self.Wi(x), -10, 10).split([4, 4, 4], dim=-1)
+        return x + self.Wo(up * torch.sigmoid(gate) + extra)
+
+
+def test_the_parts_a_forward_cuts_a_linears_output_into_are_read_off_the_forward():
+    """The widths recorded for ``Wi`` are the widths torch's own ``split`` gives on a real tensor of its output; the
+    projection viewed into heads and the closing projection are not cut."""
+    model = DictModel()
+    for key in model.layers:
+        model.layers[key] = CutBlock()
+    traced = _trace(model)
+    real = model.layers["0"].Wi(torch.zeros(1, DIM)).split([4, 4, 4], dim=-1)
+    expected = tuple(part.shape[-1] for part in real)
+    assert traced.cuts == {f"layers.{key}.Wi": expected for key in ("0", "1", "2")}

@@ -10,6 +10,7 @@ coverage (:mod:`.coverage`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -40,11 +41,14 @@ def plan_tensor_parallel(
     user_plan: dict[str, str] | None,
     replicate: list[str] | tuple[str, ...] = (),
     expert_parallel: list[str] | tuple[str, ...] = (),
+    output_cuts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[dict[str, str], str]:
     """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early.
 
     ``expert_parallel`` names the experts modules expert parallelism splits: TP leaves them to it (whole experts
-    per EP rank, the same on every tp rank, which all hold the same tokens there).
+    per EP rank, the same on every tp rank, which all hold the same tokens there). ``output_cuts``: the linears
+    whose outputs the model's traced forward cut into parts (``TracedBlocks.cuts``); without it one fake forward
+    reads them.
 
     Example::
 
@@ -65,7 +69,7 @@ def plan_tensor_parallel(
         replicate=replicate,
     )
     plan, unknown = with_traced_layouts(module, blocks_name, plan, unknown, tp, contested)
-    plan = with_cut_outputs(module, blocks_name, blocks, plan, user_plan, tp)
+    plan = with_cut_outputs(module, blocks_name, blocks, plan, user_plan, tp, output_cuts)
     plan = with_per_head_lists(plan, blocks_name, blocks)
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
@@ -80,13 +84,15 @@ def with_cut_outputs(
     plan: dict[str, str],
     user_plan: dict[str, str],
     tp: int,
+    output_cuts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, str]:
     """``plan`` with each column-split linear whose output the forward cuts into parts (``chunk``/``split`` along the
     last dimension: ModernBERT's ``Wi``, a ``[gate | up]`` projection under any name) split per part
-    (``fused_colwise``), so each rank gets its share of every part; read off one fake forward
-    (:func:`~lightning_llm.parallel.tp.traced_layouts.trace_fused_layouts`). A plain ``colwise`` split would hand
-    one rank the whole first part and the other the second, which the first forward would then refuse. Entries the
-    user gave are kept as given.
+    (``fused_colwise``), so each rank gets its share of every part. The cuts are ``output_cuts`` (what the
+    strategy's traced forward saw, :mod:`~lightning_llm.modeling.output_cuts`), or, without them, read off one fake
+    forward (:func:`~lightning_llm.parallel.tp.traced_layouts.trace_fused_layouts`). A plain ``colwise`` split would
+    hand one rank the whole first part and the other the second, which the first forward would then refuse.
+    Entries the user gave are kept as given.
 
     Example::
 
@@ -100,7 +106,10 @@ def with_cut_outputs(
             key = next((k for k in plan if matches(name, k)), None)
             if isinstance(layer, nn.Linear) and key is not None and plan[key] == "colwise" and key not in user_plan:
                 keys[name] = key
-    found = trace_fused_layouts(module, blocks_name, sorted(keys), tp) if keys else {}
+    if output_cuts is None:
+        found = trace_fused_layouts(module, blocks_name, sorted(keys), tp) if keys else {}
+    else:
+        found = {name: style for name in keys if (style := _per_part(output_cuts.get(name, ()), tp))}
     styles: dict[str, set[str]] = {}
     for name, key in keys.items():
         styles.setdefault(key, set()).add(found.get(name, "colwise"))
@@ -111,6 +120,13 @@ def with_cut_outputs(
     for key, style in cut.items():
         log.info("tensor parallel: %s is split as %r: the model cuts its output into parts", key, style)
     return {**plan, **cut}
+
+
+def _per_part(sizes: tuple[int, ...], tp: int) -> str | None:
+    """The per-part column split of an output cut into ``sizes``, when tp divides every part."""
+    if len(sizes) < 2 or any(size % tp for size in sizes):
+        return None
+    return f"fused_colwise:{','.join(map(str, sizes))}"
 
 
 def _cut_into_parts(style: str, heads: set[int], head_dims: set[int]) -> bool:
