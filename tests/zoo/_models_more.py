@@ -106,6 +106,20 @@ HELD_OUT = {
         cls_token_id=1,
         sep_token_id=2,
     ),
+    # Mamba-2 and attention layers, each with routed experts beside a shared MLP whose input_linear is [gate | up]
+    "granitemoehybrid": lambda: _hf(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        **_DENSE,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+    ),
 }
 
 

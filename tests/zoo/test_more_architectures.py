@@ -64,7 +64,9 @@ def test_held_out_architectures_under_the_layouts_they_needed_match_single_proce
     """ModernBERT's decoder, as a new user brings it: before, tp2 was refused in the first forward (its `Wi` split
     column-wise, then cut in two by the model), tp2 + SP too, and then crashed (its prediction head, a linear and a
     norm between the final norm and the vocabulary projection, met the sequence-sharded stream with plain
-    weights), and pp2 was refused (its embedding LayerNorm taken for a module after the blocks)."""
+    weights), and pp2 was refused (its embedding LayerNorm taken for a module after the blocks). Granite-MoE-Hybrid:
+    tp2 and tp2 + SP stopped in the first forward (its Hugging Face plan splits the shared MLP's ``input_linear``
+    column-wise, which the model ``chunk``s into gate and up)."""
     if not _held_out_runs:
         _held_out_runs.update(run_distributed(_train_more, 2, HELD_OUT_LAYOUTS, list(HELD_OUT), timeout=600)[0])
     _assert_cell(_held_out_runs[layout][name], layout, name)
