@@ -61,6 +61,8 @@ _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=
 _LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
 # Architecture -> (config fields to drop from COMMON, fields to set).
 OVERRIDES = {
+    "OPT": ((), dict(dropout=0.0, layerdrop=0.0)),  # dropout on by default, under its own field name
+    "XGLM": ((), dict(dropout=0.0, activation_dropout=0.0, layerdrop=0.0)),
     "DeepseekV2": (("head_dim",), dict(_MLA, topk_method="greedy")),
     "MiniCPM3": (("head_dim",), _MLA),
     "Glm4MoeLite": (("head_dim",), _MLA),
@@ -206,9 +208,8 @@ NEWEST = [
 
 # Causal LMs of transformers 5.24 in neither set above, run on 2026-11-30 (docs/models.md, "A third round"):
 # ``--models later``. Not in it: AXK1, AXK2, Mamba2, RecurrentGemma, xLSTM and Gemma3n (their tiny configs from these
-# sizes fail in one process), OPT and XGLM (dropout on by default under their own field names: no parity to check
-# until OVERRIDES turns it off; OPT's group also timed out at 500 s), Inkling2Loop (timed out at 300 s).
-LATER = ["AriaText", "Ernie4_5_Moe", "HyperCLOVAX", "Mellum", "ModernBertDecoder", "FalconMamba", "HrmText"]
+# sizes fail in one process), Inkling2Loop (timed out at 300 s).
+LATER = ["AriaText", "Ernie4_5_Moe", "HyperCLOVAX", "Mellum", "ModernBertDecoder", "FalconMamba", "HrmText", "OPT", "XGLM"]
 
 
 def builder(architecture: str):

@@ -60,7 +60,9 @@ class ZeroEmbedding(nn.Module):
         empty = torch.empty(0, self.embedding_dim, dtype=self.dtype, device=embedding.weight.device)
         self.register_buffer("weight", empty, persistent=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # An embedding subclass may take more (OPT's learned positions: the attention mask, then position_ids=);
+        # the first argument has the (batch, sequence) shape of the lookup either way.
         return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
 
 

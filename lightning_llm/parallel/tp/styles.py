@@ -9,6 +9,8 @@ and the expert split of :mod:`.experts`. A torchao ``Float8Linear`` gets the fp8
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -119,6 +121,33 @@ class ReplicateShared(ParallelStyle):
             return sum_grad(output, mesh)
         kept, heads = output.split([output.shape[-1] - shared, shared], dim=-1)
         return torch.cat([kept, sum_grad(heads, mesh)], dim=-1)
+
+
+class OwnIndexEmbedding(RowwiseParallel):
+    """A vocabulary-split embedding whose subclass computes the indices it looks up: OPT's learned positions take
+    the attention mask (and ``position_ids=``) and look up ``position_ids + 2``. Every tensor argument becomes a
+    replicated DTensor, so the lookup inside the forward meets a DTensor index whatever the forward's signature;
+    torch's style converts the first argument only, and passes on no other.
+
+    Example::
+
+        parallelize_module(model, tp_mesh, {"model.decoder.embed_positions": OwnIndexEmbedding()})
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        distribute_module(module, device_mesh, self._partition_embedding_fn, None, output_fn)
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: _replicated(args, kwargs, device_mesh), with_kwargs=True
+        )
+        return module
+
+
+def _replicated(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    def replicate(x):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _plain_tensor(x) else x
+
+    return tuple(map(replicate, args)), {key: replicate(value) for key, value in kwargs.items()}
 
 
 class OwnLocalOutput(ParallelStyle):
@@ -235,6 +264,8 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
             return Conv1DRowwise(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
     if style == "embedding":
+        if module is not None and type(module).forward is not nn.Embedding.forward:
+            return OwnIndexEmbedding(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
     if style == "embedding_colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
