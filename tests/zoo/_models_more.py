@@ -106,11 +106,11 @@ HELD_OUT = {
         cls_token_id=1,
         sep_token_id=2,
     ),
-    # Learned positions in an nn.Embedding subclass whose forward takes the attention mask (no key bias: see xglm)
+    # Learned positions in an nn.Embedding subclass whose forward takes the attention mask. No key bias: its true
+    # gradient is zero (softmax ignores a constant added to every key's score), so Adam would step on rounding noise.
     "opt": lambda: _hf(
         "OPTConfig", "OPTForCausalLM", **_DENSE, ffn_dim=64, dropout=0.0, layerdrop=0.0, enable_bias=False
     ),
-    "xglm": lambda: xglm_without_key_bias_training(),
     # Mamba-2 and attention layers, each with routed experts beside a shared MLP whose input_linear is [gate | up]
     "granitemoehybrid": lambda: _hf(
         "GraniteMoeHybridConfig",
@@ -137,17 +137,6 @@ def stablelm_per_head_norms():
         for name, param in model.named_parameters():
             if "layernorm.norms." in name:
                 param.uniform_(0.5, 1.5)
-    return model
-
-
-def xglm_without_key_bias_training():
-    """XGLM, whose attention reshapes its output to ``self.embed_dim``, with its key biases frozen: their true gradient
-    is zero (softmax ignores a constant added to every key's score), so Adam would step on rounding noise alone."""
-    model = _hf(
-        "XGLMConfig", "XGLMForCausalLM", **_DENSE, ffn_dim=64, dropout=0.0, attention_dropout=0.0, layerdrop=0.0
-    )
-    for layer in model.model.layers:
-        layer.self_attn.k_proj.bias.requires_grad_(False)
     return model
 
 

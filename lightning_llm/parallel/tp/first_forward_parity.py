@@ -34,11 +34,11 @@ import sys
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_llm._compat.torch import outside_dispatch_modes, tree_leaves, without_hooks
 from lightning_llm.parallel.tp.coverage import wildcard_index
-from lightning_llm.parallel.tp.heads import HEAD_ATTRS, split_widths, whole_width_attrs
+from lightning_llm.parallel.tp.heads import HEAD_ATTRS
 
 log = logging.getLogger(__name__)
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}  # relative norm of the difference; 16-bit: 2e-2
@@ -151,12 +151,35 @@ _SHAPE_ERROR = re.compile(
 _NOTED = "_lightning_llm_width_note"
 
 
+def _split_widths(module: nn.Module) -> list[tuple[str, str, int, int]]:
+    """(child name, "out"/"in", local, global) for each parameter of ``module``'s children split along a width."""
+    widths = []
+    for name, child in module.named_modules():
+        weight = getattr(child, "weight", None)
+        if not name or not isinstance(weight, DTensor) or weight.dim() != 2:
+            continue
+        for placement in weight.placements:
+            if isinstance(placement, Shard) and placement.dim in (0, 1):
+                side = "out" if placement.dim == 0 else "in"
+                widths.append((name, side, weight.to_local().shape[placement.dim], weight.shape[placement.dim]))
+    return widths
+
+
+def _whole_width_attrs(module: nn.Module, widths: list[tuple[str, str, int, int]]) -> dict[str, int]:
+    whole = {g for _, _, local, g in widths if local != g}
+    return {
+        attr: value
+        for attr, value in vars(module).items()
+        if isinstance(value, int) and not isinstance(value, bool) and attr not in HEAD_ATTRS and value in whole
+    }
+
+
 def width_note(label: str, module: nn.Module, tp: int) -> str:
     """The note added to a shape error raised in ``module``'s first forward (see the module docstring)."""
-    widths = split_widths(module)
+    widths = _split_widths(module)
     parts = [f"{name} {'produces' if side == 'out' else 'reads'} {local} of {g}" for name, side, local, g in widths]
     heads = {a: v for a, v in vars(module).items() if a in HEAD_ATTRS and isinstance(v, int)}
-    stale = whole_width_attrs(module)
+    stale = _whole_width_attrs(module, widths)
     return (
         f"lightning_llm: this error was raised in the first forward of {label!r} ({type(module).__name__}) under "
         f"tensor_parallel_size={tp}, which splits its heads: on each rank "

@@ -19,7 +19,6 @@ import copy
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 HEAD_ATTRS = (
     "heads",
@@ -132,10 +131,7 @@ def divide_head_counts(
                 continue
             done.add(id(module))
             where = f"{name or 'block'}.{{}} in block {block_idx}"
-            counts = _counts(module)
-            changed += _divide(module, counts, tp, where)
-            if counts:  # an attention module's own widths of its split heads (XGLM's reshape to self.embed_dim)
-                changed += _divide(module, whole_width_attrs(module, children_only=True), tp, where)
+            changed += _divide(module, _counts(module), tp, where)
             changed += _divide(
                 module, {a: getattr(module, a) for a in WIDTH_ATTRS.get(type(module).__name__, ())}, tp, where
             )
@@ -150,37 +146,10 @@ def divide_head_counts(
     return changed
 
 
-# A GroupNorm inside the split attention (RetNet's, one group per head over the merged heads) normalizes this rank's
+# Widths (not head counts) that some classes keep and slice with: GPT-2 splits c_attn's output by split_size; a
+# GroupNorm inside the split attention (RetNet's, one group per head over the merged heads) normalizes this rank's
 # heads, so its groups and channels are this rank's too.
-WIDTH_ATTRS = {"GroupNorm": ("num_groups", "num_channels")}
-
-
-def split_widths(module: nn.Module, children_only: bool = False) -> list[tuple[str, str, int, int]]:
-    """(layer name, "out"/"in", local, global) for each 2-D weight inside ``module`` (its direct children only, with
-    ``children_only``) that tensor parallelism split along a width."""
-    layers = module.named_children() if children_only else module.named_modules()
-    widths = []
-    for name, child in layers:
-        weight = getattr(child, "weight", None)
-        if not name or not isinstance(weight, DTensor) or weight.dim() != 2:
-            continue
-        for placement in weight.placements:
-            if isinstance(placement, Shard) and placement.dim in (0, 1):
-                side = "out" if placement.dim == 0 else "in"
-                widths.append((name, side, weight.to_local().shape[placement.dim], weight.shape[placement.dim]))
-    return widths
-
-
-def whole_width_attrs(module: nn.Module, children_only: bool = False) -> dict[str, int]:
-    """The integer attributes of ``module`` (head counts aside) equal to the whole width of a layer the split cut
-    (GPT-2's ``split_size``, XGLM's ``embed_dim``): what its forward reshapes the heads' output to, read per rank
-    once the heads are split."""
-    whole = {g for _, _, local, g in split_widths(module, children_only) if local != g}
-    return {
-        attr: value
-        for attr, value in vars(module).items()
-        if isinstance(value, int) and not isinstance(value, bool) and attr not in HEAD_ATTRS and value in whole
-    }
+WIDTH_ATTRS = {"GPT2Attention": ("split_size", "embed_dim"), "GroupNorm": ("num_groups", "num_channels")}
 
 
 def _divide(obj: object, values: dict[str, int], tp: int, where: str) -> int:
