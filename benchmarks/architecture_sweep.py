@@ -209,7 +209,17 @@ NEWEST = [
 # Causal LMs of transformers 5.24 in neither set above, run on 2026-11-30 (docs/models.md, "A third round"):
 # ``--models later``. Not in it: AXK1, AXK2, Mamba2, RecurrentGemma, xLSTM and Gemma3n (their tiny configs from these
 # sizes fail in one process), Inkling2Loop (timed out at 300 s).
-LATER = ["AriaText", "Ernie4_5_Moe", "HyperCLOVAX", "Mellum", "ModernBertDecoder", "FalconMamba", "HrmText", "OPT", "XGLM"]
+LATER = [
+    "AriaText",
+    "Ernie4_5_Moe",
+    "HyperCLOVAX",
+    "Mellum",
+    "ModernBertDecoder",
+    "FalconMamba",
+    "HrmText",
+    "OPT",
+    "XGLM",
+]
 
 
 def builder(architecture: str):
