@@ -4,7 +4,8 @@ Under SP the residual stream is a sequence-sharded DTensor. Each model below has
 different style: a row split (the usual case, a DTensor back on the stream), a gathered column split closed by
 an input-split row layer (Hugging Face's gathered plans), a gathered column split closed by a whole layer (a
 plain full-sequence tensor), a part kept whole (plain weights fed a gathered sequence), a fused gate|up split,
-a per-head norm summing its gradient inside the region, and an embedding split along its width. Each trains
+a per-head norm summing its gradient inside the region, an embedding split along its width, and a parameter-free
+sin/cos position table added to the embeddings (XGLM's; under SP it met the sharded stream whole and crashed). Each trains
 under tp2 and tp2+SP (fp32, 4 steps): per-step loss and every parameter within 1e-5 relative of one process (2e-5
 for the gathered split closed whole, whose rows sum in another order),
 every parameter identical on the ranks holding it.
@@ -68,16 +69,31 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class _Sinusoids(nn.Module):
+    """fairseq's (and XGLM's) positions: a fixed sin/cos table, a buffer, looked up by position."""
+
+    def __init__(self, length: int = 64) -> None:
+        super().__init__()
+        angles = torch.arange(length)[:, None] / 10_000 ** (torch.arange(WIDTH // 2) / (WIDTH // 2))
+        self.register_buffer("table", torch.cat([angles.sin(), angles.cos()], dim=1), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[: ids.shape[1]].expand(ids.shape[0], -1, -1)
+
+
 class _Net(nn.Module):
-    def __init__(self, fused: bool = False, head_norm: bool = False) -> None:
+    def __init__(self, fused: bool = False, head_norm: bool = False, positions: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.positions = _Sinusoids() if positions else None
         self.layers = nn.ModuleList(_Block(fused, head_norm) for _ in range(2))
         self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
+        if self.positions is not None:
+            x = x + self.positions(ids)
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
@@ -96,6 +112,7 @@ CASES = {
     "fused_gate_up": (lambda: _Net(fused=True), {"plan": {f"{MLP}.up": "fused_colwise:2"}}),
     "per_head_norm": (lambda: _Net(head_norm=True), {}),
     "embedding_width_split": (lambda: _Net(), {"plan": {"model.embed": "embedding_colwise"}}),
+    "sinusoidal_positions": (lambda: _Net(positions=True), {}),
 }
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True}}
 

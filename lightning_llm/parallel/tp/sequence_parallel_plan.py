@@ -82,6 +82,7 @@ def add_sequence_parallel_boundaries(model: nn.Module, plan: dict[str, str], blo
     # An MoE block routes whole tokens: it takes the gathered sequence and hands back its own shard. Named
     # one by one: in a hybrid stack the same name (``feed_forward``) can be a dense MLP in other blocks.
     plan |= dict.fromkeys(_outer_computations(model, plan, prefix), "gather_sequence")
+    plan |= dict.fromkeys(_position_tables(model, plan, prefix), "positions")
     experts = [p for p, s in plan.items() if s in ("experts", "expert_parallel")]
     for name, _ in model.named_modules():
         parent = name.rpartition(".")[0]
@@ -107,6 +108,22 @@ def _outer_computations(model: nn.Module, plan: dict[str, str], prefix: str) -> 
         if any(isinstance(m, nn.Linear) for m in module.modules()):
             chosen.append(name)
     return chosen
+
+
+def _position_tables(model: nn.Module, plan: dict[str, str], prefix: str) -> list[str]:
+    """The parameter-free modules outside the blocks that no entry names and that hold a 2-D table as wide as the
+    token embeddings (XGLM's sinusoidal positions): what they return is added to the stream whole. A rotary
+    module's table is a head's width, and what it returns goes into the blocks' attention, not the stream."""
+    widths = {m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [
+        name
+        for name, module in model.named_modules()
+        if name
+        and not name.startswith(prefix)
+        and not any(True for _ in module.parameters())
+        and not any(matches(name, p) for p in plan)
+        and any(b.dim() == 2 and b.is_floating_point() and b.shape[-1] in widths for b in module.buffers(recurse=False))
+    ]
 
 
 def _gather_parts_without_row_split(model: nn.Module, plan: dict[str, str], blocks_name: str) -> dict[str, str]:

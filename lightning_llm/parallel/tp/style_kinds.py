@@ -75,6 +75,7 @@ KINDS: dict[str, StyleKind] = {
         StyleKind("experts", owns_subtree=True, doc="whole experts per tp rank"),
         StyleKind("expert_parallel", owns_subtree=True, doc="whole experts per ep rank (expert parallelism)"),
         StyleKind("gather_sequence", whole=True, doc="the whole sequence inside it under SP (an MoE block)"),
+        StyleKind("positions", whole=True, doc="a position table added whole to the stream, replicated under SP"),
         StyleKind("colwise_replicated_input", opens=True, doc="a column split whose input is whole even under SP"),
         StyleKind("replicate_shared", doc="whole, its head-facing columns' gradient summed (multi-query k/v)"),
         StyleKind(SHARED_PREFIX + "N", doc="as replicate_shared, for the last N output columns"),

@@ -214,6 +214,27 @@ class GatherSequence(ParallelStyle):
         return (first, *output[1:]) if isinstance(output, tuple) else first
 
 
+class ReplicatedOutput(ParallelStyle):
+    """A module's tensor output as a replicated DTensor: the same whole value on every rank, so that adding it to
+    the sequence-sharded stream (a ``Shard(1)`` DTensor under SP) takes each rank's positions of it. For a
+    parameter-free position table outside the blocks (XGLM's sinusoidal positions), whose plain output would
+    otherwise meet the DTensor stream.
+
+    Example::
+
+        parallelize_module(model, tp_mesh, {"model.embed_positions": ReplicatedOutput()})
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(m, args, output):
+            if not _plain_tensor(output):
+                return output
+            return DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+
+        module.register_forward_hook(replicate)
+        return module
+
+
 def _plain_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
@@ -279,6 +300,8 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
         return MultiheadAttentionParallel(
             parallel_style("rowwise", sequence_parallel, getattr(module, "out_proj", None))
         )
+    if style == "positions":  # a parameter-free table the model adds to the sequence-sharded stream
+        return ReplicatedOutput() if sequence_parallel else None
     if style == "gather_sequence":  # a module that needs the whole sequence inside a sequence-parallel model
         if not sequence_parallel:
             return None
