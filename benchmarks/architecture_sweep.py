@@ -63,6 +63,7 @@ _LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head
 OVERRIDES = {
     "OPT": ((), dict(dropout=0.0, layerdrop=0.0)),  # dropout on by default, under its own field name
     "XGLM": ((), dict(dropout=0.0, activation_dropout=0.0, layerdrop=0.0)),
+    "BioGpt": ((), dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, activation_dropout=0.0)),
     "DeepseekV2": (("head_dim",), dict(_MLA, topk_method="greedy")),
     "MiniCPM3": (("head_dim",), _MLA),
     "Glm4MoeLite": (("head_dim",), _MLA),
@@ -219,6 +220,8 @@ LATER = [
     "HrmText",
     "OPT",
     "XGLM",
+    "BioGpt",
+    "Rwkv",
 ]
 
 
