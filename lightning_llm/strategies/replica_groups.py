@@ -169,7 +169,9 @@ class ReplicaGroups:
                 f"Replica group {self.env.group_id} recovered step {step - 1} from a live group and trains from step "
                 f"{step}; its data (shard {self.env.group_id} of {total}) restarts from its first batch."
             )
-        elif present != self._present and self._present is not None:
+        elif present != self._present and (
+            self._present is not None or present < total
+        ):  # a group missing at start too
             missing = total - present
             event = f"Step {step}: {present} of {total} replica groups train" + (
                 f"; the data shards of the {missing} missing are not trained until they return." if missing else "."
