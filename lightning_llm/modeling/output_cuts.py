@@ -24,8 +24,8 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-_CUTS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes}
-_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten, torch.unflatten}
+CUTS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes}
+VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten, torch.unflatten}
 
 
 class OutputCuts(TorchFunctionMode):
@@ -54,16 +54,16 @@ class OutputCuts(TorchFunctionMode):
         if not calls:
             return result
         x, call = calls[0]
-        if func in _CUTS and x is args[0]:
-            sizes = _cut_sizes(args, kwargs, x, result)
+        if func in CUTS and x is args[0]:
+            sizes = cut_sizes(args, kwargs, x, result)
             if sizes and call not in self.found:
                 self.found[call] = sizes
-        elif isinstance(result, torch.Tensor) and result.shape == x.shape and func not in _VIEWS:
+        elif isinstance(result, torch.Tensor) and result.shape == x.shape and func not in VIEWS:
             self.tracked[id(result)] = (weakref.ref(result), call)  # element-wise: follow the output on
         return result
 
 
-def _cut_sizes(args: tuple, kwargs: dict, x: torch.Tensor, result: object) -> tuple[int, ...] | None:
+def cut_sizes(args: tuple, kwargs: dict, x: torch.Tensor, result: object) -> tuple[int, ...] | None:
     """The widths of a cut of ``x``'s last dimension into several parts covering it, else ``None``."""
     dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
     if not isinstance(dim, int) or not x.dim() or dim % x.dim() != x.dim() - 1:

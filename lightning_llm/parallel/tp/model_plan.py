@@ -27,7 +27,12 @@ from lightning_llm.parallel.tp.apply import (
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
 from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
 from lightning_llm.parallel.tp.style_kinds import dataflow_role, matches
-from lightning_llm.parallel.tp.traced_layouts import head_counts, trace_fused_layouts, with_traced_layouts
+from lightning_llm.parallel.tp.traced_layouts import (
+    head_counts,
+    per_part_style,
+    trace_fused_layouts,
+    with_traced_layouts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +114,7 @@ def with_cut_outputs(
     if output_cuts is None:
         found = trace_fused_layouts(module, blocks_name, sorted(keys), tp) if keys else {}
     else:
-        found = {name: style for name in keys if (style := _per_part(output_cuts.get(name, ()), tp))}
+        found = {name: style for name in keys if (style := per_part_style(output_cuts.get(name, ()), tp))}
     styles: dict[str, set[str]] = {}
     for name, key in keys.items():
         styles.setdefault(key, set()).add(found.get(name, "colwise"))
@@ -120,13 +125,6 @@ def with_cut_outputs(
     for key, style in cut.items():
         log.info("tensor parallel: %s is split as %r: the model cuts its output into parts", key, style)
     return {**plan, **cut}
-
-
-def _per_part(sizes: tuple[int, ...], tp: int) -> str | None:
-    """The per-part column split of an output cut into ``sizes``, when tp divides every part."""
-    if len(sizes) < 2 or any(size % tp for size in sizes):
-        return None
-    return f"fused_colwise:{','.join(map(str, sizes))}"
 
 
 def _cut_into_parts(style: str, heads: set[int], head_dims: set[int]) -> bool:

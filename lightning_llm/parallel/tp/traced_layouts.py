@@ -46,14 +46,13 @@ from torch.overrides import TorchFunctionMode
 from lightning_llm.modeling.blocks import block_modules
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
+from lightning_llm.modeling.output_cuts import CUTS, VIEWS, cut_sizes
 from lightning_llm.parallel.tp.fused import KV_ATTRS, QUERY_ATTRS
 from lightning_llm.parallel.tp.heads import attribute
 from lightning_llm.parallel.tp.infer import FUSED_NAME, pattern_of
 
 log = logging.getLogger(__name__)
 
-_CUTS = {torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk, torch.Tensor.split_with_sizes}
-_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten, torch.unflatten}
 _TOKENS = 8  # a fake batch of one sequence this long
 
 
@@ -98,7 +97,7 @@ class _Follow(TorchFunctionMode):
         if not watched:
             return result
         x, name = watched[0]
-        if isinstance(result, torch.Tensor) and result.shape == x.shape and func not in _VIEWS:
+        if isinstance(result, torch.Tensor) and result.shape == x.shape and func not in VIEWS:
             if any(self._is_merged(a) for a in tensors):  # gating the heads' merged output: split like them
                 self._decide(name, "colwise")
             else:
@@ -116,9 +115,9 @@ class _Follow(TorchFunctionMode):
             return
         heads = self.heads | {h // self.tp for h in self.heads}
         if self._is_merged(x):  # a copy, an element-wise op or a view keeping the merged width
-            if result.shape == x.shape or (func in _VIEWS and result.shape[-1] == x.shape[-1]):
+            if result.shape == x.shape or (func in VIEWS and result.shape[-1] == x.shape[-1]):
                 self.merged[id(result)] = weakref.ref(result)
-        elif func in _VIEWS and x.dim() >= 3 and result.dim() < x.dim() and x.shape[-2] in heads:
+        elif func in VIEWS and x.dim() >= 3 and result.dim() < x.dim() and x.shape[-2] in heads:
             merges = result.shape[-1] == x.shape[-2] * x.shape[-1] and result.numel() == x.numel()
             if merges:  # (..., heads, head_dim) -> (..., heads * head_dim)
                 self.merged[id(result)] = weakref.ref(result)
@@ -133,20 +132,21 @@ class _Follow(TorchFunctionMode):
 
 def _layout(func, args, kwargs, x: torch.Tensor, result, heads: set[int], tp: int) -> str | None:
     """The style the consuming op implies, or ``None`` when it says nothing this package can split by."""
-    width = x.shape[-1]
-    if func in _CUTS:
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-        if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
-            return None
-        sizes = [part.shape[-1] for part in result]
-        if len(sizes) > 1 and sum(sizes) == width and all(size % tp == 0 for size in sizes):
-            return f"fused_colwise:{','.join(map(str, sizes))}"
-        return None
-    if func in _VIEWS and isinstance(result, torch.Tensor) and result.dim() in (x.dim() + 1, x.dim() + 2):
+    if func in CUTS:
+        return per_part_style(cut_sizes(args, kwargs, x, result) or (), tp)
+    if func in VIEWS and isinstance(result, torch.Tensor) and result.dim() in (x.dim() + 1, x.dim() + 2):
         count = result.shape[x.dim() - 1]
         if result.shape[: x.dim() - 1] == x.shape[:-1] and count in heads and count % tp == 0:
             return "colwise"
     return None
+
+
+def per_part_style(sizes: tuple[int, ...], tp: int) -> str | None:
+    """The per-part column split (``fused_colwise:A,B,...``) of an output cut into ``sizes``, when tp divides every
+    part; ``None`` otherwise."""
+    if len(sizes) < 2 or any(size % tp for size in sizes):
+        return None
+    return f"fused_colwise:{','.join(map(str, sizes))}"
 
 
 def with_traced_layouts(
