@@ -1,7 +1,6 @@
 """Every monitoring metric reaches Lightning's loggers: a capturing logger, a CSV log and an offline W&B run."""
 
 import csv
-import time
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
@@ -10,6 +9,7 @@ from lightning_llm.callbacks import GradNormMonitor, LossSpikeGuard, MFUMonitor
 from lightning_llm.data import LLMDataModule
 from lightning_llm.models import CausalLM
 from tests._optional import requires_wandb
+from tests._wandb_file import read_when
 
 EXPECTED = {
     "train/items_per_sec",
@@ -82,16 +82,5 @@ def test_metrics_reach_every_logger(tmp_path, monkeypatch):
 
     # End to end: the offline run W&B wrote holds every metric name (its record format is W&B's own).
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    assert not _missing_from_file(run_file, EXPECTED), _missing_from_file(run_file, EXPECTED)
-
-
-def _missing_from_file(path, keys, within: float = 60.0) -> list[str]:
-    """The keys not (yet) in the file W&B's writer process fills; it may still be flushing after ``wandb.finish()``
-    returns (seen once on W&B 0.19 on a loaded machine), so the file is read again until they all appear."""
-    deadline = time.monotonic() + within
-    while True:
-        written = path.read_bytes()
-        missing = [key for key in keys if key.encode() not in written]
-        if not missing or time.monotonic() > deadline:
-            return missing
-        time.sleep(0.5)
+    written = read_when(run_file, lambda data: all(key.encode() in data for key in EXPECTED))
+    assert not [key for key in EXPECTED if key.encode() not in written], sorted(EXPECTED)

@@ -10,6 +10,7 @@ from lightning_llm.callbacks import MoEMonitor
 from lightning_llm.models import CausalLM, LlamaConfig
 from lightning_llm.strategies import LLMParallelStrategy
 from lightning_llm.testing import cpu_trainer, run_distributed
+from tests._wandb_file import read_when
 
 STEPS, EVERY, BATCH = 4, 2, 8
 CONFIG = LlamaConfig.from_name("tiny-moe", vocab_size=64, n_layers=3, n_dense_layers=1, moe_aux_loss_coef=0.01)
@@ -106,12 +107,19 @@ def test_wandb_gets_each_layers_expert_load_as_a_histogram(tmp_path, monkeypatch
     layers = list(dict.fromkeys(layer for layer, _ in routes.routes))
     expected = _brute_force(routes.routes, layers, loads=True)
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    written = run_file.read_bytes().decode("latin-1")
-    for i, layer in enumerate((1, 2)):
-        key = re.escape(f"moe/model.layers.{layer}.feed_forward.experts/expert_load")
+    keys = [re.escape(f"moe/model.layers.{layer}.feed_forward.experts/expert_load") for layer in (1, 2)]
+
+    def found(written: str, key: str, field: str) -> list:
         # W&B's record holds a nested item per field: the key, the field name, then the field's JSON.
-        values = [json.loads(v) for v in re.findall(key + r".{1,3}values.{1,4}?(\[[^\]]*\])", written, flags=re.DOTALL)]
-        bins = [json.loads(v) for v in re.findall(key + r".{1,3}bins.{1,4}?(\[[^\]]*\])", written, flags=re.DOTALL)]
+        pattern = key + r".{1,3}" + field + r".{1,4}?(\[[^\]]*\])"
+        return [json.loads(v) for v in re.findall(pattern, written, flags=re.DOTALL)]
+
+    def complete(data: bytes) -> bool:
+        return all(len(found(data.decode("latin-1"), key, "bins")) >= 2 * len(expected) - 1 for key in keys)
+
+    written = read_when(run_file, complete).decode("latin-1")
+    for i, key in enumerate(keys):
+        values, bins = found(written, key, "values"), found(written, key, "bins")
         # Each log writes a history item and then the summary's latest value: the same histogram twice in a row.
         values, bins = values[::2], bins[::2]
         assert len(values) == len(expected) and bins == [[0, 1, 2, 3, 4]] * len(expected), (key, values, bins)
