@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from lightning_llm.modeling.output_cuts import OutputCuts
+from lightning_llm.modeling.output_cuts import OutputCuts, Part
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -47,7 +47,7 @@ class Call:
     name: str
     caller: int | None
     attends: bool = False
-    cut: tuple[int, ...] = ()
+    cut: tuple[Part, ...] = ()
 
 
 @dataclass
@@ -61,7 +61,8 @@ class TracedBlocks:
     called: set[str] = field(default_factory=set)  # every module the forward called
     attends: set[str] = field(default_factory=set)  # the modules attention ran in (not counting their callees)
     before: set[str] = field(default_factory=set)  # modules called before the first block and never after it
-    cuts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # linear -> the parts its output was cut into
+    cuts: dict[str, tuple[Part, ...]] = field(default_factory=dict)  # linear -> the parts its output was cut into
+    order: list[str] = field(default_factory=list)  # every module called, in the order of its first call
 
     def whole_container(self, root: nn.Module) -> bool:
         """Whether the blocks are every entry of their container, in the container's order."""
@@ -109,7 +110,7 @@ def trace_calls(root: nn.Module, run: Callable[[], Any]) -> list[Call]:
     finally:
         for handle in handles:
             handle.remove()
-    return [Call(c.name, c.caller, i in attending, cuts.found.get(i, ())) for i, c in enumerate(calls)]
+    return [Call(c.name, c.caller, i in attending, cuts.parts(i)) for i, c in enumerate(calls)]
 
 
 class AttentionCalls(TorchFunctionMode):
@@ -192,15 +193,16 @@ def blocks_from_calls(root: nn.Module, calls: list[Call]) -> TracedBlocks | None
     blocks.called = {c.name for c in calls}
     blocks.attends = {c.name for c in calls if c.attends}
     blocks.cuts = _agreed_cuts(calls)
+    blocks.order = list(dict.fromkeys(c.name for c in calls))
     inside = tuple(f"{name}." for name in blocks.names)  # a block's own forward may be bypassed: its callees count
     first = next(i for i, c in enumerate(calls) if c.name in blocks.names or c.name.startswith(inside))
     blocks.before = {c.name for c in calls[:first]} - {c.name for c in calls[first:]}
     return blocks
 
 
-def _agreed_cuts(calls: list[Call]) -> dict[str, tuple[int, ...]]:
+def _agreed_cuts(calls: list[Call]) -> dict[str, tuple[Part, ...]]:
     """Module -> the cut of its output, for the modules every call of which was cut the same way."""
-    seen: dict[str, set[tuple[int, ...]]] = {}
+    seen: dict[str, set[tuple[Part, ...]]] = {}
     for call in calls:
         seen.setdefault(call.name, set()).add(call.cut)
     return {name: next(iter(cuts)) for name, cuts in seen.items() if len(cuts) == 1 and () not in cuts}

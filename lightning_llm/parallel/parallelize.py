@@ -13,7 +13,7 @@ FSDP then shards over ``dp × cp``.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,8 @@ def parallelize(
         report.fp8_layers = swap_fp8(module, found.name, dims, report.tp_plan, fp8, fp8_exclude, zero_stage=zero_stage)
     if dims.tp > 1:
         check_parts = dims.cp == 1 and expert_parallel_size == 1 and _first_pipeline_rank(dims)
-        report.tp_coverage = split_layers(module, units, dims, report.tp_plan, sequence_parallel, check_parts)
+        order = traced.order if traced is not None else ()
+        report.tp_coverage = split_layers(module, units, dims, report.tp_plan, sequence_parallel, check_parts, order)
     if activation_checkpointing is not None:
         activation_checkpointing(units.owned, units.entries)
     for unit in units.entered() if compile_blocks else ():
@@ -208,6 +209,7 @@ def plan_splits(
             replicate=replicate or (),
             expert_parallel=units.ep_split,
             output_cuts=traced.cuts if traced is not None else None,
+            call_order=traced.order if traced is not None else (),
         )
         if traced is not None:
             refuse_uncalled_split_parts(report.tp_plan, found.name, found.blocks, traced.called)
@@ -233,6 +235,7 @@ def split_layers(
     plan: dict[str, str],
     sequence_parallel: bool,
     check_parts: bool,
+    call_order: Sequence[str] = (),
 ) -> list[str]:
     """Tensor parallelism on this rank's blocks (and the model's embedding and head); returns the coverage lines."""
     return apply_tensor_parallel(
@@ -244,6 +247,7 @@ def split_layers(
         blocks_name=units.found.name,
         entries=units.entries,
         check_parts=check_parts,
+        call_order=call_order,
     )
 
 

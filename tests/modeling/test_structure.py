@@ -212,3 +212,32 @@ def test_the_parts_a_forward_cuts_a_linears_output_into_are_read_off_the_forward
     real = model.layers["0"].Wi(torch.zeros(1, DIM)).split([4, 4, 4], dim=-1)
     expected = tuple(part.shape[-1] for part in real)
     assert traced.cuts == {f"layers.{key}.Wi": expected for key in ("0", "1", "2")}
+
+
+class ParallelBlock(nn.Module):
+    """PaLM's layout: one projection cut into q (viewed into 2 heads of 4), a key and a value one head wide shared by
+    every query head (multi-query; the key's rotary halves cut inside it), and the SwiGLU input, cut again in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused, self.out = nn.Linear(DIM, 8 + 4 + 4 + 12), nn.Linear(8 + 6, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v, ff = self.fused(x).split((8, 4, 4, 12), dim=-1)
+        q = q.view(*q.shape[:-1], 2, 4).transpose(-3, -2)
+        half, other = k.chunk(2, dim=-1)
+        k = torch.cat((-other, half), dim=-1)
+        attended = torch.softmax(q @ k.unsqueeze(-3).transpose(-1, -2), dim=-1) @ v.unsqueeze(-3)
+        up, gate = ff.chunk(2, dim=-1)
+        return x + self.out(torch.cat((attended.transpose(-3, -2).flatten(-2), up * gate), dim=-1))
+
+
+def test_a_part_one_head_wide_is_shared_and_a_part_cut_again_gives_its_parts():
+    """The query part is viewed into heads of 4; the key and value parts, 4 wide and never viewed into heads, are one
+    head every rank uses whole ("*4"); the SwiGLU part is recorded as the two halves the forward cuts it into."""
+    model = DictModel()
+    for key in model.layers:
+        model.layers[key] = ParallelBlock()
+    traced = _trace(model)
+    assert traced.cuts == {f"layers.{key}.fused": (8, "*4", "*4", 6, 6) for key in ("0", "1", "2")}
+    assert traced.order.index("layers.0.fused") < traced.order.index("layers.0.out") < traced.order.index("layers.1")

@@ -265,7 +265,7 @@ def test_qwen3_per_head_norms_get_their_gradients_summed():
 
 
 def test_per_head_norm_in_a_user_model_is_found_without_a_plan_entry():
-    from lightning_llm.parallel.tp.apply import with_region_parameters
+    from lightning_llm.parallel.tp.model_plan import with_region_parameters
 
     class Attn(nn.Module):
         def __init__(self):
@@ -460,3 +460,18 @@ def test_first_forward_stops_a_whole_layer_that_mixes_all_heads_before_it_runs()
     verify_on_first_forward(attn, {"v": "colwise", "o": "rowwise", "dt_proj": "replicate_grad_sum"}, "layers.0")
     with pytest.raises(RuntimeError, match=r"layers\.0\.dt_proj has 8-wide parameters but runs on this rank's 4"):
         attn(torch.randn(2, 8))
+
+
+def test_an_attribute_holding_the_cut_widths_gets_this_ranks_widths():
+    """PaLM keeps its cut as ``fused_dims`` and splits by it: under ``fused_colwise:32,*8,*8,128,128`` at tp=2 a rank
+    holds 16 + 8 + 8 + 64 + 64 columns, so the four widths become (16, 8, 8, 128) (by hand); an attribute the parts
+    do not add up to (or not made of ints) is left as it is."""
+    from lightning_llm.parallel.tp.heads import localize_part_widths
+
+    owner = nn.Module()
+    owner.fused_dims, owner.other, owner.scales = (32, 8, 8, 256), [40, 264], (1.0, 2.0)
+    owner.unrelated = (3, 5)
+    changed = localize_part_widths(owner, (32, 8, 8, 128, 128), (False, True, True, False, False), tp=2)
+    assert changed == ["fused_dims", "other"]
+    assert owner.fused_dims == (16, 8, 8, 128) and owner.other == [24, 136]
+    assert owner.scales == (1.0, 2.0) and owner.unrelated == (3, 5)

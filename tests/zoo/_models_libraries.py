@@ -6,7 +6,11 @@
   ``nn.ModuleList`` of ``[norms, mixer, residual]`` slots, some ``None``, run from the stack's own forward);
 - ``olmo_core``: AI2's OLMo-core pretraining codebase (blocks in an ``nn.ModuleDict`` keyed "0", "1", ...);
 - ``mambapy``: a pure-PyTorch Mamba stack (``mambapy.mamba.Mamba``) inside the user's own embedding and head;
-- ``retnet``: yet-another-retnet's ``RetNet`` (multi-scale retention, a linear-attention recurrence).
+- ``retnet``: yet-another-retnet's ``RetNet`` (multi-scale retention, a linear-attention recurrence);
+- ``palm``, ``palm_sdpa``: lucidrains' PaLM (palm-rlhf-pytorch): parallel attention and feed-forward blocks whose one
+  ``fused_attn_ff_proj`` is cut by ``split(self.fused_dims)`` into q, one shared k and v head (multi-query) and the
+  SwiGLU input, xPos rotary built from the local length, a pre-norm with a buffer; its default einsum attention, and
+  ``flash_attn=True`` (SDPA).
 
 Each builder seeds the global generator first, so one process and every rank build the same weights.
 :func:`register` adds them to :data:`tests.zoo._models.BUILDERS` (``ZooLM(name)`` builds them by name); a library
@@ -90,6 +94,15 @@ def _olmo_core() -> nn.Module:
     return model
 
 
+def _palm(flash: bool):
+    def build() -> nn.Module:
+        from palm_rlhf_pytorch import PaLM
+
+        return PaLM(num_tokens=VOCAB, dim=DIM, depth=LAYERS, dim_head=DIM // HEADS, heads=HEADS, flash_attn=flash)
+
+    return build
+
+
 def _seeded(build):
     def seeded():
         torch.manual_seed(0)
@@ -104,6 +117,8 @@ LIBRARIES = {  # model name -> (the module to import, the builder)
     "olmo_core": ("olmo_core", _olmo_core),
     "mambapy": ("mambapy", MambaLM),
     "retnet": ("yet_another_retnet", RetNetLM),
+    "palm": ("palm_rlhf_pytorch", _palm(flash=False)),
+    "palm_sdpa": ("palm_rlhf_pytorch", _palm(flash=True)),
 }
 AVAILABLE = [name for name, (package, _) in LIBRARIES.items() if importlib.util.find_spec(package) is not None]
 

@@ -73,6 +73,9 @@ EXPECTED = {
         cp2_ulysses=CP_NOT_CALLED,
     ),
 }
+PARITY = dict.fromkeys(LAYOUTS, "parity")
+# Its einsum attention is no call CP can route: every block runs whole on whole sequences (exact, nothing split).
+EXPECTED.update(palm=PARITY, palm_sdpa=PARITY)
 assert set(EXPECTED) == set(LIBRARIES)
 _runs: dict = {}
 _references: dict = {}

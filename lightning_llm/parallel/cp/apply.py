@@ -114,7 +114,7 @@ def apply_context_parallel(
     unrouted = {i for i, n in enumerate(names) if attends is not None and not any(inside(a, n) for a in attends)}
     route = route_attention(model, blocks, cp, blocks_name=blocks_name, unrouted=unrouted, traced=attends is not None)
     gather_mixers(mixers, cp)
-    shard_model_io(model, cp, blocks, where=name)
+    shard_model_io(model, cp, blocks, where=name, blocks_whole=sum(m.whole_block for m in mixers) == len(blocks))
     line = f"Applied context parallel (cp={cp.size}, {method}, zig-zag shards) to {len(blocks)} blocks via {route}"
     if mixers:
         kinds = sorted({type(m.module).__name__ for m in mixers})

@@ -54,6 +54,9 @@ class PositionReads:
     tables: set[int] = field(default_factory=set)  # id() of the embeddings found to be position tables
     read: list[str] = field(default_factory=list)  # what the first forward read as positions
     checked: bool = False
+    # False where every block runs whole on whole sequences: only the blocks' computation depends on positions the
+    # package could miss (a table outside them is still looked up globally, as read).
+    refuse_position_free: bool = True
 
 
 def _local_range_end(args: tuple, kwargs: dict) -> object:
@@ -178,7 +181,7 @@ def _watch_forward(model: nn.Module, reads: PositionReads, where: str) -> list[R
     def check(module, args, output):  # the first forward decides
         if not reads.checked:
             reads.checked = True
-            if not reads.read and not reads.tables:
+            if not reads.read and not reads.tables and reads.refuse_position_free:
                 _refuse_position_free(where, model)
 
     # Entered after the input-sharding hook (which sets the length), left before the output is gathered.

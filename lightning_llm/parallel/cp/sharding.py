@@ -105,12 +105,13 @@ def _gather_output(cp: CPGroup):
 
 
 def shard_model_io(
-    model: nn.Module, cp: CPGroup, blocks: list[nn.Module] = (), where: str = "model"
+    model: nn.Module, cp: CPGroup, blocks: list[nn.Module] = (), where: str = "model", blocks_whole: bool = False
 ) -> list[RemovableHandle]:
     """Shard ``model``'s token ids (and positions) on the way in and gather its logits on the way out.
 
     A forward without ``position_ids`` gets its learned position table (outside ``blocks``) looked up by global
-    position, or is refused at its first forward (:func:`~.positions.global_position_tables`).
+    position, or is refused at its first forward (:func:`~.positions.global_position_tables`) unless ``blocks_whole``
+    (every block runs whole on whole sequences, so none sees a shard's positions).
 
     Example::
 
@@ -119,7 +120,7 @@ def shard_model_io(
     """
     parameters = list(inspect.signature(model.forward).parameters)
     takes_documents = parameters[1:2] == ["document_ids"]  # the package's models: forward(tokens, document_ids, ...)
-    reads = None if "position_ids" in parameters else PositionReads()
+    reads = None if "position_ids" in parameters else PositionReads(refuse_position_free=not blocks_whole)
     handles = [
         model.register_forward_pre_hook(
             _shard_inputs(cp, "use_cache" in parameters, takes_documents, reads), with_kwargs=True

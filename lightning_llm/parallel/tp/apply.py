@@ -11,6 +11,7 @@ the activations between blocks stay sequence-sharded DTensors, so model code tha
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,11 +24,16 @@ from lightning_llm.parallel.tp.attention_variants import model_config
 from lightning_llm.parallel.tp.coverage import (
     coverage_lines,
     region_owners,
-    sharded_region_modules,
     verify_on_first_forward,
 )
 from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
-from lightning_llm.parallel.tp.heads import block_head_counts, check_head_counts, divide_head_counts
+from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, projection_dims, shared_parts
+from lightning_llm.parallel.tp.heads import (
+    block_head_counts,
+    check_head_counts,
+    divide_head_counts,
+    localize_part_widths,
+)
 from lightning_llm.parallel.tp.plan import STYLES, infer_plan, resolve_plan, validate_plan
 from lightning_llm.parallel.tp.sequence_boundaries import adapt_block_parts
 from lightning_llm.parallel.tp.sequence_parallel_plan import (
@@ -43,20 +49,25 @@ __all__ = [
     "STYLES",
     "apply_tensor_parallel",
     "check_head_counts",
+    "class_representatives",
     "divide_head_counts",
     "hf_plan",
     "infer_plan",
     "resolve_plan",
     "validate_plan",
     "with_per_head_lists",
-    "with_region_parameters",
 ]
 
 log = logging.getLogger(__name__)
 
 
-def _class_representatives(blocks_name: str, blocks) -> list[tuple[str, nn.Module, list[str]]]:
-    """(name of the first block, the block, names of every block) per distinct kind of the owned blocks."""
+def class_representatives(blocks_name: str, blocks) -> list[tuple[str, nn.Module, list[str]]]:
+    """(name of the first block, the block, names of every block) per distinct kind of the owned blocks.
+
+    Example::
+
+        class_representatives("model.layers", layers)   # [("model.layers.0", layers[0], ["model.layers.0", ...])]
+    """
     kinds: dict[tuple, list[tuple[str, nn.Module]]] = {}
     for name, block in zip(block_names(blocks_name, blocks), block_modules(blocks)):
         if not getattr(block, "is_pipeline_placeholder", False):
@@ -78,7 +89,7 @@ def head_split_parts(plan: dict[str, str], blocks_name: str, blocks) -> list[tup
     """(name, module) of each block class's parts whose heads the plan splits (the smallest module holding a
     column split and the row split closing it; the block itself where no such pair exists)."""
     parts = []
-    for name, block, _ in _class_representatives(blocks_name, blocks):
+    for name, block, _ in class_representatives(blocks_name, blocks):
         local = local_styles(name, block, plan)
         if not any(opens(s) for s in local.values()):
             continue
@@ -90,10 +101,10 @@ def head_split_parts(plan: dict[str, str], blocks_name: str, blocks) -> list[tup
 def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
     """``plan`` plus ``per_head`` for each list of one module per head inside attention whose heads ``plan`` splits.
 
-    Per distinct block class, like :func:`with_region_parameters`; entries the plan already has win.
+    Per distinct block class, like :func:`.model_plan.with_region_parameters`; entries the plan already has win.
     """
     plan = dict(plan)
-    representatives = _class_representatives(blocks_name, blocks)
+    representatives = class_representatives(blocks_name, blocks)
     for name, block, members in representatives:
         local = local_styles(name, block, plan)
         for part in per_head_lists(block, lambda attention, local=local: splits_heads(attention, local)):
@@ -103,23 +114,6 @@ def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[
                 plan[f"{blocks_name}.*.{part}"] = "per_head"
             else:
                 plan.update({f"{member}.{part}": "per_head" for member in members})
-    return plan
-
-
-def with_region_parameters(plan: dict[str, str], blocks_name: str, blocks) -> dict[str, str]:
-    """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
-
-    Found per distinct block class (hybrid stacks mix them); entries the plan already has win; the first
-    forward verifies the additions (see :mod:`.coverage`).
-    """
-    plan = dict(plan)
-    representatives = _class_representatives(blocks_name, blocks)
-    for name, block, members in representatives:
-        for part in sharded_region_modules(block, local_styles(name, block, plan)):
-            if len(representatives) == 1:
-                plan[f"{blocks_name}.*.{part}"] = "replicate_grad_sum"
-            else:
-                plan.update({f"{member}.{part}": "replicate_grad_sum" for member in members})
     return plan
 
 
@@ -133,18 +127,20 @@ def apply_tensor_parallel(
     blocks_name: str = "",
     entries: dict[int, list[nn.Module]] | None = None,
     check_parts: bool = True,
+    call_order: Sequence[str] = (),
 ) -> list[str]:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (already validated).
 
     ``entries``: block (by id) -> the modules it is entered through where the model does not call it as a whole
     (:func:`~lightning_llm.modeling.blocks.entry_modules`); the first-forward checks watch those. ``check_parts``:
     compare each split part's first forward with the part computed whole (off under context parallelism, where a
-    part sees a shard of the sequence and its attention reaches the other shards through the ring).
+    part sees a shard of the sequence and its attention reaches the other shards through the ring). ``call_order``:
+    the traced forward's modules in order, which tells a pre-norm from a norm inside a split part under SP.
     Returns the coverage report of this rank's blocks (see :func:`.coverage.coverage_lines`).
     """
     if sequence_parallel:
         plan = add_sequence_parallel_norms(
-            model, add_sequence_parallel_boundaries(model, plan, blocks_name), blocks_name
+            model, add_sequence_parallel_boundaries(model, plan, blocks_name), blocks_name, call_order
         )
     tied = tied_parameter_names(model)
     explicit, styled = _torch_styles(model, plan, sequence_parallel)
@@ -201,9 +197,22 @@ def _split_blocks_heads(
         whole_counts = block_head_counts(block)
         if any(opens(s) for s in local.values()):  # a block whose heads all stay whole keeps its counts
             heads += divide_head_counts([block], tp, region_owners(local) or None, divided)
+            heads += _localize_cut_widths(block, local, tp)
             _explain_parts(block, name, local, tp, explained)
         _watch_first_forward(block, name, local, (whole_counts, block_head_counts(block)), entries.get(id(block)))
     return heads
+
+
+def _localize_cut_widths(block: nn.Module, local: dict[str, str], tp: int) -> int:
+    """Give the module holding each fused layer of ``block`` this rank's widths of the parts its forward cuts the
+    output into, where it keeps them in an attribute (see :func:`.heads.localize_part_widths`)."""
+    changed = 0
+    for rel, style in local.items():
+        if rel and style.startswith(FUSED_PREFIX):
+            sizes = fused_sizes(style, projection_dims(block.get_submodule(rel))[1])
+            owner = block.get_submodule(rel.rpartition(".")[0]) if "." in rel else block
+            changed += len(localize_part_widths(owner, sizes, shared_parts(style), tp))
+    return changed
 
 
 def _explain_parts(block: nn.Module, name: str, local: dict[str, str], tp: int, explained: set[int]) -> None:

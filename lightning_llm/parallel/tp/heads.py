@@ -33,7 +33,7 @@ HEAD_ATTRS = (
     "n_query_groups",
 )
 
-KV_HEAD_ATTRS = HEAD_ATTRS[4:]
+KV_HEAD_ATTRS = HEAD_ATTRS[HEAD_ATTRS.index("num_key_value_heads") :]
 
 
 def _counts(obj: object) -> dict[str, int]:
@@ -99,6 +99,41 @@ def block_head_counts(block: nn.Module) -> set[int]:
         for owner in (module, getattr(module, "config", None)):
             counts.update(_counts(owner).values() if owner is not None else ())
     return counts
+
+
+def localize_part_widths(owner: nn.Module, sizes: tuple[int, ...], shared: tuple[bool, ...], tp: int) -> list[str]:
+    """Set each attribute of ``owner`` that holds the widths its forward cuts a fused output into (ints adding up to
+    the output, each the sum of consecutive ``sizes``) to this rank's widths; return the attributes set.
+
+    The forward cuts the rank's share of the output by them (PaLM's ``split(self.fused_dims, dim=-1)``); a part in
+    ``shared`` stays whole on every rank, the others are divided by ``tp``. Example::
+
+        localize_part_widths(block.fn, (32, 8, 8, 128, 128), (False, True, True, False, False), tp=2)
+        # block.fn.fused_dims: (32, 8, 8, 256) -> (16, 8, 8, 128)
+    """
+    local = [size if whole else size // tp for size, whole in zip(sizes, shared)]
+    changed = []
+    for attr, value in list(vars(owner).items()):
+        if not isinstance(value, (tuple, list)) or len(value) < 2 or any(type(v) is not int for v in value):
+            continue
+        widths = _merged(value, sizes, local) if sum(value) == sum(sizes) else None
+        if widths is not None and widths != list(value):
+            setattr(owner, attr, type(value)(widths))
+            changed.append(attr)
+    return changed
+
+
+def _merged(value: tuple[int, ...] | list[int], sizes: tuple[int, ...], local: list[int]) -> list[int] | None:
+    """``local`` summed over the runs of consecutive ``sizes`` adding up to each entry of ``value``; else ``None``."""
+    out, i = [], 0
+    for width in value:
+        total = here = 0
+        while total < width and i < len(sizes):
+            total, here, i = total + sizes[i], here + local[i], i + 1
+        if total != width:
+            return None
+        out.append(here)
+    return out
 
 
 def _largest_divisor(values: list[int], tp: int) -> int:

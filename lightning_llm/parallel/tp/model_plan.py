@@ -10,23 +10,25 @@ coverage (:mod:`.coverage`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
 from lightning_llm.modeling.blocks import BlockStack, distinct_blocks, find_blocks
+from lightning_llm.modeling.output_cuts import Part
 from lightning_llm.modeling.tp_shares import TensorParallelShares
 from lightning_llm.parallel.tp.apply import (
     check_head_counts,
+    class_representatives,
     head_split_parts,
+    local_styles,
     resolve_plan,
     validate_plan,
     with_per_head_lists,
-    with_region_parameters,
 )
 from lightning_llm.parallel.tp.attention_variants import check_attention_variants, model_config, shares_kv
-from lightning_llm.parallel.tp.coverage import check_coverage, wildcard_index
-from lightning_llm.parallel.tp.style_kinds import dataflow_role, matches
+from lightning_llm.parallel.tp.coverage import check_coverage, sharded_region_modules, wildcard_index
+from lightning_llm.parallel.tp.style_kinds import closes, dataflow_role, matches, opens
 from lightning_llm.parallel.tp.traced_layouts import (
     head_counts,
     per_part_style,
@@ -46,14 +48,17 @@ def plan_tensor_parallel(
     user_plan: dict[str, str] | None,
     replicate: list[str] | tuple[str, ...] = (),
     expert_parallel: list[str] | tuple[str, ...] = (),
-    output_cuts: Mapping[str, tuple[int, ...]] | None = None,
+    output_cuts: Mapping[str, tuple[Part, ...]] | None = None,
+    call_order: Sequence[str] = (),
 ) -> tuple[dict[str, str], str]:
     """Resolve, validate and check the coverage of the TP plan before anything is changed, so bad input fails early.
 
     ``expert_parallel`` names the experts modules expert parallelism splits: TP leaves them to it (whole experts
     per EP rank, the same on every tp rank, which all hold the same tokens there). ``output_cuts``: the linears
     whose outputs the model's traced forward cut into parts (``TracedBlocks.cuts``); without it one fake forward
-    reads them.
+    reads them. ``call_order``: every module the traced forward called, in order (``TracedBlocks.order``): a module
+    with whole parameters called outside the split region (a pre-norm beside the layers that open it) is left out of
+    it.
 
     Example::
 
@@ -79,7 +84,7 @@ def plan_tensor_parallel(
     validate_plan(module, plan, tp)
     check_head_counts(module, head_split_parts(plan, blocks_name, blocks), tp, shared_kv=shares_kv(plan))
     check_coverage(blocks_name, blocks, plan, unknown, tp)
-    return with_region_parameters(plan, blocks_name, blocks), source
+    return with_region_parameters(plan, blocks_name, blocks, call_order), source
 
 
 def with_cut_outputs(
@@ -89,7 +94,7 @@ def with_cut_outputs(
     plan: dict[str, str],
     user_plan: dict[str, str],
     tp: int,
-    output_cuts: Mapping[str, tuple[int, ...]] | None = None,
+    output_cuts: Mapping[str, tuple[Part, ...]] | None = None,
 ) -> dict[str, str]:
     """``plan`` with each column-split linear whose output the forward cuts into parts (``chunk``/``split`` along the
     last dimension: ModernBERT's ``Wi``, a ``[gate | up]`` projection under any name) split per part
@@ -133,7 +138,7 @@ def _cut_into_parts(style: str, heads: set[int], head_dims: set[int]) -> bool:
     (``split(head_dim, -1)`` of its shard)."""
     if not style.startswith("fused_colwise:"):
         return False
-    sizes = [int(size) for size in style.partition(":")[2].split(",")]
+    sizes = [int(size.removeprefix("*")) for size in style.partition(":")[2].split(",")]
     per_head = len(set(sizes)) == 1 and len(sizes) in heads and (not head_dims or sizes[0] in head_dims)
     return not per_head
 
@@ -187,3 +192,37 @@ def planned_shares(
         if name and matches(name, pattern) and (role := dataflow_role(style)) is not None
     }
     return TensorParallelShares(tp, sequence_parallel, roles)
+
+
+def with_region_parameters(
+    plan: dict[str, str], blocks_name: str, blocks, call_order: Sequence[str] = ()
+) -> dict[str, str]:
+    """``plan`` plus ``replicate_grad_sum`` for every whole-parameter module inside a head-sharded region.
+
+    Found per distinct block class (hybrid stacks mix them); entries the plan already has win; the first
+    forward verifies the additions (see :mod:`.coverage`). Where ``call_order`` (the traced forward's modules, in
+    order) shows a module called before any layer opening a split, or after one closing it with none opening
+    another in between, it runs on whole activations and is not added (PaLM's pre-norm beside its fused projection).
+    """
+    plan = dict(plan)
+    representatives = class_representatives(blocks_name, blocks)
+    for name, block, members in representatives:
+        local = local_styles(name, block, plan)
+        order = {n[len(name) + 1 :]: i for i, n in enumerate(call_order) if n.startswith(name + ".")}
+        for part in sharded_region_modules(block, local):
+            if _called_on_whole_activations(part, local, order):
+                continue
+            if len(representatives) == 1:
+                plan[f"{blocks_name}.*.{part}"] = "replicate_grad_sum"
+            else:
+                plan.update({f"{member}.{part}": "replicate_grad_sum" for member in members})
+    return plan
+
+
+def _called_on_whole_activations(part: str, styles: dict[str, str], order: dict[str, int]) -> bool:
+    """Whether the last split boundary called before ``part`` (in the traced ``order``) closed a split, or none came."""
+    if part not in order:
+        return False
+    boundaries = sorted((order[n], opens(s)) for n, s in styles.items() if n in order and (opens(s) or closes(s)))
+    before = [is_open for index, is_open in boundaries if index < order[part]]
+    return not (before and before[-1])

@@ -10,6 +10,7 @@ outputs computes on the whole sequence), which get ``gather_sequence``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -19,15 +20,20 @@ from lightning_llm.parallel.tp.style_kinds import back_to_shards, coverer, match
 from lightning_llm.parallel.tp.style_kinds import whole as is_whole
 
 
-def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_name: str = "") -> dict[str, str]:
+def add_sequence_parallel_norms(
+    model: nn.Module, plan: dict[str, str], blocks_name: str = "", call_order: Sequence[str] = ()
+) -> dict[str, str]:
     """Mark the normalisation layers of the residual stream ``sequence_parallel`` (they see sequence-sharded activations).
 
     A norm beside a planned layer inside a block's submodule (OLMo2's and litgpt's ``q_norm``/``k_norm``
     next to ``q_proj`` in the attention module) runs on whole-sequence activations, so it is left to the
-    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded.
+    plan; the block's own norms (beside its ``mlp`` or even beside its own projections) are sharded, and so is a norm
+    called before every planned layer beside it (a pre-norm: PaLM's ``norm`` beside its fused projection), as the
+    traced forward's ``call_order`` shows, or as an ``nn.Sequential``'s order does.
     """
     plan = dict(plan)
     planned = [n for n, _ in model.named_modules() if n and any(matches(n, p) for p in plan)]
+    order = {name: index for index, name in enumerate(call_order)}
     # Parts kept whole, and modules given the whole sequence outside the blocks: their norms are theirs.
     whole = coverer(
         {
@@ -43,15 +49,19 @@ def add_sequence_parallel_norms(model: nn.Module, plan: dict[str, str], blocks_n
         if getattr(module, "is_pipeline_placeholder", False):
             continue
         is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "RMSNorm"))
-        beside = name.rpartition(".")[0] in beside_projection and not _leads(model, name, planned)
+        beside = name.rpartition(".")[0] in beside_projection and not _leads(model, name, planned, order)
         if is_norm and name not in planned and not beside and not whole(name):
             plan[name] = "sequence_parallel"
     return plan
 
 
-def _leads(model: nn.Module, name: str, planned: list[str]) -> bool:
-    """Whether ``name`` comes before every planned sibling in an ``nn.Sequential`` (a pre-norm: it sees the stream)."""
+def _leads(model: nn.Module, name: str, planned: list[str], order: dict[str, int]) -> bool:
+    """Whether ``name`` comes before every planned sibling (a pre-norm: it sees the stream): called first in the traced
+    ``order``, or placed first in an ``nn.Sequential``."""
     parent_name, _, leaf = name.rpartition(".")
+    beside = [n for n in planned if n.startswith(parent_name + ".")]
+    if name in order and beside and all(n in order for n in beside):
+        return all(order[name] < order[n] for n in beside)
     parent = model.get_submodule(parent_name)
     if not isinstance(parent, nn.Sequential):
         return False

@@ -150,6 +150,18 @@ def _replicated(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     return tuple(map(replicate, args)), {key: replicate(value) for key, value in kwargs.items()}
 
 
+class SequenceParallelNorm(SequenceParallel):
+    """torch's ``SequenceParallel`` with the module's floating buffers replicated too (a norm keeping a fixed bias as
+    a buffer, PaLM's ``beta``), so the norm's computation meets DTensors only; torch's style replicates parameters."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and not isinstance(buffer, DTensor):
+                setattr(module, name, DTensor.from_local(buffer, device_mesh, [Replicate()], run_check=False))
+        return module
+
+
 class OwnLocalOutput(ParallelStyle):
     """``style`` whose DTensor output is handed to the model as a local tensor of its own, not a view.
 
@@ -291,7 +303,7 @@ def parallel_style(style: str, sequence_parallel: bool, module: nn.Module | None
     if style == "embedding_colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=sharded_seq, use_local_output=local)
     if style == "sequence_parallel":
-        return SequenceParallel() if sequence_parallel else None
+        return SequenceParallelNorm() if sequence_parallel else None
     if style == "replicate_grad_sum":
         return ReplicateGradSum()
     if style == "experts":

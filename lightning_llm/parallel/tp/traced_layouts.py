@@ -46,9 +46,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_llm.modeling.blocks import block_modules
 from lightning_llm.modeling.fake import fake_parameters
 from lightning_llm.modeling.log_redirect import redirected_log
-from lightning_llm.modeling.output_cuts import CUTS, VIEWS, cut_sizes
-from lightning_llm.parallel.tp.fused import KV_ATTRS, QUERY_ATTRS
-from lightning_llm.parallel.tp.heads import attribute
+from lightning_llm.modeling.output_cuts import CUTS, VIEWS, Part, cut_sizes
+from lightning_llm.parallel.tp.heads import HEAD_ATTRS, attribute
 from lightning_llm.parallel.tp.infer import FUSED_NAME, pattern_of
 
 log = logging.getLogger(__name__)
@@ -141,10 +140,10 @@ def _layout(func, args, kwargs, x: torch.Tensor, result, heads: set[int], tp: in
     return None
 
 
-def per_part_style(sizes: tuple[int, ...], tp: int) -> str | None:
+def per_part_style(sizes: tuple[Part, ...], tp: int) -> str | None:
     """The per-part column split (``fused_colwise:A,B,...``) of an output cut into ``sizes``, when tp divides every
-    part; ``None`` otherwise."""
-    if len(sizes) < 2 or any(size % tp for size in sizes):
+    part split per rank (a part ``"*N"`` is whole on every rank); ``None`` otherwise."""
+    if len(sizes) < 2 or any(isinstance(size, int) and size % tp for size in sizes):
         return None
     return f"fused_colwise:{','.join(map(str, sizes))}"
 
@@ -267,7 +266,7 @@ def head_counts(module: nn.Module) -> set[int]:
     counts = set()
     for sub in module.modules():
         for owner in (sub, getattr(sub, "config", None)):
-            for attr in (*QUERY_ATTRS, *KV_ATTRS):
+            for attr in HEAD_ATTRS:
                 value = attribute(owner, attr)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 1:
                     counts.add(value)
