@@ -53,6 +53,7 @@ __all__ = [
     "divide_head_counts",
     "hf_plan",
     "infer_plan",
+    "part_entries",
     "resolve_plan",
     "validate_plan",
     "with_per_head_lists",
@@ -110,11 +111,22 @@ def with_per_head_lists(plan: dict[str, str], blocks_name: str, blocks) -> dict[
         for part in per_head_lists(block, lambda attention, local=local: splits_heads(attention, local)):
             if any(matches(f"{name}.{part}", p) for p in plan):
                 continue
-            if len(representatives) == 1:
-                plan[f"{blocks_name}.*.{part}"] = "per_head"
-            else:
-                plan.update({f"{member}.{part}": "per_head" for member in members})
+            plan.update(part_entries(blocks_name, len(representatives), members, part, "per_head"))
     return plan
+
+
+def part_entries(blocks_name: str, kinds: int, members: list[str], part: str, style: str) -> dict[str, str]:
+    """Plan entries giving ``part`` of the blocks ``members`` ``style``: one wildcard entry where the blocks are of one
+    kind (``kinds``), else one per member.
+
+    Example::
+
+        part_entries("model.layers", 1, ["model.layers.0"], "self_attn.q_norm", "replicate_grad_sum")
+        # {"model.layers.*.self_attn.q_norm": "replicate_grad_sum"}
+    """
+    if kinds == 1:
+        return {f"{blocks_name}.*.{part}": style}
+    return {f"{member}.{part}": style for member in members}
 
 
 def apply_tensor_parallel(

@@ -22,6 +22,7 @@ from lightning_llm.parallel.tp.apply import (
     class_representatives,
     head_split_parts,
     local_styles,
+    part_entries,
     resolve_plan,
     validate_plan,
     with_per_head_lists,
@@ -212,10 +213,7 @@ def with_region_parameters(
         for part in sharded_region_modules(block, local):
             if _called_on_whole_activations(part, local, order):
                 continue
-            if len(representatives) == 1:
-                plan[f"{blocks_name}.*.{part}"] = "replicate_grad_sum"
-            else:
-                plan.update({f"{member}.{part}": "replicate_grad_sum" for member in members})
+            plan.update(part_entries(blocks_name, len(representatives), members, part, "replicate_grad_sum"))
     return plan
 
 
