@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -85,12 +86,15 @@ def main(args: list[str]) -> Path:
     options = cli.parse_args(args)
     if options.format == "torch" and options.hf_config is not None:
         cli.error("--hf_config applies to --format hf only; a torch export keeps the checkpoint's own names.")
-    try:
-        if options.verify:
-            _verify(options.checkpoint)
-        written = _export_whole(options)
-    except (ValueError, FileNotFoundError, OSError) as err:  # the message names the value and the fix; no traceback
-        cli.exit(1, f"{cli.prog}: error: {err}\n")
+    # What libraries print meanwhile goes to stderr: DeepSpeed, imported by transformers where accelerate is
+    # installed, logs its accelerator line to stdout, which scripts read for the path.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            if options.verify:
+                _verify(options.checkpoint)
+            written = _export_whole(options)
+        except (ValueError, FileNotFoundError, OSError) as err:  # the message names the value and the fix
+            cli.exit(1, f"{cli.prog}: error: {err}\n")
     print(written)
     return written
 

@@ -199,10 +199,10 @@ register(
         name="ParallelStyle._apply",
         upstream="torch",
         accessor="torch_distributed.apply_parallel_style",
-        used_by=("parallel/tp/fused.py", "parallel/tp/float8.py"),
+        used_by=("parallel/tp/fused.py", "parallel/tp/float8.py", "parallel/tp/styles.py"),
         why="torch's extension point for a parallel style; `FusedColwise` applies torch's `ColwiseParallel` (or the "
         "Conv1D style) through it before adding its regrouping hook, `Float8Split` torchao's float8 styles or "
-        "torch's (our styles also override it)",
+        "torch's, `SequenceParallelNorm` torch's `SequenceParallel` (our styles also override it)",
         caught_by="`tests/parallel/test_fused_projections.py`, `tests/strategies/test_fp8_tensor_parallel.py`",
         checked=CHECKED,
         check=lambda: resolve("torch.distributed.tensor.parallel:ColwiseParallel._apply"),

@@ -150,12 +150,14 @@ def _replicated(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     return tuple(map(replicate, args)), {key: replicate(value) for key, value in kwargs.items()}
 
 
-class SequenceParallelNorm(SequenceParallel):
+class SequenceParallelNorm(ParallelStyle):
     """torch's ``SequenceParallel`` with the module's floating buffers replicated too (a norm keeping a fixed bias as
     a buffer, PaLM's ``beta``), so the norm's computation meets DTensors only; torch's style replicates parameters."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
+        style = SequenceParallel()
+        style.src_data_rank = self.src_data_rank
+        module = apply_parallel_style(style, module, device_mesh)
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_floating_point() and not isinstance(buffer, DTensor):
                 setattr(module, name, DTensor.from_local(buffer, device_mesh, [Replicate()], run_check=False))
