@@ -63,7 +63,11 @@ def _context():
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, env, crash_log, args, kwargs) -> None:
     # A rank killed by a signal (a segfault in a native library) reports nothing through ``results``: its Python
     # stack goes to a file the caller reads, since a forked rank's stderr is the server's, not the caller's.
-    faulthandler.enable(open(crash_log, "w"))  # noqa: SIM115 (open until the process ends)
+    # A rank still running at the timeout is sent SIGUSR1 and writes every thread's stack to the same file: where
+    # a hung collective waits.
+    log = open(crash_log, "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(log)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     # A forked rank has the server's environment, from when it started: the caller's is the one that counts.
     os.environ.clear()
     os.environ.update(env)
@@ -121,7 +125,7 @@ def run_distributed(
     ``fn`` and its arguments must be picklable (a module-level function). If any rank raises,
     the others are stopped and :class:`DistributedTestError` carries the first failing rank's
     traceback. If the group has not finished after ``timeout`` seconds (a hung collective),
-    every rank is killed and the error says which ranks never reported.
+    every rank is killed and the error says which ranks never reported, with the Python stack each was in.
 
     A group in which a rank died of a native crash (SIGSEGV, SIGABRT, SIGBUS) while no rank raised is run again from
     the start, up to ``native_crash_retries`` times, with a :class:`NativeCrashRetried` warning that carries the
@@ -169,7 +173,7 @@ def _run_group(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout
         try:
             return _collect(procs, results, world_size, timeout)
         except DistributedTestError as err:
-            crashes = _native_crashes(procs, crash_logs)
+            crashes = _native_crashes(procs, crash_logs) + _hung_stacks(procs, crash_logs)
             retriable = err.only_peers_lost and _crashed_natively(procs)
             raise (_NativeCrash if retriable else DistributedTestError)(f"{err}{crashes}") from None
         finally:
@@ -188,6 +192,23 @@ def _native_crashes(procs, crash_logs: list[str]) -> str:
                 stack = f.read().strip()
             if stack:
                 out.append(f"\n\nRank {rank} was killed by signal {-proc.exitcode}; its stack:\n{stack}")
+    return "".join(out)
+
+
+def _hung_stacks(procs, crash_logs: list[str], wait: float = 5.0) -> str:
+    """The stacks of the ranks still running at a timeout, as text to append to the error: where each one waits."""
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in hung:
+        os.kill(procs[rank].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(os.path.getsize(crash_logs[rank]) for rank in hung):
+        time.sleep(0.2)
+    time.sleep(0.5)  # the last rank to start writing finishes
+    out = []
+    for rank in hung:
+        with open(crash_logs[rank]) as f:
+            stack = f.read().strip()
+        out.append(f"\n\nRank {rank} was still running; its threads' stacks:\n{stack or '(none written)'}")
     return "".join(out)
 
 

@@ -124,11 +124,14 @@ def _hang_in_collective():
         time.sleep(600)
 
 
-def test_hung_collective_times_out():
+def test_hung_collective_times_out_showing_where_each_rank_waits():
     start = time.monotonic()
-    with pytest.raises(DistributedTestError, match="Timed out"):
+    with pytest.raises(DistributedTestError, match="Timed out") as err:
         run_distributed(_hang_in_collective, 2, timeout=8)
     assert time.monotonic() - start < 40
+    rank0, rank1 = str(err.value).split("Rank 0 was still running")[1].split("Rank 1 was still running")
+    assert "in barrier" in rank0 and "_hang_in_collective" in rank0, rank0
+    assert "in barrier" not in rank1 and "_hang_in_collective" in rank1, rank1
 
 
 class _Regression(L.LightningModule):
