@@ -148,6 +148,7 @@ def _fp64_ranks(models: list[str]) -> dict | None:
                 logits_gap.abs().max().item(),
             )
     results["hard_coded_width"] = _hard_coded_width_error(dims)
+    results["stored_width"] = {scaled: _stored_width_run(dims, scaled) for scaled in (False, True)}
     return results if dist.get_rank() == 0 else None
 
 
@@ -181,6 +182,66 @@ def _hard_coded_width_error(dims) -> str:
     except ValueError as error:
         return "".join(traceback.format_exception_only(error))
     return "no error"
+
+
+class StoredWidthAttention(nn.Module):
+    """XGLM's attention: the merged heads reshaped to ``self.embed_dim``; with ``scaled`` the scores are scaled by
+    ``embed_dim ** -0.5`` too, so that this rank's width there would compute something else."""
+
+    def __init__(self, embed_dim: int = 16, num_heads: int = 4, scaled: bool = False):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(embed_dim, embed_dim) for _ in range(4))
+        self.embed_dim, self.num_heads, self.head_dim, self.scaled = (
+            embed_dim,
+            num_heads,
+            embed_dim // num_heads,
+            scaled,
+        )
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = (
+            p(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        scale = self.embed_dim**-0.5 if self.scaled else None
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, self.embed_dim))
+
+
+def _stored_width_run(dims, scaled: bool):
+    """Two blocks of :class:`StoredWidthAttention` under tp2 against one process (float64): the output and every
+    gradient's relative error and the blocks' ``embed_dim`` after the first forward; or the error it raised."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from lightning_llm.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.h = nn.ModuleList(nn.ModuleDict({"attn": StoredWidthAttention(scaled=scaled)}) for _ in range(2))
+    reference = copy.deepcopy(module)
+    plan = {f"h.*.attn.{n}_proj": "colwise" for n in "qkv"} | {"h.*.attn.out_proj": "rowwise"}
+    parallelize(module, dims, zero_stage=0, tensor_parallel_plan=plan)
+    x = torch.randn(2, 6, 16)
+    outputs = []
+    for model in (module, reference):
+        y = x
+        try:
+            for block in model.h:
+                y = block.attn(y)
+        except RuntimeError as error:
+            return f"{type(error).__name__}: {error}", [b.attn.embed_dim for b in module.h]
+        y.pow(2).sum().backward()
+        outputs.append(y)
+    errors = {"output": ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()}
+    for (key, param), (_, ref) in zip(module.named_parameters(), reference.named_parameters()):
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        # A key bias's true gradient is zero (softmax is shift-invariant), so its difference is measured absolutely.
+        scale = 1.0 if key.endswith("k_proj.bias") else ref.grad.norm()
+        errors[key] = ((grad - ref.grad).norm() / scale).item()
+    return errors, [b.attn.embed_dim for b in module.h]
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +283,20 @@ def test_a_width_hard_coded_in_the_forward_is_explained_naming_the_module(fp64_r
     assert "first forward of 'h.0.attn' (HardCodedWidthAttention) under tensor_parallel_size=2" in message
     assert "c_attn produces 24 of 48, c_proj reads 8 of 16 features" in message  # checked by hand: 3*16/2, 16/2
     assert "n_head=2" in message and "still holding a whole width: n_embd=16." in message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_stored_whole_width_the_forward_fails_on_becomes_this_ranks_width(fp64_results):
+    # XGLM's reshape to self.embed_dim: 16 whole, 8 per rank (4 heads over tp=2, head_dim 4), in both blocks.
+    errors, widths = fp64_results["stored_width"][False]
+    assert widths == [8, 8]
+    assert max(errors.values()) < 1e-12, errors
+    # The same width also scaling the scores: per rank it runs but computes something else, so it stays whole and
+    # the forward's own shape error stops the run (explained).
+    error, widths = fp64_results["stored_width"][True]
+    assert widths == [16, 16]
+    assert "shape '[2, 6, 16]' is invalid" in error, error
 
 
 @pytest.mark.distributed

@@ -11,5 +11,5 @@
 - Applying it (:mod:`.apply`): what attention modules need once their heads are split (:mod:`.attention_heads`),
   gradients of parameters left whole inside split regions (:mod:`.coverage`), sequence-parallel boundaries
   around block parts (:mod:`.sequence_boundaries`), and the first forward's checks (:mod:`.split_outputs`,
-  :mod:`.first_forward_parity`).
+  :mod:`.first_forward_parity`, :mod:`.first_forward_widths`).
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,7 +27,8 @@ from lightning_llm.parallel.tp.coverage import (
     region_owners,
     verify_on_first_forward,
 )
-from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, whole_copy
+from lightning_llm.parallel.tp.first_forward_widths import explain_first_forward, localize_whole_widths
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, projection_dims, shared_parts
 from lightning_llm.parallel.tp.heads import (
     block_head_counts,
@@ -162,8 +164,9 @@ def apply_tensor_parallel(
     if sequence_parallel:
         adapt_block_parts(blocks, tp_mesh, skip=styled)
     heads = _split_blocks_heads(model, plan, blocks, tp_mesh, entries or {})
-    for label, (part, whole) in wholes.items():
-        check_first_forward(part, whole, label)
+    for label, (part, whole, siblings) in wholes.items():
+        widths = None if siblings is None else partial(localize_whole_widths, label=label, siblings=siblings)
+        check_first_forward(part, whole, label, before=widths)
     log.info(
         "Applied tensor parallel (tp=%d%s) to %d modules; divided %d head counts",
         tp_mesh.size(),
@@ -247,20 +250,21 @@ def _watch_first_forward(block: nn.Module, name: str, local: dict[str, str], cou
 
 
 def _whole_parts(model: nn.Module, plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, tuple]:
-    """Label -> (part, its copy) for the split parts of the first block of each kind (see :mod:`.first_forward_parity`):
-    the region owners, and PyTorch's ``nn.MultiheadAttention`` split whole."""
-    names, parts, kinds = {id(m): n for n, m in model.named_modules()}, {}, set()
+    """Label -> (part, its copy, the same part in the other blocks of its kind, or ``None`` for a whole block) for
+    the split parts of the first block of each kind (see :mod:`.first_forward_parity`): the region owners, and
+    PyTorch's ``nn.MultiheadAttention`` split whole."""
+    names, parts, firsts = {id(m): n for n, m in model.named_modules()}, {}, {}
     for block in blocks:
-        if block_kind(block) in kinds:
-            continue
-        kinds.add(block_kind(block))
-        name = names[id(block)]
-        local = local_styles(name, block, plan)
+        first = firsts.setdefault(block_kind(block), names[id(block)])
+        local = local_styles(names[id(block)], block, plan)
         owners = {o for o in region_owners(local)} | {n for n, s in local.items() if s == "multihead_attention"}
         for owner in sorted(owners):
             part = block.get_submodule(owner) if owner else block
-            if has_own_forward(part):
-                parts[f"{name}.{owner}" if owner else name] = (part, whole_copy(part))
+            label = f"{first}.{owner}" if owner else first
+            if first == names[id(block)] and has_own_forward(part):
+                parts[label] = (part, whole_copy(part), () if owner else None)
+            elif owner and label in parts:
+                parts[label] = (*parts[label][:2], (*parts[label][2], part))
     return parts
 
 
