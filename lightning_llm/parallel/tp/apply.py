@@ -27,8 +27,8 @@ from lightning_llm.parallel.tp.coverage import (
     region_owners,
     verify_on_first_forward,
 )
-from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, whole_copy
-from lightning_llm.parallel.tp.first_forward_widths import explain_first_forward, localize_whole_widths
+from lightning_llm.parallel.tp.first_forward_parity import check_first_forward, explain_first_forward, whole_copy
+from lightning_llm.parallel.tp.first_forward_widths import localize_whole_widths, width_note
 from lightning_llm.parallel.tp.fused import FUSED_PREFIX, fused_sizes, projection_dims, shared_parts
 from lightning_llm.parallel.tp.heads import (
     block_head_counts,
@@ -236,7 +236,7 @@ def _explain_parts(block: nn.Module, name: str, local: dict[str, str], tp: int, 
         part = block.get_submodule(owner) if owner else block
         if id(part) not in explained:
             explained.add(id(part))
-            explain_first_forward(part, f"{name}.{owner}" if owner else name, tp)
+            explain_first_forward(part, partial(width_note, f"{name}.{owner}" if owner else name, tp=tp))
 
 
 def _watch_first_forward(block: nn.Module, name: str, local: dict[str, str], counts: tuple, units) -> None:

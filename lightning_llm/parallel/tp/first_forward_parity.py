@@ -14,6 +14,9 @@ beyond rounding stops the run before any optimizer step, naming the part and the
 first forward compared is the first with autograd on (a training step's). Parts
 with active dropout are not compared (their random masks differ); the check costs one extra forward of one part per
 block class, once.
+
+A shape error in a split part's first forward gets a note (:func:`explain_first_forward`; what it says, and the
+stored widths tried before it comes to that: :mod:`.first_forward_widths`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
+import sys
 from collections.abc import Callable
 
 import torch
@@ -168,3 +173,44 @@ def _raise_if_apart(label: str, got: torch.Tensor | None, expected: torch.Tensor
             "slopes built from the local heads), or keeps a head count the split did not divide. Keep it whole: "
             f"tensor_parallel_replicate=['{wildcard_index(label)}'], or use ZeRO or pipeline parallelism."
         )
+
+
+SHAPE_ERROR = re.compile(
+    r"unpack|shape|size|dimension|invalid for input|mat1 and mat2|must match|expected .* got", re.IGNORECASE
+)
+NOTED = "_lightning_llm_width_note"
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{text}", *exc.args[1:])
+
+
+def _is_shape_error(exc: BaseException) -> bool:
+    """A shape error of the model's own code, not yet explained (our refusals start with "Tensor parallelism:")."""
+    if not isinstance(exc, (ValueError, RuntimeError, IndexError)) or getattr(exc, NOTED, False):
+        return False
+    return bool(SHAPE_ERROR.search(str(exc))) and not str(exc).startswith("Tensor parallelism:")
+
+
+def explain_first_forward(module: nn.Module, note: Callable[[nn.Module], str]) -> None:
+    """Hook ``module``'s first forward: a shape error it raises gets ``note(module)`` added (the model's error is not
+    replaced; :func:`.first_forward_widths.width_note` says which widths); then the hook goes away.
+
+    Example::
+
+        explain_first_forward(attn, partial(width_note, "transformer.h.0.attn", tp=2))
+    """
+
+    def after(mod, args, output) -> None:
+        exc = sys.exc_info()[1]  # always_call hooks run inside the forward's `except` when it raised
+        if output is None and exc is not None:
+            if _is_shape_error(exc):
+                _note(exc, note(mod))
+                setattr(exc, NOTED, True)  # the innermost split module explains it; its parents stay quiet
+            return
+        handle.remove()
+
+    handle = module.register_forward_hook(after, always_call=True)

@@ -5,7 +5,7 @@ A module whose projections tensor parallelism splits computes on ``1/tp`` of its
 every rank and its head counts are divided (:mod:`.heads`). A forward that cuts or reshapes with a width it stored or
 read from its input (nanoGPT's ``split(self.n_embd)``, ``view(B, T, C)`` with ``C`` the model width) then fails deep
 in the model's code with a bare ``not enough values to unpack`` or ``shape '[2, 8, 32]' is invalid``.
-:func:`explain_first_forward` hooks each such module (public ``always_call`` forward hooks, removed after its first
+:func:`.first_forward_parity.explain_first_forward` hooks each such module (public ``always_call`` forward hooks, removed after its first
 forward): when that forward raises a shape error, the hook adds a note to the exception (``BaseException.add_note``,
 printed with the traceback) naming the module, its per-rank widths and head counts, the integer attributes still
 holding a whole width, and the fix. The error itself is the model's own and is not replaced.
@@ -18,23 +18,22 @@ then runs and computes what it computes whole.
 from __future__ import annotations
 
 import logging
-import re
-import sys
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_llm.parallel.tp.first_forward_parity import aside, close, first_tensor, whole_output, without_caches
+from lightning_llm.parallel.tp.first_forward_parity import (
+    SHAPE_ERROR,
+    aside,
+    close,
+    first_tensor,
+    whole_output,
+    without_caches,
+)
 from lightning_llm.parallel.tp.heads import HEAD_ATTRS
 
 log = logging.getLogger(__name__)
-
-
-_SHAPE_ERROR = re.compile(
-    r"unpack|shape|size|dimension|invalid for input|mat1 and mat2|must match|expected .* got", re.IGNORECASE
-)
-_NOTED = "_lightning_llm_width_note"
 
 
 def _split_widths(module: nn.Module) -> list[tuple[str, str, int, int]]:
@@ -83,40 +82,6 @@ def width_note(label: str, module: nn.Module, tp: int) -> str:
     ).rstrip()
 
 
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(text)
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{text}", *exc.args[1:])
-
-
-def _is_shape_error(exc: BaseException) -> bool:
-    """A shape error of the model's own code, not yet explained (our refusals start with "Tensor parallelism:")."""
-    if not isinstance(exc, (ValueError, RuntimeError, IndexError)) or getattr(exc, _NOTED, False):
-        return False
-    return bool(_SHAPE_ERROR.search(str(exc))) and not str(exc).startswith("Tensor parallelism:")
-
-
-def explain_first_forward(module: nn.Module, label: str, tp: int) -> None:
-    """Hook ``module``'s first forward: a shape error it raises gets :func:`width_note`; then the hook goes away.
-
-    Example::
-
-        explain_first_forward(model.transformer.h[0].attn, "transformer.h.0.attn", tp=2)
-    """
-
-    def after(mod, args, output) -> None:
-        exc = sys.exc_info()[1]  # always_call hooks run inside the forward's `except` when it raised
-        if output is None and exc is not None:
-            if _is_shape_error(exc):
-                _note(exc, width_note(label, mod, tp))
-                setattr(exc, _NOTED, True)  # the innermost split module explains it; its parents stay quiet
-            return
-        handle.remove()
-
-    handle = module.register_forward_hook(after, always_call=True)
-
-
 def localize_whole_widths(
     part: nn.Module, whole: nn.Module, args: tuple, kwargs: dict, label: str, siblings: tuple[nn.Module, ...] = ()
 ) -> dict[str, int]:
@@ -125,16 +90,19 @@ def localize_whole_widths(
 
     XGLM's attention reshapes its merged heads to ``self.embed_dim``: split by heads, that width is this rank's
     share. Which attributes the forward reads cannot be seen, and an integer equal to a split layer's width may be
-    something else (CodeGen's ``embed_dim // mp_num`` groups must stay whole), so nothing is guessed: the split part
-    is run once on the first forward's inputs (no autograd, outside dispatch modes, dropout off); only when that
-    fails is each such attribute, or all of them, given its per-rank width, kept where the part then runs and
-    computes what ``whole`` computes on the gathered parameters (:data:`.first_forward_parity.TOLERANCE`). Otherwise nothing changes and
-    the forward raises its own error, explained by :func:`width_note`.
+    something else (CodeGen's ``embed_dim // mp_num`` groups must stay whole), so nothing is guessed: a part split
+    by heads (it keeps a head count) that holds such an attribute is run once on the first forward's inputs (no
+    autograd, outside dispatch modes, dropout off); only when that fails is each such attribute, or all of them,
+    given its per-rank width, kept where the part then runs and computes what ``whole`` computes on the gathered
+    parameters (:data:`.first_forward_parity.TOLERANCE`). Otherwise nothing changes and the forward raises its own
+    error, explained by :func:`width_note`. (An MLP's ``intermediate_size`` is not read in its forward: parts
+    without heads are not run aside.)
     """
     widths = _split_widths(part)
     stale = _whole_width_attrs(part, widths)
     local = {g: n for _, _, n, g in widths if n != g}
-    if not stale or not _is_width_error(_dry_run(part, args, kwargs)):
+    heads = any(isinstance(getattr(part, a, None), int) for a in HEAD_ATTRS)
+    if not (stale and heads) or not _is_width_error(_dry_run(part, args, kwargs)):
         return {}
     for attrs in [list(stale), *([a] for a in stale if len(stale) > 1)]:
         for attr in attrs:
@@ -164,7 +132,7 @@ def _dry_run(part: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | BaseE
 
 
 def _is_width_error(result) -> bool:
-    return isinstance(result, BaseException) and bool(_SHAPE_ERROR.search(str(result)))
+    return isinstance(result, BaseException) and bool(SHAPE_ERROR.search(str(result)))
 
 
 def _eval_whole(part: nn.Module, whole: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
