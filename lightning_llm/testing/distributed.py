@@ -97,9 +97,10 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, results, env
 class DistributedTestError(RuntimeError):
     """A rank failed or the group did not finish in time."""
 
-    def __init__(self, message: str, only_peers_lost: bool = True) -> None:
+    def __init__(self, message: str, only_peers_lost: bool = True, timed_out: bool = False) -> None:
         super().__init__(message)
         self.only_peers_lost = only_peers_lost  # no rank raised an error of its own
+        self.timed_out = timed_out
 
 
 class NativeCrashRetried(UserWarning):
@@ -173,7 +174,7 @@ def _run_group(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout
         try:
             return _collect(procs, results, world_size, timeout)
         except DistributedTestError as err:
-            crashes = _native_crashes(procs, crash_logs) + _hung_stacks(procs, crash_logs)
+            crashes = _native_crashes(procs, crash_logs) + (_hung_stacks(procs, crash_logs) if err.timed_out else "")
             retriable = err.only_peers_lost and _crashed_natively(procs)
             raise (_NativeCrash if retriable else DistributedTestError)(f"{err}{crashes}") from None
         finally:
@@ -198,6 +199,8 @@ def _native_crashes(procs, crash_logs: list[str]) -> str:
 def _hung_stacks(procs, crash_logs: list[str], wait: float = 5.0) -> str:
     """The stacks of the ranks still running at a timeout, as text to append to the error: where each one waits."""
     hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    if not hung:
+        return ""
     for rank in hung:
         os.kill(procs[rank].pid, signal.SIGUSR1)
     deadline = time.monotonic() + wait
@@ -219,7 +222,9 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = sorted(set(range(world_size)) - set(outputs))
-            raise DistributedTestError(f"Timed out after {timeout:.0f}s; ranks {missing} never finished.")
+            raise DistributedTestError(
+                f"Timed out after {timeout:.0f}s; ranks {missing} never finished.", timed_out=True
+            )
         try:
             rank, status, value = results.get(timeout=min(remaining, 1.0))
         except queue.Empty:

@@ -225,17 +225,25 @@ def _stored_width_run(dims, scaled: bool):
     plan = {f"h.*.attn.{n}_proj": "colwise" for n in "qkv"} | {"h.*.attn.out_proj": "rowwise"}
     parallelize(module, dims, zero_stage=0, tensor_parallel_plan=plan)
     x = torch.randn(2, 6, 16)
-    outputs = []
-    for model in (module, reference):
+
+    def forward(model):
         y = x
+        for block in model.h:
+            y = block.attn(y)
+        return y
+
+    outputs, evaluated = [], []
+    for model in (module, reference):
         try:
-            for block in model.h:
-                y = block.attn(y)
+            with torch.no_grad():  # an evaluation first, as Lightning's sanity check runs before training
+                evaluated.append(forward(model.eval()))
+            y = forward(model.train())
         except RuntimeError as error:
             return f"{type(error).__name__}: {error}", [b.attn.embed_dim for b in module.h]
         y.pow(2).sum().backward()
         outputs.append(y)
     errors = {"output": ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()}
+    errors["evaluation output"] = ((evaluated[0] - evaluated[1]).norm() / evaluated[1].norm()).item()
     for (key, param), (_, ref) in zip(module.named_parameters(), reference.named_parameters()):
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         # A key bias's true gradient is zero (softmax is shift-invariant), so its difference is measured absolutely.

@@ -54,8 +54,8 @@ def whole_copy(part: nn.Module) -> nn.Module | None:
 def check_first_forward(part: nn.Module, whole: nn.Module, label: str, before: Callable | None = None) -> None:
     """Compare ``part``'s first split forward with ``whole`` (its copy from :func:`whole_copy`) on the same inputs.
 
-    ``before(part, whole, args, kwargs)`` runs first, on that forward's inputs (:mod:`.first_forward_widths` gives
-    stored whole widths this rank's there).
+    ``before(part, whole, args, kwargs)`` runs once first, on the inputs of the part's first training or evaluation
+    forward (:mod:`.first_forward_widths` gives stored whole widths this rank's there).
 
     Example::
 
@@ -67,13 +67,17 @@ def check_first_forward(part: nn.Module, whole: nn.Module, label: str, before: C
         log.debug("tensor parallel: %s is not compared with the whole part (it could not be copied)", label)
         return
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in whole.modules())  # random masks differ: no compare
-    handles, inputs = [], []
+    handles, inputs, ran_before = [], [], []
 
     def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        # A training forward only: a pipeline stage's first call learns its output shapes on placeholder inputs.
+        # ``before`` at the first forward on real data: a training one, or an evaluation (Lightning's sanity check
+        # runs validation first), not a pipeline stage's first call, which learns its output shapes on placeholder
+        # inputs in training mode without autograd.
+        if before is not None and not ran_before and (torch.is_grad_enabled() or not module.training):
+            ran_before.append(True)
+            before(module, whole, args, kwargs)
+        # The comparison: a training forward only.
         if torch.is_grad_enabled():
-            if before is not None:
-                before(module, whole, args, kwargs)
             inputs.append((args, dict(kwargs)))  # before the split's own hooks cut them (ALiBi rows per rank)
             if dropout:
                 for handle in handles:
