@@ -74,6 +74,7 @@ OVERRIDES = {
     "Bamba": ((), dict(_MAMBA2, attn_layer_indices=[1])),
     # Hybrids whose default layer pattern puts no attention in 2 layers (their forward then fails in one process).
     "Jamba": ((), dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)),
+    "Lfm2": ((), dict(layer_types=["conv", "full_attention"])),
     "Lfm2Moe": ((), dict(layer_types=["conv", "full_attention"])),
     "GraniteMoeHybrid": ((), dict(_MAMBA2, layer_types=["mamba", "attention"])),
     "Zamba2": (
@@ -107,13 +108,15 @@ OVERRIDES = {
         ),
     ),
 }
-LAYOUTS = ("tp2", "tp2_sp", "pp2", "dp2_zero3", "ac_selective", "cp2", "cp2_ulysses", "cp2_mb1")
+LAYOUTS = ("tp2", "tp2_sp", "pp2", "dp2_zero3", "ac_selective", "cp2", "cp2_ulysses", "cp2_mb1", "cp2_zero3_mb1")
 # Context parallelism (2 ranks, ZeRO 0: both CP ranks hold every parameter), not among the zoo harness's own layouts;
-# cp2_mb1 on micro-batches of one sequence (4 accumulated per step), where other sequence mixers run on one rank each.
+# cp2_mb1 on micro-batches of one sequence (4 accumulated per step), where other sequence mixers run on one rank each
+# (local ones with a halo); cp2_zero3_mb1 the same with ZeRO-3 over the CP ranks.
 CP_LAYOUTS = {
     "cp2": (2, {"context_parallel_size": 2, "zero_stage": 0}),
     "cp2_ulysses": (2, {"context_parallel_size": 2, "context_parallel_method": "ulysses", "zero_stage": 0}),
     "cp2_mb1": (2, {"context_parallel_size": 2, "zero_stage": 0}),
+    "cp2_zero3_mb1": (2, {"context_parallel_size": 2, "zero_stage": 3}),
 }
 # The held-out set of docs/models.md ("Held out: ... as a new user would bring them"): ``--models held-out`` runs it,
 # the table before and after any change to how models are read or split.
@@ -253,7 +256,7 @@ def _ranks(architecture: str, layouts: list[str], float64: bool, replicate: list
     from tests.zoo import _harness
 
     _harness.LAYOUTS.update(CP_LAYOUTS)
-    _harness.ACCUMULATE["cp2_mb1"] = 4
+    _harness.ACCUMULATE.update(cp2_mb1=4, cp2_zero3_mb1=4)
     for layout in layouts:  # the modules the user keeps whole on purpose, under the layouts with tensor parallelism
         if replicate and "tensor_parallel_size" in _harness.LAYOUTS[layout][1]:
             _harness.LAYOUTS[layout][1]["tensor_parallel_replicate"] = replicate

@@ -183,12 +183,19 @@ def without_hooks(module: nn.Module) -> nn.Module:
     return module
 
 
+def inner_hooks(module: nn.Module) -> bool:
+    """Whether a forward through ``module`` runs a forward hook of one of its submodules (``module``'s own aside):
+    another party's code (an expert exchange, a split's check) that a probe run beside the forward must not run."""
+    return any(getattr(sub, "_forward_hooks", None) or getattr(sub, "_forward_pre_hooks", None)
+               for sub in list(module.modules())[1:])  # fmt: skip
+
+
 register(
     Private(
         name="nn.Module._forward_hooks and the other hook dictionaries",
         upstream="torch",
-        accessor="torch.without_hooks",
-        used_by=("parallel/tp/first_forward_parity.py",),
+        accessor="torch.without_hooks, torch.inner_hooks",
+        used_by=("parallel/tp/first_forward_parity.py", "parallel/cp/halo.py"),
         why="a copy of a block part, computed whole beside the split part in its first forward, must not run the "
         "original's hooks; torch removes hooks only through the handles their owners keep",
         caught_by="`tests/zoo/test_per_head_modules.py` (hooks counting which norms each rank runs)",

@@ -76,7 +76,8 @@ def _every_method(runs):
     """All runs in one spawned group (each call initializes the group once), then the masked cases."""
     results = [_attention_matches_sdpa(CASES, method, dtype) for method, dtype, _ in runs]
     masked = _masked_attention_matches_sdpa(MASKED)
-    return results, masked, _mixers_match_one_process(MIXER_CASES), _ring_peaks()
+    mixers, local = _mixers_match_one_process(MIXER_CASES), _mixers_match_one_process(LOCAL_CASES, seq=32)
+    return results, masked, mixers, _ring_peaks(), local
 
 
 def _ring_peak(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -217,22 +218,52 @@ class _Recurrent(torch.nn.Module):
         return self.proj(torch.cumsum(h / decay[:, None], dim=1) * decay[:, None]), h.sum()
 
 
-# (batch, extra inputs): batch 2 splits by rows (each rank whole sequences of one row), batch 1 and an input with the
-# batch dimension but no sequence (``scale``) gather the sequence instead; ``bias`` is broadcast over the batch.
-MIXER_CASES = [(2, ()), (1, ()), (2, ("mask", "bias")), (2, ("scale",))]
+class _Local(torch.nn.Module):
+    """Sequence mixers whose output at ``t`` reads a few positions back: a gated short convolution (LFM2's), a token
+    shift (RWKV's), position-wise layers; and the short convolution adding a position table by absolute position,
+    which the halo cannot run (a chunk's positions would look up the wrong rows). Records the (batch, seq) it
+    computes on."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.seen = kind, []
+        self.proj = torch.nn.Linear(6, 18, dtype=torch.float64)
+        self.conv = torch.nn.Conv1d(6, 6, 3, groups=6, padding=2, dtype=torch.float64)
+        self.out = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.table = torch.nn.Parameter(torch.randn(64, 6, dtype=torch.float64))
+
+    def forward(self, x, mask=None):
+        self.seen.append(tuple(x.shape[:2]))
+        x = x if mask is None else x * mask[..., None]
+        b, c, h = self.proj(x).chunk(3, dim=-1)
+        if self.kind == "position-wise":
+            return self.out(b * F.silu(h)) + self.table[:1]
+        if self.kind == "shift":
+            return self.out(h * F.pad(b, (0, 0, 1, 0))[:, :-1] + c) + self.table[:1]
+        conv = self.conv((b * h).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        return self.out(c * conv) + self.table[: x.shape[1] if self.kind == "absolute" else 1]
 
 
-def _mixers_match_one_process(cases):
-    """A module run on whole sequences through the hooks against the same module on the whole batch, one process:
-    (max error of outputs, input and parameter gradients; the (batch, seq) it computed on)."""
+# (module, batch, extra inputs): batch 2 splits by rows (each rank whole sequences of one row), batch 1 and an input
+# with the batch dimension but no sequence (``scale``) gather the sequence instead; ``bias`` is broadcast over the
+# batch. The recurrence reads every earlier position: not local, so it runs on whole sequences.
+MIXER_CASES = [(_Recurrent, 2, ()), (_Recurrent, 1, ()), (_Recurrent, 2, ("mask", "bias")), (_Recurrent, 2, ("scale",))]
+# (kind, batch, extra inputs, the halo width it runs with or None): 32 positions, chunks of 8
+LOCAL_CASES = [("conv", 1, (), 2), ("conv", 2, ("mask",), 2), ("shift", 1, (), 1), ("position-wise", 1, (), 0)]
+LOCAL_CASES += [("absolute", 1, (), None), ("absolute", 2, (), None)]
+
+
+def _mixers_match_one_process(cases, seq=16):
+    """A module run through the hooks against the same module on the whole batch, one process: (max error of
+    outputs, input and parameter gradients; the (batch, seq) it computed on; the warnings)."""
     from lightning_llm.parallel.cp.gathered import GatheredMixer, gather_mixers
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    cp, results, seq = CPGroup(dist.group.WORLD, size, rank), [], 16
+    cp, results = CPGroup(dist.group.WORLD, size, rank), []
     pos = zigzag_positions(seq, size, rank)
-    for batch, extras in cases:
+    for make, batch, extras, *_ in cases:
         torch.manual_seed(0)
-        module = _Recurrent()
+        module = make() if make is _Recurrent else _Local(make)
         gen = torch.Generator().manual_seed(batch)
         x, grad_out = (torch.randn(batch, seq, 6, generator=gen, dtype=torch.float64) for _ in range(2))
         inputs = {"mask": (torch.rand(batch, seq, generator=gen) > 0.2).double(),
@@ -240,26 +271,34 @@ def _mixers_match_one_process(cases):
                   "scale": torch.rand(batch, 1, generator=gen, dtype=torch.float64)}  # fmt: skip
         kwargs = {name: inputs[name] for name in extras}
         full = x.clone().requires_grad_()
-        want, _ = module(full, **kwargs)
+        want = _first(module(full, **kwargs))
         want.backward(grad_out)
-        ref_grads = [p.grad.clone() for p in module.parameters()]
+        ref_grads = [_grad(p) for p in module.parameters()]
         module.zero_grad()
         handles = gather_mixers([GatheredMixer("mixer", module, whole_block=False)], cp)
         local = x[:, pos].clone().requires_grad_()
         shard = lambda t: t[:, pos] if t.shape[1] == seq else t  # noqa: E731
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got, _ = module(local, **{k: shard(v) for k, v in kwargs.items()})
+            got = _first(module(local, **{k: shard(v) for k, v in kwargs.items()}))
         got.backward(grad_out[:, pos])
         for handle in handles:
             handle.remove()
-        grads = [p.grad.clone() for p in module.parameters()]
+        grads = [_grad(p) for p in module.parameters()]
         for grad in grads:
             dist.all_reduce(grad)  # each rank's part of the parameter gradients (what data parallelism sums)
         errors = [(got - want[:, pos]).abs().max(), (local.grad - full.grad[:, pos]).abs().max()]
         errors += [(g - r).abs().max() for g, r in zip(grads, ref_grads)]
         results.append((max(e.item() for e in errors), module.seen[-1], [str(w.message) for w in caught]))
     return results
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad.clone()
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
 
 
 @pytest.mark.distributed
@@ -269,8 +308,8 @@ def test_a_mixer_on_whole_sequences_matches_one_process():
     parameter gradients summed over the ranks equal one process on the whole batch (float64, 1e-12); with the batch
     divisible by C each rank computes whole sequences of its own rows (batch / C), else the whole gathered batch,
     with a warning naming the module and why (its compute and activations are not divided)."""
-    for rank, (_, _, mixers, _) in enumerate(_results()):
-        for (batch, extras), (error, seen, said) in zip(MIXER_CASES, mixers):
+    for rank, (_, _, mixers, *_) in enumerate(_results()):
+        for (_, batch, extras), (error, seen, said) in zip(MIXER_CASES, mixers):
             assert error < 1e-12, (rank, batch, extras, error)
             split = batch % 2 == 0 and "scale" not in extras
             # Unsplit, rank 0 owns the one mixer; rank 1 runs it on 2 positions (its parameters' zero gradients).
@@ -279,3 +318,23 @@ def test_a_mixer_on_whole_sequences_matches_one_process():
             warned = [w for w in said if "runs _Recurrent on the whole gathered micro-batch on one rank" in w]
             why = "does not divide by cp=2" if batch % 2 else "an input besides its (batch, sequence, ...) ones"
             assert len(warned) == (0 if split else 1) and all(why in w for w in warned), (rank, batch, extras, said)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_local_mixer_runs_on_its_own_positions_with_a_halo():
+    """A mixer whose output reads only the ``w`` positions before it (:mod:`lightning_llm.parallel.cp.halo`: a short
+    convolution, a token shift, position-wise layers) runs on each rank's own chunks, each after the ``w`` positions
+    before it, at any batch (one row included): outputs, input gradients and the parameter gradients summed over
+    the ranks equal one process (float64, 1e-12), and it computed on 16 positions plus its halos (rank 0's first
+    chunk has none before it). A short convolution that also adds a position table by absolute position fails the
+    probe's shifted run and runs on whole sequences, as before (by rows at batch 2, on rank 0 at batch 1)."""
+    for rank, (*_, local) in enumerate(_results()):
+        for (kind, batch, extras, width), (error, seen, said) in zip(LOCAL_CASES, local):
+            assert error < 1e-12, (rank, kind, batch, extras, error)
+            if width is not None:
+                want = (batch, 16 + width * (1 if rank == 0 else 2))
+            else:
+                want = (1, 32) if batch == 2 else (1, 32) if rank == 0 else (1, 2)
+            assert seen == want, (rank, kind, batch, seen, want)
+            assert any("on one rank" in w for w in said) == (width is None and batch == 1), (rank, kind, said)

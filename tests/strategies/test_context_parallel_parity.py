@@ -4,7 +4,8 @@ bit-identical on every rank that holds them, and each rank's attention kernel co
 queries (Ulysses: every position, for half the heads). Attention masked by global position too: Mistral's sliding
 window and the reference model on packed documents (document ids from a token file); latent attention with value
 heads narrower than query/key heads (DeepSeek-V3's MLA) by ring and Ulysses; hybrid stacks whose Mamba-2 and gated
-delta-net mixers run on the gathered sequence (Falcon-H1, Bamba, Qwen3-Next, Jamba); litgpt's Llama, which takes no
+delta-net mixers run on the gathered sequence (Falcon-H1, Bamba, Qwen3-Next, Jamba) and LFM2, whose short
+convolution runs on each rank's own positions with a halo; litgpt's Llama, which takes no
 position_ids and slices its cached rotary table as ``cos[:T]`` (made global); zero_stage="auto" under cp2
 plans with half the activations per rank. Layouts: on 2 ranks cp2 (ZeRO 0, replicated over the CP ranks), cp2 +
 ZeRO-3 (FSDP over ``dp_shard_cp`` = 2), Ulysses cp2 + ZeRO-3, cp2 + ZeRO-3 + selective activation checkpointing,
@@ -17,6 +18,7 @@ One spawned process group trains every case (starting the ranks costs more than 
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from lightning_llm.testing import run_distributed
 from tests.strategies import _parity
 from tests.strategies._parity import assert_parity
 from tests.zoo import _harness, _models_attention, _models_hybrid, _models_more  # noqa: F401 (registers the attention variants' models)
-from tests.zoo._models import ZooLM
+from tests.zoo._models import _DENSE, BUILDERS, ZooLM, _hf
 
 _models_hybrid.register()
 _models_more.register()
@@ -78,7 +80,10 @@ HYBRID = {
     "bamba": ["cp2_zero3", "cp2_pp2", "cp2_zero3_full_ac_mb1"],
     "qwen3_next": ["cp2_ulysses_zero3", "cp2_mb1"],
     "jamba": ["cp2_zero3_ac"],
+    "lfm2": ["cp2_zero3_mb1"],  # its short convolution reads 2 positions back: run with a halo
 }
+# LFM2: a gated short convolution (kernel 3) in its first layer, attention in its second.
+BUILDERS["lfm2"] = lambda: _hf("Lfm2Config", "Lfm2ForCausalLM", **_DENSE, layer_types=["conv", "full_attention"])
 # Positions computed inside the forward (no position_ids): litgpt slices its cached rotary table as cos[:T].
 POSITIONS = {"litgpt_llama": ["cp2", "cp2_ulysses_zero3"]}
 ONE_MODEL = {
@@ -141,13 +146,25 @@ def _train(name: str, layout: str | None, root: Path):
 
 def _cp_cases(cases: list[tuple[str, str]], root: Path) -> dict:
     """On each rank: {(layout, model): (losses, params, differing, query positions the kernel saw)}."""
-    results = {}
+    results, said = {}, _Lines()
+    logging.getLogger("lightning_llm.parallel.cp.halo").addHandler(said)
+    logging.getLogger("lightning_llm.parallel.cp.halo").setLevel(logging.INFO)
     for layout, name in cases:
         seen: list[int] = []
+        said.lines.clear()
         with count_queries(lambda positions, keys: seen.extend(positions.tolist())):
             result = _train(name, layout, root)
-        results[(layout, name)] = (*result, sorted(set(seen)))
+        results[(layout, name)] = (*result, sorted(set(seen)), [line for line in said.lines if "halo" in line])
     return results
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 _runs: dict = {}
@@ -171,7 +188,10 @@ def _reference(name: str):
 @pytest.mark.parametrize(("layout", "name"), CASES)
 def test_context_parallel_matches_single_process(layout, name):
     ranks = _results(LAYOUTS[layout][0])
-    losses, params, differing, planned, _ = ranks[0][(layout, name)]
+    losses, params, differing, planned, _, halos = ranks[0][(layout, name)]
+    # LFM2's short convolution runs on each rank's own positions with a halo of 2 (not on whole sequences)
+    lfm2 = [line for line in halos if "Lfm2ShortConv reads 2 position(s) back" in line and line.endswith("halo of 2")]
+    assert len(lfm2) == len(halos) == (name == "lfm2"), halos
     ref_losses, ref_params = _reference(name)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param_error = max(((params[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items())

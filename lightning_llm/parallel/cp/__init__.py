@@ -13,6 +13,8 @@
 - :mod:`.positions`: a learned position table the forward looks up with ``arange(T)`` read at global positions;
 - :mod:`.gathered`: other sequence mixers (Mamba, gated delta-net, short convolutions) run on whole sequences;
 - :mod:`.owner`: such a mixer run on one rank at a time where the micro-batch cannot split by batch rows.
+- :mod:`.halo`: a mixer its first forward shows local (a short convolution, an MLP) run on each rank's own
+  positions, each chunk after the few positions before it.
 """
 
 from lightning_llm.parallel.cp.apply import apply_context_parallel, check_context_parallel, refuse_blocks_not_called

@@ -119,7 +119,10 @@ def apply_context_parallel(
     if mixers:
         kinds = sorted({type(m.module).__name__ for m in mixers})
         plural = "s" if len(mixers) > 1 else ""
-        line += f"; {len(mixers)} other sequence mixer{plural} ({', '.join(kinds)}) on the gathered sequence"
+        line += (
+            f"; {len(mixers)} other sequence mixer{plural} ({', '.join(kinds)}) on the gathered sequence, or on "
+            "their own positions with a halo where their first forward shows them local"
+        )
     log.info(line)
     _warn_whole_blocks([m.name for m in mixers if m.whole_block], len(blocks))
     return line
@@ -130,6 +133,8 @@ def _warn_whole_blocks(names: list[str], total: int) -> None:
         log.warning(
             f"{names[0]} ({len(names)} of {total} blocks) ran no attention call context parallelism can split "
             "(scaled_dot_product_attention, nn.MultiheadAttention, Hugging Face's attention functions): each such "
-            "block runs whole on whole sequences (by batch rows, or on one rank each in turn; exact, but its compute "
-            "is not split). An eager softmax attention in it is split once it calls F.scaled_dot_product_attention."
+            "block runs on each rank's own positions with a halo where its first forward shows it reads only a few "
+            "positions back (an MLP, a short convolution), else whole on whole sequences (by batch rows, or on one "
+            "rank each in turn; exact, but its compute is not split). An eager softmax attention in it is split once "
+            "it calls F.scaled_dot_product_attention."
         )

@@ -3,8 +3,11 @@
 Attention crosses the CP ranks by the ring or Ulysses (:mod:`.interception`). A recurrent or convolutional mixer
 (Mamba, Mamba-2, gated delta-net, short convolutions: each holds an ``nn.Conv1d`` over the sequence) cannot be split
 that way without knowing its internals, and neither can a block whose forward runs no attention call at all (an
-eager softmax, a linear recurrence written out, or only an MLP). Such a module runs unchanged on whole sequences,
-brought there by hooks on it (nothing on the module changes) in one of two ways, both exact for any module:
+eager softmax, a linear recurrence written out, or only an MLP). Such a module runs unchanged, brought to its
+inputs by hooks on it (nothing on the module changes). Where its first forward shows it local (its output at ``t``
+reads only a few positions before ``t``, and no absolute position: a short convolution, an MLP), each rank runs it
+on its own chunks, each after the positions before it (:mod:`.halo`). Otherwise it runs on whole sequences, in one
+of two ways, both exact for any module:
 
 - **by batch rows** when the micro-batch divides by C: an all-to-all gives rank ``c`` the whole sequences of rows
   ``c·B/C ... (c+1)·B/C - 1`` (Ulysses' exchange, over the batch instead of the heads, which a mixer's input
@@ -44,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_llm.modeling.structure import is_sequence_conv
 from lightning_llm.parallel.cp.collectives import all_to_all, gather_sequence
+from lightning_llm.parallel.cp.halo import Halos
 from lightning_llm.parallel.cp.layout import CPGroup, gathered_to_global, zigzag_positions
 from lightning_llm.parallel.cp.owner import STAND_IN_LENGTH, from_owner, leaves, plain, to_owner
 from lightning_llm.parallel.cp.positions import cp_own_code
@@ -115,6 +119,7 @@ class _WholeSequences:
 
     def __init__(self, cp: CPGroup, owner: int) -> None:
         self.cp, self.owner, self.calls, self.specs = cp, owner, [], {}
+        self.halos = Halos(cp)  # where the module is local (:mod:`.halo`)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict):
         hidden = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
@@ -124,6 +129,9 @@ class _WholeSequences:
                 "(batch, seq, ...) input as a tensor argument; it got none."
             )
         batch, local = hidden.shape[:2]
+        if self.halos.local(module, (args, kwargs), hidden, local):
+            self.calls.append(_unwatched())
+            return self.halos.extend((args, kwargs), local)
         split = _splits_by_batch(batch, local, self.cp.size, (args, kwargs))
         # Under sequence parallelism the hidden states are DTensors over the TP ranks: the module runs whole there
         # too (tensor parallelism keeps these mixers whole), and its outputs go back to the input's placements.
@@ -134,11 +142,9 @@ class _WholeSequences:
         else:
             _warn_gathered(type(module).__name__, batch, self.cp.size, self.owner)
             args, kwargs, stand_ins = self._to_owner((args, kwargs), local)
-        own = cp_own_code()  # positions it computes are over whole sequences: not watched
-        own.__enter__()
         rows = batch // self.cp.size if split else None
         key = (tuple(hidden.shape), hidden.dtype, module.training, _autocast(hidden.device.type))
-        self.calls.append((rows, local * self.cp.size, layout, _GATHERED.set(True), own, stand_ins, key))
+        self.calls.append((rows, local * self.cp.size, layout, _unwatched(), stand_ins, key))
         return args, kwargs
 
     def _by_rows(self, batch: int, local: int):
@@ -166,9 +172,11 @@ class _WholeSequences:
         return args, kwargs, stand_ins
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        rows, length, layout, flag, own, stand_ins, key = self.calls.pop()
-        own.__exit__(None, None, None)
-        _GATHERED.reset(flag)
+        if len(self.calls[-1]) == 2:  # run with halos
+            _watched(*self.calls.pop())
+            return self.halos.cut(output)
+        rows, length, layout, unwatched, stand_ins, key = self.calls.pop()
+        _watched(*unwatched)
         local = length // self.cp.size
         if rows is None:
             output = from_owner(output, length, self.cp, self.owner, stand_ins, self.specs, key)
@@ -188,6 +196,19 @@ class _WholeSequences:
             )
 
         return apply_to_collection(output, torch.Tensor, back)
+
+
+def _unwatched() -> tuple:
+    """Enter a module computing on sequences of its own (whole, or chunks with halos): attention in it is plain
+    (:func:`in_gathered`) and the positions it computes are not watched; :func:`_watched` leaves."""
+    own = cp_own_code()
+    own.__enter__()
+    return _GATHERED.set(True), own
+
+
+def _watched(flag, own) -> None:
+    own.__exit__(None, None, None)
+    _GATHERED.reset(flag)
 
 
 def _autocast(device_type: str) -> torch.dtype | None:
