@@ -45,18 +45,17 @@ def _is_seq(t: torch.Tensor, length: int) -> bool:
 
 
 def _cut(inputs: tuple, local: int, start: int, stop: int, position: int | None = None, noise=None) -> tuple:
-    """``inputs`` with each sequence tensor cut to positions ``start:stop``; the first floating one (the hidden
-    states) with ``noise`` added at ``position`` when given."""
+    """``inputs`` with each sequence tensor cut to positions ``start:stop`` (copies: a module writing into its input
+    must not change the run's); the first floating one (the hidden states) with ``noise`` added at ``position``."""
     hidden = []
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if not _is_seq(t, local):
             return t
-        t = t[:, start:stop]
+        t = t[:, start:stop].clone()
         if noise is None or hidden or not t.is_floating_point():
             return t
         hidden.append(t)
-        t = t.clone()
         t[:, position - start] += noise.to(t.dtype)
         return t
 
