@@ -46,6 +46,7 @@ MECHANISMS = {
     "multi-head latent attention": ["deepseek_v3_mla", "deepseek_v3"],
     "hybrid Mamba + attention, MoE beside dense": ["jamba"],
     "Mamba-2 mixers beside attention (in other layers or in the same block)": ["bamba", "falcon_h1"],
+    "short convolution beside attention (a halo under context parallelism)": ["lfm2"],
     "MoE router inside a gate module": ["hunyuan_moe"],
     "MoE, every expert on every token, scaled by the router (Llama 4)": ["llama4"],
     "dense and MoE blocks of one class": ["deepseek_v3"],
