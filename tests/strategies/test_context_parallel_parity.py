@@ -80,7 +80,7 @@ HYBRID = {
     "bamba": ["cp2_zero3", "cp2_pp2", "cp2_zero3_full_ac_mb1"],
     "qwen3_next": ["cp2_ulysses_zero3", "cp2_mb1"],
     "jamba": ["cp2_zero3_ac"],
-    "lfm2": ["cp2_zero3_mb1"],  # its short convolution reads 2 positions back: run with a halo
+    "lfm2": ["cp2_zero3_mb1", "cp2_zero3_ac"],  # its short convolution reads 2 positions back: run with a halo
 }
 # LFM2: a gated short convolution (kernel 3) in its first layer, attention in its second.
 BUILDERS["lfm2"] = lambda: _hf("Lfm2Config", "Lfm2ForCausalLM", **_DENSE, layer_types=["conv", "full_attention"])
