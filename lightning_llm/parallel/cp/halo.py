@@ -8,13 +8,15 @@ traffic stay about ``1/C`` at any micro-batch, one sequence included, where :mod
 rank at a time; ``w = 0`` (position-wise) needs no traffic at all.
 
 Nothing is assumed about the module. At its first forward it is probed (:func:`receptive_width`) on the first
-``PROBE`` positions of its real inputs, aside (no autograd, dropout off, caches left out): the hidden states at each position are
-perturbed in turn, and the outputs that change must lie at or after it, and short of the probe's end (the largest
-such lag is ``w``); then the module run on the same positions without the first few must give the same outputs at
-the positions it still sees in full (it reads no absolute position). The ranks agree on the largest
-``w``. A module failing either check, returning a tensor without the sequence dimension, or whose halo would be
-longer than a chunk runs on whole sequences, as before; so does one whose forward would run other code's hooks or
-collectives beside the run (split by tensor or expert parallelism: its parts hold DTensors or hooks).
+``PROBE`` positions of its real inputs, aside (no autograd, dropout off, caches left out): the hidden states at each
+position are perturbed in turn, and the outputs that change must lie at or after it, and short of the probe's end
+(the largest such lag is ``w``); then the module run on the same positions without the first few must give the same
+outputs at the positions it still sees in full (it reads no absolute position). The ranks agree on the largest
+``w``. Any change counts, to the last bit (a weak dependency is still one), so a module whose kernels round with the
+tokens' grouping (grouped expert matmuls: another token's routing changes a token's output in its last bits) reads
+as non-local. A module failing either check, returning a tensor without the sequence dimension, or whose halo would
+be longer than a chunk runs on whole sequences, as before; so does one whose forward would run other code's hooks
+or collectives beside the run (split by tensor or expert parallelism: its parts hold DTensors or hooks).
 """
 
 from __future__ import annotations
