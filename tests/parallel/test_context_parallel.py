@@ -240,6 +240,11 @@ class _Local(torch.nn.Module):
             return self.out(b * F.silu(h)) + self.table[:1]
         if self.kind == "shift":
             return self.out(h * F.pad(b, (0, 0, 1, 0))[:, :-1] + c) + self.table[:1]
+        if self.kind == "fast decay":  # a recurrence whose reach falls below the last bit within a few positions
+            states = [h[:, 0]]
+            for t in range(1, x.shape[1]):
+                states.append(1e-3 * states[-1] + h[:, t])
+            return self.out(c * torch.stack(states, dim=1)) + self.table[:1]
         conv = self.conv((b * h).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
         return self.out(c * conv) + self.table[: x.shape[1] if self.kind == "absolute" else 1]
 
@@ -250,7 +255,7 @@ class _Local(torch.nn.Module):
 MIXER_CASES = [(_Recurrent, 2, ()), (_Recurrent, 1, ()), (_Recurrent, 2, ("mask", "bias")), (_Recurrent, 2, ("scale",))]
 # (kind, batch, extra inputs, the halo width it runs with or None): 32 positions, chunks of 8
 LOCAL_CASES = [("conv", 1, (), 2), ("conv", 2, ("mask",), 2), ("shift", 1, (), 1), ("position-wise", 1, (), 0)]
-LOCAL_CASES += [("absolute", 1, (), None), ("absolute", 2, (), None)]
+LOCAL_CASES += [("absolute", 1, (), None), ("absolute", 2, (), None), ("fast decay", 1, (), None)]
 
 
 def _mixers_match_one_process(cases, seq=16):
@@ -328,7 +333,9 @@ def test_a_local_mixer_runs_on_its_own_positions_with_a_halo():
     before it, at any batch (one row included): outputs, input gradients and the parameter gradients summed over
     the ranks equal one process (float64, 1e-12), and it computed on 16 positions plus its halos (rank 0's first
     chunk has none before it). A short convolution that also adds a position table by absolute position fails the
-    probe's shifted run and runs on whole sequences, as before (by rows at batch 2, on rank 0 at batch 1)."""
+    probe's shifted run and runs on whole sequences, as before (by rows at batch 2, on rank 0 at batch 1); so does a
+    recurrence decaying by 1e-3 a step, whose outputs do not change in float64 when an input 6 positions back does,
+    but whose gradient there is not zero."""
     for rank, (*_, local) in enumerate(_results()):
         for (kind, batch, extras, width), (error, seen, said) in zip(LOCAL_CASES, local):
             assert error < 1e-12, (rank, kind, batch, extras, error)

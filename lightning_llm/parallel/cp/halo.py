@@ -8,22 +8,26 @@ traffic stay about ``1/C`` at any micro-batch, one sequence included, where :mod
 rank at a time; ``w = 0`` (position-wise) needs no traffic at all.
 
 Nothing is assumed about the module. At its first forward it is probed (:func:`receptive_width`) on the first
-``PROBE`` positions of its real inputs, aside (no autograd, dropout off, caches left out): the hidden states at each
-position are perturbed in turn, and the outputs that change must lie at or after it, and short of the probe's end
-(the largest such lag is ``w``); then the module run on the same positions without the first few must give the same
-outputs at the positions it still sees in full (it reads no absolute position). The ranks agree on the largest
-``w``. Any change counts, to the last bit (a weak dependency is still one), so a module whose kernels round with the
-tokens' grouping (grouped expert matmuls: another token's routing changes a token's output in its last bits) reads
-as non-local. A module failing either check, returning a tensor without the sequence dimension, or whose halo would
-be longer than a chunk runs on whole sequences, as before; so does one whose forward would run other code's hooks
-or collectives beside the run (split by tensor or expert parallelism: its parts hold DTensors or hooks).
+``PROBE`` positions of its real inputs, aside (no autograd, dropout off, caches left out): the forward-mode derivative
+of the outputs with respect to the hidden states at each position in turn must be exactly zero at every earlier
+output position and, from the first position, at the probe's last one (it reaches at most ``w`` positions ahead,
+the largest reach with a nonzero derivative); then the module run on the same positions without the first few must
+give the same outputs at the positions it still sees in full (it reads no absolute position). The ranks agree on
+the largest ``w``. Derivatives, not perturbed outputs, decide: a recurrence whose contribution from a few positions
+back is below the outputs' last bit (a fast-decaying head) still has a nonzero derivative there. A module failing
+either check, with an op that has no forward-mode derivative (attention kernels, grouped expert matmuls), returning
+a tensor without the sequence dimension, or whose halo would be longer than a chunk runs on whole sequences, as
+before; so does one whose forward would run other code's hooks or collectives beside the run (split by tensor or
+expert parallelism: its parts hold DTensors or hooks).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
+import torch.autograd.forward_ad as fwad
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
@@ -46,36 +50,43 @@ def _is_seq(t: torch.Tensor, length: int) -> bool:
     return t.dim() >= 2 and t.shape[1] == length
 
 
-def _cut(inputs: tuple, local: int, start: int, stop: int, position: int | None = None, noise=None) -> tuple:
+def _cut(inputs: tuple, local: int, start: int, stop: int) -> tuple:
     """``inputs`` with each sequence tensor cut to positions ``start:stop`` (copies: a module writing into its input
-    must not change the run's); the first floating one (the hidden states) with ``noise`` added at ``position``."""
-    hidden = []
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if not _is_seq(t, local):
-            return t
-        t = t[:, start:stop].clone()
-        if noise is None or hidden or not t.is_floating_point():
-            return t
-        hidden.append(t)
-        t[:, position - start] += noise.to(t.dtype)
-        return t
-
-    return apply_to_collection(inputs, torch.Tensor, cut)
+    must not change the run's)."""
+    return apply_to_collection(inputs, torch.Tensor, lambda t: t[:, start:stop].clone() if _is_seq(t, local) else t)
 
 
 def _outputs(module: nn.Module, inputs: tuple, length: int) -> list[torch.Tensor] | None:
-    """The module's output tensors on ``inputs``; ``None`` when one lacks the sequence dimension (``length``)."""
+    """The module's floating output tensors on ``inputs``; ``None`` when one lacks the sequence dimension."""
     args, kwargs = inputs
     found = leaves(module.forward(*args, **kwargs))  # its own hooks (these, FSDP's) are not run again
+    found = [t for t in found if t.is_floating_point()]
     return found if found and all(_is_seq(t, length) for t in found) else None
 
 
-def _changed(got: list[torch.Tensor], base: list[torch.Tensor]) -> list[int]:
-    """The positions at which any output differs at all."""
-    differs = sum((g != b).flatten(2).any(-1).any(0).int() if g.dim() > 2 else (g != b).any(0).int()
-                  for g, b in zip(got, base))  # fmt: skip
-    return torch.nonzero(differs).flatten().tolist()
+def _reach(module: nn.Module, inputs: tuple, length: int) -> list[list[int]] | None:
+    """For each position of the hidden states, the output positions whose forward-mode derivative with respect to
+    it is not exactly zero (no backward graph: tools hooked on modules' backward, a memory tracker, see nothing)."""
+    hidden = next(t for t in leaves(inputs) if _is_seq(t, length) and t.is_floating_point())
+    generator = torch.Generator(device=hidden.device).manual_seed(0)
+    reach = []
+    for position in range(length):
+        tangent = torch.zeros_like(hidden)
+        tangent[:, position] = torch.randn(hidden[:, position].shape, generator=generator, device=hidden.device)
+        with fwad.dual_level():
+            dual = fwad.make_dual(hidden, tangent)
+            probe = apply_to_collection(inputs, torch.Tensor, partial(_swap, hidden, dual))
+            outputs = _outputs(module, probe, length)
+            if outputs is None:
+                return None
+            tangents = [fwad.unpack_dual(t).tangent for t in outputs]
+        moved = [(t != 0).flatten(2).any(-1).any(0) for t in tangents if t is not None]
+        reach.append(torch.nonzero(torch.stack(moved).any(0)).flatten().tolist() if moved else [])
+    return reach
+
+
+def _swap(old: torch.Tensor, new: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return new if t is old else t
 
 
 def receptive_width(module: nn.Module, args: tuple, kwargs: dict, local: int) -> int | None:
@@ -90,26 +101,17 @@ def receptive_width(module: nn.Module, args: tuple, kwargs: dict, local: int) ->
     if length < 4 or inner_hooks(module) or any(isinstance(p, DTensor) for p in module.parameters()):
         return None  # too short to tell; or its forward runs others' hooks or collectives (split parts)
     inputs = without_caches(args, kwargs)  # a cache passed in would keep the probe's positions
-    hidden = next((t for t in leaves(inputs) if _is_seq(t, local) and t.is_floating_point()), None)
-    if hidden is None:
+    if not any(_is_seq(t, local) and t.is_floating_point() for t in leaves(inputs)):
         return None
-    generator = torch.Generator(device=hidden.device).manual_seed(0)
     try:
         with aside(module), outside_dispatch_modes():
+            reach = _reach(module, _cut(inputs, local, 0, length), length)
+            if reach is None or any(r and (r[0] < s or r[-1] - s >= length - 1) for s, r in enumerate(reach)):
+                return None  # an earlier output moves, or (from the first position) the probe's last one
+            width = max((r[-1] - s for s, r in enumerate(reach) if r), default=-1)
+            if width < 0 or sum(map(bool, reach)) < length // 2:  # (a padding mask's positions move nothing)
+                return None
             base = _outputs(module, _cut(inputs, local, 0, length), length)
-            if base is None:
-                return None
-            width, seen = 0, 0
-            for position in range(length):
-                noise = torch.randn(hidden[:, 0].shape, generator=generator, device=hidden.device)
-                got = _outputs(module, _cut(inputs, local, 0, length, position, noise * (1 + hidden.std())), length)
-                changed = _changed(got, base) if got is not None else [-1]
-                if changed and changed[0] < position:
-                    return None  # an output before the perturbed position changed: not causal
-                seen += bool(changed)  # (a position a padding mask zeroes changes nothing)
-                width = max(width, changed[-1] - position if changed else 0)
-            if width >= length - 1 or seen < length // 2:  # (a perturbation at 0 reached the probe's end)
-                return None
             start = max(1, min(width + 1, length - 1 - width))  # cut as far as leaves a position seen in full
             shifted = _outputs(module, _cut(inputs, local, start, length), length - start)
             same = shifted is not None and all(
