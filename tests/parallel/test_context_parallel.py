@@ -77,7 +77,32 @@ def _every_method(runs):
     results = [_attention_matches_sdpa(CASES, method, dtype) for method, dtype, _ in runs]
     masked = _masked_attention_matches_sdpa(MASKED)
     mixers, local = _mixers_match_one_process(MIXER_CASES), _mixers_match_one_process(LOCAL_CASES, seq=32)
-    return results, masked, mixers, _ring_peaks(), local
+    return results, masked, mixers, _ring_peaks(), local, _shorter_after_halo()
+
+
+def _shorter_after_halo():
+    """A convolution probed with a halo of 2 on 32 positions, then called on 4 (chunks of 1, shorter than its halo):
+    (max error of that call's output and input gradient against one process, the (batch, seq) it computed on)."""
+    from lightning_llm.parallel.cp.gathered import GatheredMixer, gather_mixers
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cp, module = CPGroup(dist.group.WORLD, size, rank), _Local("conv")
+    x = torch.randn(1, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full = x.clone().requires_grad_()
+    want = module(full)  # one process, before the hooks
+    want.sum().backward()
+    handles = gather_mixers([GatheredMixer("mixer", module, whole_block=False)], cp)
+    module(torch.randn(1, 32, 6, dtype=torch.float64)[:, zigzag_positions(32, size, rank)])  # decides the halo
+    pos = zigzag_positions(4, size, rank)
+    local = x[:, pos].clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = module(local)
+    got.sum().backward()
+    for handle in handles:
+        handle.remove()
+    errors = [(got - want[:, pos]).abs().max(), (local.grad - full.grad[:, pos]).abs().max()]
+    return max(e.item() for e in errors), module.seen[-1]
 
 
 def _ring_peak(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -336,7 +361,7 @@ def test_a_local_mixer_runs_on_its_own_positions_with_a_halo():
     probe's shifted run and runs on whole sequences, as before (by rows at batch 2, on rank 0 at batch 1); so does a
     recurrence decaying by 1e-3 a step, whose outputs do not change in float64 when an input 6 positions back does,
     but whose gradient there is not zero."""
-    for rank, (*_, local) in enumerate(_results()):
+    for rank, (*_, local, _) in enumerate(_results()):
         for (kind, batch, extras, width), (error, seen, said) in zip(LOCAL_CASES, local):
             assert error < 1e-12, (rank, kind, batch, extras, error)
             if width is not None:
@@ -345,3 +370,15 @@ def test_a_local_mixer_runs_on_its_own_positions_with_a_halo():
                 want = (1, 32) if batch == 2 else (1, 32) if rank == 0 else (1, 2)
             assert seen == want, (rank, kind, batch, seen, want)
             assert any("on one rank" in w for w in said) == (width is None and batch == 1), (rank, kind, said)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_sequence_shorter_than_the_halo_runs_whole():
+    """A module given a halo of 2 at its first call, later called with chunks of 1 position, runs that call on the
+    whole sequence instead (rank 0 owns it at batch 1, rank 1 runs 2 stand-in positions), exact against one process
+    (float64, 1e-12); a halo longer than a chunk would have sliced past the chunk's start."""
+    for rank, result in enumerate(_results()):
+        error, seen = result[-1]
+        assert error < 1e-12, (rank, error)
+        assert seen == ((1, 4) if rank == 0 else (1, 2)), (rank, seen)

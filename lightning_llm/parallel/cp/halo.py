@@ -170,7 +170,9 @@ def own_positions(length: int, width: int, cp: CPGroup, device: torch.device) ->
     """
     first = 0 if chunk_indices(cp.size, cp.rank)[0] == 0 else width
     chunk = (length - first - width) // 2
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(length - chunk, length)]).to(device)
+    return torch.cat(
+        [torch.arange(first, first + chunk, device=device), torch.arange(length - chunk, length, device=device)]
+    )
 
 
 class Halos:
@@ -189,11 +191,12 @@ class Halos:
         self.cp, self.width, self.lengths = cp, _UNDECIDED, []
 
     def local(self, module: nn.Module, inputs: tuple, hidden: torch.Tensor, local: int) -> bool:
-        """Whether ``module`` runs with halos (probed on all ranks at its first call; under sequence parallelism,
-        whose inputs are DTensors, never)."""
+        """Whether ``module`` runs with halos on this call: probed on all ranks at its first call (under sequence
+        parallelism, whose inputs are DTensors, never), and only while a chunk holds the halo (a later, shorter
+        sequence runs whole)."""
         if self.width is _UNDECIDED:
             self.width = None if isinstance(hidden, DTensor) else self._probe(module, inputs, hidden, local)
-        return self.width is not None
+        return self.width is not None and self.width <= local // 2
 
     def _probe(self, module: nn.Module, inputs: tuple, hidden: torch.Tensor, local: int) -> int | None:
         width = agreed_width(receptive_width(module, *inputs, local), local // 2, self.cp, hidden)
